@@ -1,0 +1,290 @@
+"""Distributed-checkpoint chunk metadata for Megatron-FSDP's packed parameter buffers.
+
+An ``FsdpParameterGroup`` packs several parameters into one flat ``DBuffer`` with
+least-common-multiple row padding, so a parameter's per-rank shard does not tile the way
+torch's canonical ``Shard(0)`` does: a rank may own several rows of one parameter and
+none of the next. ``DBuffer.get_dtensor`` presents each parameter as a plain ``Shard(0)``
+DTensor, which cannot express those offsets, so DCP's default planner would mis-place
+every packed shard and silently corrupt the checkpoint.
+
+Example (``GlobalLayout.build`` of P0=(2, 6), P1=(4, 4), P2=(4, 4), P3=(1, 2),
+P4=(1, 6) over 5 ranks; chunk size = lcm of the row sizes = 12 elements)::
+
+    rank 0 [ 0, 12): | P0 row 0      | P0 row 1      |          P1 chunk on rank 1:
+    rank 1 [12, 24): | P1 r0 | P1 r1 | P1 r2 |                  offsets (0, 0), sizes (3, 4)
+    rank 2 [24, 36): | P1 r3 | P3 | gap | P2 r0 |              canonical Shard(0) would say
+    rank 3 [36, 48): | P2 r1 | P2 r2 | P2 r3 |                  rank 1 holds rows [1, 2) of
+    rank 4 [48, 60): | P4            | pad           |          a 4-row tensor: wrong.
+
+DCP lets a local tensor override that placement through the ``__create_chunk_list__`` and
+``__create_write_items__`` hooks, which ``DTensor`` forwards to its local tensor. This
+module derives each shard's true position from the ``GlobalLayout`` that already backs the
+buffer -- it records every logical tensor's global element offset, and the buffer records
+this rank's owned element range -- and attaches those hooks. The derivation is pure
+rank-local arithmetic, so it needs no collective.
+
+Alternatives rejected:
+    * megatron-fsdp's ``preprocess_state_dict_for_uneven_dtensor``: all-gathers every
+      shard's shape, one ``all_gather_object`` per tensor (a collective per state-dict
+      entry, hundreds of milliseconds for large models, and a hang if ranks disagree).
+    * A custom DCP planner: would have to be passed to every ``dcp.save``/``dcp.load``
+      (ours, Lightning's, the user's) and would not survive ``async_save`` staging.
+
+This module depends on torch and megatron-fsdp only, never on Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from megatron_fsdp.experimental.dbuffer import DBuffer
+from megatron_fsdp.experimental.layout import non_leading_numel
+from megatron_fsdp.experimental.parameter_group import get_containing_parameter_group
+from torch import nn
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.state_dict import _get_fqns
+from torch.distributed.tensor import DTensor
+
+__all__ = ["attach_uneven_dtensor_metadata", "chunk_metadata_by_fqn"]
+
+_OPTIMIZER_STATE_KEY = "state"
+
+# Attribute set on a local tensor once hooks are attached, holding the chunk. It lets a
+# later re-attach (same state dict saved twice) verify instead of silently overwrite, and
+# lets tests and the async-save staging path read the chunk back.
+CHUNK_ATTR = "_lmf_chunk"
+
+
+def _dbuffer_chunk_metadata(buffer: DBuffer, index: int) -> ChunkStorageMetadata:
+    """Return the chunk of logical tensor ``index`` this rank holds in ``buffer``.
+
+    Flat placements shard the flat buffer, and every logical tensor is row-aligned within
+    it (``GlobalLayout`` aligns each tensor to its row size and every shard boundary to the
+    lcm of all row sizes), so a rank always owns whole dim-0 rows and the chunk is a dim-0
+    range of the global tensor. Ranks own ascending buffer ranges, so the rows of one
+    tensor are laid out rank after rank: the chunk's offset equals the number of rows all
+    lower ranks own, which is exactly what a gather of every shard's size would compute.
+
+    An empty shard (this rank owns none of the tensor) is reported as zero rows at the
+    offset where the tensor's rows owned by lower ranks end: 0 if the tensor starts after
+    this rank's range, all rows if it ends before.
+
+    Args:
+        buffer: Buffer holding the logical tensor.
+        index: Index of the logical tensor within ``buffer``.
+
+    Returns:
+        This rank's chunk offset and size, in global tensor coordinates.
+
+    Raises:
+        AssertionError: If the owned range does not preserve dim-0 row boundaries, which
+            would mean the layout invariants of megatron-fsdp changed.
+    """
+    layout = buffer.layout
+    shape = layout.tensor_shapes[index]
+    row_size = non_leading_numel(shape)
+    tensor_start = layout.tensor_to_offset[index]
+    tensor_end = tensor_start + shape.numel()
+    owned_start = min(max(buffer.offset, tensor_start), tensor_end)
+    owned_end = max(min(buffer.offset + buffer.local_buffer.numel(), tensor_end), owned_start)
+    first_element = owned_start - tensor_start
+    numel = owned_end - owned_start
+    if first_element % row_size or numel % row_size:
+        raise AssertionError(
+            f"Tensor {index} of shape {tuple(shape)}: this rank owns elements "
+            f"[{first_element}, {first_element + numel}), which is not a whole number of "
+            f"{row_size}-element rows. megatron-fsdp's GlobalLayout row-alignment invariant "
+            "no longer holds; this version of megatron-fsdp is not supported."
+        )
+    return _build_chunk_metadata(first_element // row_size, numel // row_size, shape)
+
+
+def _build_chunk_metadata(row_offset: int, rows: int, shape: torch.Size) -> ChunkStorageMetadata:
+    """Build chunk metadata for a dim-0 row range of a tensor of shape ``shape``.
+
+    Raises:
+        ValueError: If the row range does not fit in ``shape``.
+    """
+    if not shape:
+        raise ValueError(f"A dim-0 row range needs a tensor of at least 1 dim, got shape {shape}.")
+    if row_offset < 0 or rows < 0 or row_offset + rows > shape[0]:
+        raise ValueError(
+            f"Row range [{row_offset}, {row_offset + rows}) does not fit in dim 0 of shape "
+            f"{tuple(shape)}."
+        )
+    return ChunkStorageMetadata(
+        offsets=torch.Size((row_offset, *(0 for _ in shape[1:]))),
+        sizes=torch.Size((rows, *shape[1:])),
+    )
+
+
+def chunk_metadata_by_fqn(model: nn.Module) -> dict[str, ChunkStorageMetadata]:
+    """Return this rank's chunk of every Megatron-FSDP parameter in ``model``, keyed by FQN.
+
+    The keys are the parameter FQNs that torch's DCP state-dict helpers use for both the
+    model state dict and the per-parameter entries of the optimizer state dict (wrapper
+    prefixes such as ``_orig_mod.`` or ``_checkpoint_wrapped_module.`` removed).
+
+    Rank-local: reads the layout and the owned range of each parameter's main-weight
+    buffer; issues no collective.
+
+    Args:
+        model: A module tree that has been sharded with megatron-fsdp's ``fully_shard``
+            and is at rest (not inside forward or backward).
+
+    Returns:
+        Chunk metadata for each sharded parameter, and nothing for parameters FSDP does
+        not own. Tied parameters appear once per FQN, all sharing the one chunk of the
+        buffer entry that backs them.
+
+    Raises:
+        ValueError: If ``model`` holds no Megatron-FSDP parameter (never sharded), or an
+            FSDP parameter is currently unsharded (called during forward/backward).
+    """
+    chunks: dict[str, ChunkStorageMetadata] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        group = get_containing_parameter_group(parameter)
+        if group is None:
+            continue
+        index = next(
+            (i for i, sharded in enumerate(group.sharded_parameters) if sharded is parameter),
+            None,
+        )
+        if index is None:
+            raise ValueError(
+                f"Parameter {name!r} belongs to a Megatron-FSDP parameter group but is not one "
+                "of its sharded parameters: the model is unsharded (inside forward or "
+                "backward). Take state dicts only between training steps."
+            )
+        chunk = _dbuffer_chunk_metadata(group.main_weight, index)
+        for fqn in _get_fqns(model, name):
+            chunks[fqn] = chunk
+    if not chunks:
+        raise ValueError(
+            f"chunk_metadata_by_fqn: {type(model).__name__} holds no Megatron-FSDP parameter. "
+            "Expected a model sharded with megatron_fsdp.experimental.fully_shard (or "
+            "MegatronFSDPStrategy); shard it before taking checkpoint metadata."
+        )
+    return chunks
+
+
+def attach_uneven_dtensor_metadata(
+    model: nn.Module,
+    model_state_dict: dict[str, Any],
+    optimizer_state_dict: dict[str, Any],
+) -> None:
+    """Attach Megatron-FSDP chunk metadata to the sharded DTensors DCP will save or load.
+
+    Call it on the state dicts right before ``dcp.save`` or ``dcp.load``; both then
+    place every shard at its true global offset. Optimizer state is allocated as
+    ``zeros_like`` of a sharded parameter, so it shares that parameter's chunk.
+
+    Rank-local: no collective, so it cannot hang and costs microseconds per tensor.
+
+    Args:
+        model: The sharded module tree the state dicts were taken from.
+        model_state_dict: Model state dict from
+            ``torch.distributed.checkpoint.state_dict.get_model_state_dict``.
+        optimizer_state_dict: Optimizer state dict from
+            ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``
+            (FQN-keyed); may be empty.
+
+    Raises:
+        KeyError: If a state dict holds a DTensor under an FQN Megatron-FSDP does not own.
+        ValueError: If a DTensor's local shape disagrees with its chunk, or ``model``
+            was never sharded.
+    """
+    chunks = chunk_metadata_by_fqn(model)
+    _attach_by_fqn(model_state_dict, chunks)
+    optimizer_state = optimizer_state_dict.get(_OPTIMIZER_STATE_KEY, {})
+    if not isinstance(optimizer_state, Mapping):
+        raise TypeError(
+            f"optimizer_state_dict[{_OPTIMIZER_STATE_KEY!r}] must map parameter FQNs to "
+            f"state dicts, got {type(optimizer_state).__name__}."
+        )
+    _attach_by_fqn(optimizer_state, chunks)
+
+
+def _attach_by_fqn(
+    state_dict: Mapping[str, Any], metadata_by_fqn: Mapping[str, ChunkStorageMetadata]
+) -> None:
+    """Attach chunk metadata to the DTensors of a parameter-FQN-keyed state dict.
+
+    Each value is either a parameter's tensor, as in a model state dict, or a mapping of
+    that parameter's state tensors, as in the per-parameter entries of an optimizer state
+    dict. Plain tensors (buffers, optimizer step counters) are left to DCP's default.
+
+    Raises:
+        KeyError: If a DTensor sits under an FQN missing from ``metadata_by_fqn``.
+    """
+    for fqn, value in state_dict.items():
+        tensors = value.items() if isinstance(value, Mapping) else ((None, value),)
+        for state_name, tensor in tensors:
+            if not isinstance(tensor, DTensor):
+                continue
+            chunk = metadata_by_fqn.get(fqn)
+            where = fqn if state_name is None else f"{fqn} ({state_name})"
+            if chunk is None:
+                raise KeyError(
+                    f"DTensor {where!r} is not a Megatron-FSDP parameter of this model: no "
+                    "chunk metadata for that FQN. Expected every DTensor in the state dict "
+                    "to be a parameter (or its optimizer state) sharded by fully_shard; "
+                    "remove it, or shard its module with Megatron-FSDP."
+                )
+            _attach_dcp_hooks(tensor, chunk, where=where)
+
+
+def _attach_dcp_hooks(dtensor: DTensor, chunk: ChunkStorageMetadata, *, where: str = "") -> None:
+    """Override a DTensor's DCP placement with ``chunk``.
+
+    DTensor forwards ``__create_chunk_list__`` (used to plan reads) and
+    ``__create_write_items__`` (used to plan writes) to its local tensor when the local
+    tensor defines them. An empty shard plans no write; its chunk still reports the
+    offset a gather of all shard sizes would give, so any reader sees one consistent
+    picture.
+
+    Raises:
+        ValueError: If the local shard's shape is not ``chunk.sizes``.
+    """
+    local = dtensor._local_tensor
+    if (
+        tuple(local.shape) != tuple(chunk.sizes)
+        or tuple(dtensor.shape)[1:] != tuple(chunk.sizes)[1:]
+    ):
+        raise ValueError(
+            f"DTensor {where!r}: local shard shape {tuple(local.shape)} disagrees with its "
+            f"Megatron-FSDP chunk sizes {tuple(chunk.sizes)} (offsets "
+            f"{tuple(chunk.offsets)}, global shape {tuple(dtensor.shape)}). The state dict "
+            "was not taken from this model's current sharding; take it again from the "
+            "sharded model."
+        )
+    global_size = dtensor.size()
+
+    def create_chunk_list() -> list[ChunkStorageMetadata]:
+        return [chunk]
+
+    def create_write_items(fqn: str, obj: Any) -> list[WriteItem]:
+        if local.numel() == 0:
+            return []
+        return [
+            WriteItem(
+                type=WriteItemType.SHARD,
+                index=MetadataIndex(fqn, chunk.offsets),
+                tensor_data=TensorWriteData(
+                    chunk=chunk,
+                    properties=TensorProperties.create_from_tensor(local),
+                    size=global_size,
+                ),
+            )
+        ]
+
+    local.__create_chunk_list__ = create_chunk_list
+    local.__create_write_items__ = create_write_items
+    setattr(local, CHUNK_ATTR, chunk)

@@ -1,0 +1,182 @@
+"""Run a function on N real processes joined in a gloo process group on loopback.
+
+Each rank is a separate OS process forked from a forkserver that has pre-imported torch,
+Lightning and megatron-fsdp, so a 4-rank test starts in well under a second, and no rank
+inherits the pytest process's OpenMP or process-group state (plain ``fork`` would).
+
+Failure modes, each turned into one ``AssertionError`` in the pytest process:
+    * a rank raises: the message carries that rank's full traceback (every failing
+      rank's, lowest rank first), and the other ranks are killed;
+    * a rank hangs (for example in a collective its peer never joins): after
+      ``timeout`` seconds every rank is killed and the message names the ranks that
+      never reported;
+    * a rank dies (segfault, ``os._exit``, SIGKILL): named with its exit code.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["free_port", "run_distributed"]
+
+_PRELOAD = [
+    "torch",
+    "torch.distributed.checkpoint",
+    "megatron_fsdp.experimental",
+    "lightning.pytorch",
+    "lightning_megatron_fsdp",
+]
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(_PRELOAD)
+
+# Collectives of a rank whose peer failed give up after this long, well inside `timeout`.
+PROCESS_GROUP_TIMEOUT = timedelta(seconds=45)
+
+
+def free_port() -> int:
+    """Return a TCP port on loopback that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment torchrun gives a rank, so Lightning sees an external launcher."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "NODE_RANK": "0",
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    init_process_group: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    results: Any,
+) -> None:
+    os.environ.update(_rank_env(rank, world_size, port))
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        if init_process_group:
+            dist.init_process_group(
+                "gloo", rank=rank, world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT
+            )
+        value = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, True, value))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    init_process_group: bool = True,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes.
+
+    Args:
+        fn: A module-level (picklable) function; its return value must be picklable.
+        world_size: Number of ranks.
+        *args: Extra positional arguments for ``fn``.
+        timeout: Seconds for the whole run before every rank is killed.
+        init_process_group: Join a gloo group first (leave it to Lightning when False;
+            the torchrun-style environment variables are set either way).
+        **kwargs: Extra keyword arguments for ``fn``.
+
+    Returns:
+        Each rank's return value, indexed by rank.
+
+    Raises:
+        AssertionError: If any rank raised, died or did not finish in time.
+    """
+    port = free_port()
+    results = _CONTEXT.Queue()
+    processes = [
+        _CONTEXT.Process(
+            target=_worker,
+            args=(fn, rank, world_size, port, init_process_group, args, kwargs, results),
+            name=f"rank{rank}",
+            daemon=False,
+        )
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    values: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(values) + len(failures) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [
+                    r
+                    for r, p in enumerate(processes)
+                    if not p.is_alive() and r not in values and r not in failures
+                ]
+                for r in dead:
+                    # Give a rank that just reported a moment to land in the queue.
+                    try:
+                        rank, ok, value = results.get(timeout=2.0)
+                    except queue.Empty:
+                        failures[r] = f"process died with exit code {processes[r].exitcode}"
+                        continue
+                    (values if ok else failures)[rank] = value
+                continue
+            if ok:
+                values[rank] = value
+            else:
+                failures[rank] = value
+                # One failing rank: give peers a short grace to report their own error.
+                deadline = min(deadline, time.monotonic() + 15.0)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        for process in processes:
+            process.join(timeout=10)
+    missing = [r for r in range(world_size) if r not in values and r not in failures]
+    if failures or missing:
+        parts = [f"--- rank {r} failed ---\n{failures[r]}" for r in sorted(failures)]
+        if missing:
+            parts.append(f"--- ranks {missing} did not finish within {timeout:.0f}s (killed) ---")
+        raise AssertionError(
+            f"run_distributed({getattr(fn, '__name__', fn)}, world_size={world_size}):\n"
+            + "\n".join(parts)
+        )
+    return [values[r] for r in range(world_size)]
