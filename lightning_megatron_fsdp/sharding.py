@@ -74,8 +74,14 @@ def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
 
 
 def _unit_parameters(root: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]:
-    """Yield the parameters ``fully_shard(root)`` would own: not inside a child FSDP unit."""
-    for name, parameter in root.named_parameters(recurse=False):
+    """Yield the parameters ``fully_shard(root)`` would own: not inside a child FSDP unit.
+
+    Every name is yielded, duplicates included: a Parameter registered twice on one module
+    (``self.b = self.a``) is a tie too, and ``named_parameters``'s default de-duplication
+    would hide the second name, leaving it pointing at the unsharded Parameter whose storage
+    megatron-fsdp releases after each forward.
+    """
+    for name, parameter in root.named_parameters(recurse=False, remove_duplicate=False):
         yield f"{prefix}{name}", parameter
     for child_name, child in root.named_children():
         if not isinstance(child, FsdpModule):

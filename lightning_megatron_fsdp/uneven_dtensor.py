@@ -35,7 +35,8 @@ This module depends on torch and megatron-fsdp only, never on Lightning.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -148,15 +149,20 @@ def chunk_metadata_by_fqn(model: nn.Module) -> dict[str, ChunkStorageMetadata]:
         ValueError: If ``model`` holds no Megatron-FSDP parameter (never sharded), or an
             FSDP parameter is currently unsharded (called during forward/backward).
     """
+    fqns_of = _FqnResolver(model)
     chunks: dict[str, ChunkStorageMetadata] = {}
+    # Per group, sharded parameter identity -> buffer index; built once per group so the
+    # whole walk stays linear in the number of parameters.
+    indices: dict[int, dict[int, int]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         group = get_containing_parameter_group(parameter)
         if group is None:
             continue
-        index = next(
-            (i for i, sharded in enumerate(group.sharded_parameters) if sharded is parameter),
-            None,
-        )
+        group_indices = indices.get(id(group))
+        if group_indices is None:
+            group_indices = {id(p): i for i, p in enumerate(group.sharded_parameters)}
+            indices[id(group)] = group_indices
+        index = group_indices.get(id(parameter))
         if index is None:
             raise ValueError(
                 f"Parameter {name!r} belongs to a Megatron-FSDP parameter group but is not one "
@@ -164,7 +170,7 @@ def chunk_metadata_by_fqn(model: nn.Module) -> dict[str, ChunkStorageMetadata]:
                 "backward). Take state dicts only between training steps."
             )
         chunk = _dbuffer_chunk_metadata(group.main_weight, index)
-        for fqn in _get_fqns(model, name):
+        for fqn in fqns_of(name):
             chunks[fqn] = chunk
     if not chunks:
         raise ValueError(
@@ -173,6 +179,33 @@ def chunk_metadata_by_fqn(model: nn.Module) -> dict[str, ChunkStorageMetadata]:
             "MegatronFSDPStrategy); shard it before taking checkpoint metadata."
         )
     return chunks
+
+
+class _FqnResolver:
+    """Map ``named_parameters`` names to DCP state-dict FQNs, resolving each module once.
+
+    torch's ``_get_fqns`` walks the module path to drop wrapper prefixes (``_orig_mod.``,
+    ``_checkpoint_wrapped_module.``, ...); the prefix mapping is the same for every
+    parameter of one module, so it is computed per module path, not per parameter.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._prefixes: dict[str, set[str]] = {}
+
+    def __call__(self, name: str) -> set[str]:
+        module_path, _, leaf = name.rpartition(".")
+        prefixes = self._prefixes.get(module_path)
+        if prefixes is None:
+            prefixes = {
+                fqn[: -len(leaf)]
+                for fqn in _get_fqns(self._model, name)
+                if fqn == leaf or fqn.endswith(f".{leaf}")
+            }
+            if not prefixes:  # A wrapper renamed the leaf itself: no shortcut.
+                return _get_fqns(self._model, name)
+            self._prefixes[module_path] = prefixes
+        return {prefix + leaf for prefix in prefixes}
 
 
 def attach_uneven_dtensor_metadata(
@@ -196,30 +229,83 @@ def attach_uneven_dtensor_metadata(
             ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``
             (FQN-keyed); may be empty.
 
+    Errors are rank-local too: each rank raises from its own inputs. Structural errors
+    (an unknown FQN, a flattened optimizer state dict, an unsharded model) raise on every
+    rank alike, since every rank holds the same keys; a shape error can hit one rank
+    alone, so a caller about to enter a collective (``dcp.save``/``dcp.load``) must agree
+    on failure first, for example by all-reducing an error flag.
+
     Raises:
-        KeyError: If a state dict holds a DTensor under an FQN Megatron-FSDP does not own.
-        ValueError: If a DTensor's local shape disagrees with its chunk, or ``model``
-            was never sharded.
+        KeyError: If a state dict holds a DTensor under an FQN Megatron-FSDP does not own,
+            or anywhere this function does not look (outside ``model_state_dict[fqn]``
+            and ``optimizer_state_dict["state"][fqn][name]``, as in an optimizer state
+            dict taken with ``flatten_optimizer_state_dict=True``): left alone, DCP would
+            save it at canonical ``Shard(0)`` offsets, which are wrong for packed shards.
+        ValueError: If a DTensor's local shape disagrees with its chunk, a chunk does not
+            fit the DTensor's global shape, the DTensor already carries a different
+            chunk, or ``model`` was never sharded.
+        TypeError: If ``optimizer_state_dict["state"]`` is not a mapping.
     """
     chunks = chunk_metadata_by_fqn(model)
-    _attach_by_fqn(model_state_dict, chunks)
     optimizer_state = optimizer_state_dict.get(_OPTIMIZER_STATE_KEY, {})
     if not isinstance(optimizer_state, Mapping):
         raise TypeError(
             f"optimizer_state_dict[{_OPTIMIZER_STATE_KEY!r}] must map parameter FQNs to "
             f"state dicts, got {type(optimizer_state).__name__}."
         )
-    _attach_by_fqn(optimizer_state, chunks)
+    attached: set[int] = set()
+    _attach_by_fqn(model_state_dict, chunks, attached, where="model_state_dict")
+    _attach_by_fqn(
+        optimizer_state, chunks, attached, where=f"optimizer_state_dict[{_OPTIMIZER_STATE_KEY!r}]"
+    )
+    for root, state_dict in (
+        ("model_state_dict", model_state_dict),
+        ("optimizer_state_dict", optimizer_state_dict),
+    ):
+        for path, dtensor in _iter_dtensors(state_dict, root):
+            if id(dtensor) not in attached:
+                raise KeyError(
+                    f"DTensor at {path} is outside the FQN-keyed entries "
+                    "attach_uneven_dtensor_metadata handles (model_state_dict[fqn], "
+                    f"optimizer_state_dict[{_OPTIMIZER_STATE_KEY!r}][fqn][name]), so DCP would "
+                    "place it at canonical Shard(0) offsets, which are wrong for packed "
+                    "Megatron-FSDP shards. Pass state dicts from get_model_state_dict and "
+                    "get_optimizer_state_dict with default options (not "
+                    "flatten_optimizer_state_dict=True), or move the DTensor out."
+                )
+
+
+def _iter_dtensors(value: Any, path: str) -> Iterator[tuple[str, DTensor]]:
+    """Yield every DTensor nested in mappings, lists and tuples of ``value``, with its path."""
+    if isinstance(value, DTensor):
+        yield path, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _iter_dtensors(item, f"{path}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _iter_dtensors(item, f"{path}[{index}]")
 
 
 def _attach_by_fqn(
-    state_dict: Mapping[str, Any], metadata_by_fqn: Mapping[str, ChunkStorageMetadata]
+    state_dict: Mapping[str, Any],
+    metadata_by_fqn: Mapping[str, ChunkStorageMetadata],
+    attached: set[int],
+    *,
+    where: str,
 ) -> None:
     """Attach chunk metadata to the DTensors of a parameter-FQN-keyed state dict.
 
     Each value is either a parameter's tensor, as in a model state dict, or a mapping of
     that parameter's state tensors, as in the per-parameter entries of an optimizer state
     dict. Plain tensors (buffers, optimizer step counters) are left to DCP's default.
+
+    Args:
+        state_dict: The FQN-keyed mapping.
+        metadata_by_fqn: Chunks from :func:`chunk_metadata_by_fqn`.
+        attached: Receives ``id()`` of every DTensor handled, so the caller can find the
+            ones it did not reach.
+        where: Name of ``state_dict`` for error messages.
 
     Raises:
         KeyError: If a DTensor sits under an FQN missing from ``metadata_by_fqn``.
@@ -230,15 +316,16 @@ def _attach_by_fqn(
             if not isinstance(tensor, DTensor):
                 continue
             chunk = metadata_by_fqn.get(fqn)
-            where = fqn if state_name is None else f"{fqn} ({state_name})"
+            key = f"{where}[{fqn!r}]" if state_name is None else f"{where}[{fqn!r}][{state_name!r}]"
             if chunk is None:
                 raise KeyError(
-                    f"DTensor {where!r} is not a Megatron-FSDP parameter of this model: no "
-                    "chunk metadata for that FQN. Expected every DTensor in the state dict "
-                    "to be a parameter (or its optimizer state) sharded by fully_shard; "
-                    "remove it, or shard its module with Megatron-FSDP."
+                    f"DTensor {key} (FQN {fqn!r}) is not a Megatron-FSDP parameter of this "
+                    "model: no chunk metadata for that FQN. Expected every DTensor in the "
+                    "state dict to be a parameter (or its optimizer state) sharded by "
+                    "fully_shard; remove it, or shard its module with Megatron-FSDP."
                 )
-            _attach_dcp_hooks(tensor, chunk, where=where)
+            _attach_dcp_hooks(tensor, chunk, where=key)
+            attached.add(id(tensor))
 
 
 def _attach_dcp_hooks(dtensor: DTensor, chunk: ChunkStorageMetadata, *, where: str = "") -> None:
@@ -251,40 +338,73 @@ def _attach_dcp_hooks(dtensor: DTensor, chunk: ChunkStorageMetadata, *, where: s
     picture.
 
     Raises:
-        ValueError: If the local shard's shape is not ``chunk.sizes``.
+        ValueError: If the local shard's shape is not ``chunk.sizes``, the chunk does not
+            fit the DTensor's global shape, or the local tensor already carries a
+            different chunk (a state dict attached for another model's layout).
     """
     local = dtensor._local_tensor
+    global_size = dtensor.size()
     if (
         tuple(local.shape) != tuple(chunk.sizes)
-        or tuple(dtensor.shape)[1:] != tuple(chunk.sizes)[1:]
+        or tuple(global_size)[1:] != tuple(chunk.sizes)[1:]
+        or chunk.offsets[0] + chunk.sizes[0] > global_size[0]
     ):
         raise ValueError(
-            f"DTensor {where!r}: local shard shape {tuple(local.shape)} disagrees with its "
+            f"DTensor {where}: local shard shape {tuple(local.shape)} disagrees with its "
             f"Megatron-FSDP chunk sizes {tuple(chunk.sizes)} (offsets "
-            f"{tuple(chunk.offsets)}, global shape {tuple(dtensor.shape)}). The state dict "
+            f"{tuple(chunk.offsets)}, global shape {tuple(global_size)}). The state dict "
             "was not taken from this model's current sharding; take it again from the "
             "sharded model."
         )
-    global_size = dtensor.size()
+    previous = getattr(local, CHUNK_ATTR, None)
+    if previous is not None and previous != chunk:
+        raise ValueError(
+            f"DTensor {where}: its local tensor already carries chunk (offsets "
+            f"{tuple(previous.offsets)}, sizes {tuple(previous.sizes)}), attached for a "
+            f"different layout than this model's (offsets {tuple(chunk.offsets)}, sizes "
+            f"{tuple(chunk.sizes)}). Take the state dict again from this model."
+        )
 
-    def create_chunk_list() -> list[ChunkStorageMetadata]:
-        return [chunk]
+    local.__create_chunk_list__ = _ChunkList(chunk)
+    local.__create_write_items__ = _WriteItems(chunk, global_size)
+    setattr(local, CHUNK_ATTR, chunk)
 
-    def create_write_items(fqn: str, obj: Any) -> list[WriteItem]:
+
+# The hooks are instances of module-level classes, not closures: they live on the local
+# tensors of the optimizer's own state (``optimizer.state_dict()`` returns those objects),
+# and torch pickles a tensor's attributes with it, so closures would make every later
+# ``torch.save(optimizer.state_dict())`` fail with "Can't pickle local object".
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChunkList:
+    """``__create_chunk_list__`` of one local shard: the one chunk it holds."""
+
+    chunk: ChunkStorageMetadata
+
+    def __call__(self) -> list[ChunkStorageMetadata]:
+        return [self.chunk]
+
+
+@dataclasses.dataclass(frozen=True)
+class _WriteItems:
+    """``__create_write_items__`` of one local shard: write it at its chunk, if non-empty."""
+
+    chunk: ChunkStorageMetadata
+    global_size: torch.Size
+
+    def __call__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        local = obj._local_tensor if isinstance(obj, DTensor) else obj
         if local.numel() == 0:
             return []
         return [
             WriteItem(
                 type=WriteItemType.SHARD,
-                index=MetadataIndex(fqn, chunk.offsets),
+                index=MetadataIndex(fqn, self.chunk.offsets),
                 tensor_data=TensorWriteData(
-                    chunk=chunk,
+                    chunk=self.chunk,
                     properties=TensorProperties.create_from_tensor(local),
-                    size=global_size,
+                    size=self.global_size,
                 ),
             )
         ]
-
-    local.__create_chunk_list__ = create_chunk_list
-    local.__create_write_items__ = create_write_items
-    setattr(local, CHUNK_ATTR, chunk)
