@@ -1,0 +1,951 @@
+"""``MegatronFSDPCheckpointIO``: sharded, atomic, verified checkpoints for Megatron-FSDP.
+
+Problem: Lightning's default checkpoint plugin ``torch.save``\\ s one dict from rank 0,
+which would need every sharded parameter gathered onto one rank; and a checkpoint written
+by many ranks can be half written, overwritten halfway, or loaded into a model it does not
+fit, and DCP only notices the last of these while it is already reading tensor data.
+
+How (the format is in :mod:`lightning_megatron_fsdp.manifest` and docs/DESIGN.md):
+
+* Save. Every rank writes only its own shards with DCP (the chunk hooks of
+  ``uneven_dtensor`` put each packed shard at its true offset); rank 0 writes the
+  non-tensor rest of Lightning's dict to ``meta.pt``. All of it goes into a hidden sibling
+  ``.<name>.tmp-<token>``. Once DCP returns, every rank's data and ``.metadata`` are on disk
+  (DCP's final step gathers every rank's write result before rank 0 writes ``.metadata``);
+  each rank then hashes the files it wrote, rank 0 gathers the digests, writes
+  ``manifest.json`` last and commits::
+
+      1. rename <name>              -> .<name>.old-<token>   (only if <name> exists)
+      2. rename .<name>.tmp-<token> -> <name>
+      3. delete .<name>.old-<token> and stale hidden siblings of <name>
+
+  A crash before 1 leaves the old checkpoint in place (and a hidden temp directory that
+  the next save of that name deletes). A crash between 1 and 2 leaves no ``<name>``:
+  :func:`~lightning_megatron_fsdp.manifest.recover_checkpoint`, which ``load_checkpoint``
+  and ``resolve_latest_checkpoint`` call, renames the aside copy back. A crash after 2
+  leaves the new checkpoint in place and a stale aside copy for the next save to delete.
+  Rank 0 broadcasts the outcome, so every rank returns or raises together.
+* Load. Before any tensor is read, every rank checks the manifest, file sizes, a share
+  of the sha256 digests, and the layout fingerprint against the targets; the problems of
+  all ranks are all-gathered so every rank raises the same error. Then ``dcp.load`` fills
+  the targets in place, resharding by global offset when the world size changed.
+* Async save. Each rank copies its shards to CPU memory itself (DCP's ``DefaultStager``
+  fails on packed shards, see :func:`_stage`), keeping the chunk hooks on the copies;
+  ``dcp.async_save`` writes them on a background thread over a dedicated gloo group, and a
+  second background thread commits as above.
+
+Alternatives rejected:
+    * A marker file instead of renames: a reader must know to look for it, and Lightning's
+      ``last*`` lookup and ``os.path.exists`` checks do not.
+    * Hashing while writing, in a custom ``StorageWriter``: ties us to DCP's writer
+      internals; re-reading freshly written (page-cached) files costs about 1 s per GB per
+      rank, all ranks in parallel.
+    * Committing from DCP's ``finish`` on rank 0: it runs before the other ranks have
+      hashed their files, and a failure there is not reported to the other ranks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import copy
+import dataclasses
+import importlib.metadata
+import logging
+import os
+import re
+import uuid
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from lightning_megatron_fsdp.manifest import (
+    ASIDE,
+    DCP_METADATA_FILE,
+    DELETING,
+    MANIFEST_FILE,
+    META_FILE,
+    STAGING,
+    CheckpointCorruptedError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    FileRecord,
+    Manifest,
+    NotACheckpointError,
+    check_files,
+    compare_fingerprints,
+    finite_int_or_none,
+    hidden_path,
+    is_complete_checkpoint,
+    mesh_info,
+    model_fingerprint,
+    optimizer_fingerprint,
+    parse_hidden_name,
+    read_manifest,
+    recover_checkpoint,
+    remove_tree,
+    resolve_latest_checkpoint,
+    sha256_file,
+)
+from lightning_megatron_fsdp.uneven_dtensor import CHUNK_ATTR
+
+__all__ = [
+    "CheckpointCorruptedError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointSaveError",
+    "MegatronFSDPCheckpointIO",
+    "NotACheckpointError",
+    "StorageWriterFactory",
+    "is_complete_checkpoint",
+    "read_manifest",
+    "resolve_latest_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+
+StorageWriterFactory = Callable[[Path], StorageWriter]
+"""Builds the DCP writer for a save, given the hidden directory it must write into."""
+
+# DCP's FileSystemWriter names rank r's files __<r>_<n>.distcp.
+_DISTCP_RE = r"__{rank}_\d+\.distcp"
+# Attributes uneven_dtensor attaches to a local shard; the staging copy keeps them.
+_HOOK_ATTRS = ("__create_chunk_list__", "__create_write_items__", CHUNK_ATTR)
+_MAX_DETAIL = 600
+
+
+@dataclasses.dataclass(frozen=True)
+class _Comm:
+    """Object collectives over a process group, or their one-process identity without one."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup | None) -> _Comm:
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(None, 0, 1)
+        group = group if group is not None else dist.group.WORLD
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if self.group is None:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def broadcast_from_first(self, obj: Any) -> Any:
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        return box[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _SaveJob:
+    """Everything the commit of one save needs, computed on the calling thread."""
+
+    final: Path
+    staging: Path
+    token: str
+    write_checksums: bool
+    manifest_fields: dict[str, Any]
+
+
+class _PassThroughStager(AsyncStager):
+    """Hands ``dcp.async_save`` a state dict that :func:`_stage` already copied."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: staging finished before ``async_save`` was called."""
+
+    def close(self) -> None:
+        """Holds no resources."""
+
+
+def _copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    staged = tensor.detach().to("cpu", copy=True)
+    if staged.is_floating_point() or staged.is_complex():
+        staged.requires_grad_(tensor.requires_grad)  # DCP records it in TensorProperties
+    return staged
+
+
+def _stage(obj: Any, memo: dict[int, Any] | None = None) -> Any:
+    """Copy a nested state dict so training can go on while a background thread writes it.
+
+    Tensors are copied to CPU memory. A DTensor is rebuilt around a copy of its local
+    shard with the same spec, and the chunk hooks of ``uneven_dtensor`` are carried over
+    unchanged, so DCP plans exactly the writes a synchronous save plans (the tests compare
+    the files byte for byte). Tensors seen twice (tied weights) are copied once.
+
+    Alternative rejected: torch's ``DefaultStager``. It copies whole storages and re-views
+    them, which raises "invalid python storage" for shards that are views at an offset into
+    a packed Megatron-FSDP buffer (torch 2.13), and it keeps the hooks only as a side
+    effect of copying ``__dict__``.
+    """
+    memo = {} if memo is None else memo
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, DTensor):
+        local = obj._local_tensor
+        staged_local = _copy_tensor(local)
+        for attr in _HOOK_ATTRS:
+            if attr in vars(local):
+                setattr(staged_local, attr, vars(local)[attr])
+        # DTensor.from_local would move the copy back to the mesh's device.
+        staged: Any = DTensor(staged_local, obj._spec, requires_grad=False)
+    elif isinstance(obj, torch.Tensor):
+        staged = _copy_tensor(obj)
+    elif isinstance(obj, Mapping):
+        staged = {key: _stage(value, memo) for key, value in obj.items()}
+    elif isinstance(obj, list):
+        staged = [_stage(value, memo) for value in obj]
+    elif isinstance(obj, tuple):
+        staged = tuple(_stage(value, memo) for value in obj)
+    else:
+        staged = copy.deepcopy(obj)
+    memo[id(obj)] = staged
+    return staged
+
+
+def _split_checkpoint(checkpoint: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split Lightning's checkpoint dict into DCP's tensor part and ``meta.pt``'s rest.
+
+    Raises:
+        TypeError: If the dict does not have the shape the strategy promises.
+    """
+    if not isinstance(checkpoint, Mapping):
+        raise TypeError(f"checkpoint must be a dict, got {type(checkpoint).__name__}.")
+    model = checkpoint.get("state_dict")
+    if not isinstance(model, Mapping):
+        raise TypeError(
+            "checkpoint['state_dict'] must be an FQN-keyed model state dict (from "
+            f"get_model_state_dict), got {type(model).__name__}."
+        )
+    tensors: dict[str, Any] = {"state_dict": model}
+    if "optimizer_states" in checkpoint:
+        optimizers = checkpoint["optimizer_states"]
+        if not isinstance(optimizers, (list, tuple)) or not all(
+            isinstance(o, Mapping) for o in optimizers
+        ):
+            raise TypeError(
+                "checkpoint['optimizer_states'] must be a list of FQN-keyed optimizer state "
+                f"dicts (from get_optimizer_state_dict), got {optimizers!r:.200}."
+            )
+        tensors["optimizer_states"] = list(optimizers)
+    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    return tensors, meta
+
+
+def _versions() -> dict[str, str]:
+    versions = {"torch": torch.__version__}
+    for key, distribution in (
+        ("lightning", "lightning"),
+        ("megatron_fsdp", "megatron-fsdp"),
+        ("lightning_megatron_fsdp", "lightning-megatron-fsdp"),
+    ):
+        try:
+            versions[key] = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            versions[key] = "unknown"
+    return versions
+
+
+def _timeout_of(group: dist.ProcessGroup) -> timedelta:
+    """The collective timeout of ``group``'s backend, or torch's default."""
+    for device in getattr(group, "_device_types", []):
+        try:
+            timeout = group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return dist.default_pg_timeout
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or directory's entry to disk (directories: not on Windows)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _describe(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}"
+    return text if len(text) <= _MAX_DETAIL else text[:_MAX_DETAIL] + " ..."
+
+
+def _dcp_failure(action: str, path: Path, err: CheckpointException) -> str:
+    """Name the checkpoint, the failing ranks and their errors from DCP's exception."""
+    ranks = sorted(err.failures)
+    details = "\n".join(
+        f"  rank {rank}: {_describe(exc)}" for rank, (exc, _) in sorted(err.failures.items())
+    )
+    return f"{action} checkpoint {path} failed on rank(s) {ranks}:\n{details}"
+
+
+def _check_replaceable(final: Path) -> None:
+    """Refuse to overwrite anything but one of our checkpoints, a plain file or a link.
+
+    A plain file is a single-file checkpoint (say from another strategy), which Lightning
+    would overwrite too; a link (Lightning's ``save_last="link"``) is replaced, never its
+    target.
+
+    Raises:
+        CheckpointSaveError: If ``final`` is a directory without a readable manifest.
+    """
+    if final.is_symlink() or not final.exists() or final.is_file():
+        return
+    with contextlib.suppress(NotACheckpointError):
+        read_manifest(final)
+        return
+    raise CheckpointSaveError(
+        f"Refusing to overwrite {final}: it exists and is not a checkpoint written by "
+        "MegatronFSDPCheckpointIO (no readable manifest.json). Move it away or save "
+        "under another name."
+    )
+
+
+# Problem kinds of a load, most fundamental first; the first kind present picks the error.
+_LOAD_ERRORS: tuple[type[Exception], ...] = (
+    TypeError,
+    NotACheckpointError,
+    CheckpointCorruptedError,
+    CheckpointMismatchError,
+)
+
+
+class MegatronFSDPCheckpointIO(CheckpointIO):
+    """Lightning checkpoint plugin that saves and loads Megatron-FSDP state with DCP.
+
+    ``save_checkpoint`` and ``load_checkpoint`` are collective: every rank of the process
+    group calls them with the same path, from the thread that runs training (do not wrap
+    this plugin in Lightning's ``AsyncCheckpointIO``, whose thread would interleave our
+    collectives with training's; use ``async_save=True``). ``remove_checkpoint`` is not
+    collective: Lightning calls it on rank 0 only, and only global rank 0 touches the
+    filesystem. The caller attaches the ``uneven_dtensor`` chunk hooks to every
+    Megatron-FSDP DTensor it passes (``MegatronFSDPStrategy`` does).
+
+    Args:
+        async_save: Write in the background with ``dcp.async_save``; ``save_checkpoint``
+            returns once the shards are copied to CPU memory. At most one save is in
+            flight; its error surfaces at the next ``save_checkpoint``, ``load_checkpoint``,
+            :meth:`wait`, :meth:`poll` or :meth:`teardown`.
+        verify_checksums: On load, check every file's sha256 (split across ranks) before
+            reading tensor data.
+        write_checksums: On save, record each file's sha256 (each rank hashes its own
+            files in parallel; sha256 runs at ~0.9 GB/s per core). Measured on 2 CPU cores,
+            2 ranks, 257 MB: 0.53 s plain ``dcp.save``, 0.55 s without and 0.88 s with
+            checksums; loading 0.09 s without and 0.31 s with verification. Sizes are
+            always recorded.
+        process_group: Group of the ranks that save and load together; the default group
+            when ``None``. Its timeout bounds every collective of a save or load.
+        storage_writer_factory: Builds the DCP writer for a save from the hidden directory
+            it must write into; a ``FileSystemWriter`` when ``None``. It must write DCP's
+            file names (``__<rank>_<n>.distcp``, ``.metadata``) into that directory.
+        thread_count: Writer threads per rank for the default ``FileSystemWriter``.
+
+    Raises:
+        TypeError: If an option has the wrong type.
+        ValueError: If ``thread_count`` is below 1.
+    """
+
+    def __init__(
+        self,
+        *,
+        async_save: bool = False,
+        verify_checksums: bool = True,
+        write_checksums: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        storage_writer_factory: StorageWriterFactory | None = None,
+        thread_count: int = 1,
+    ) -> None:
+        for name, value in (
+            ("async_save", async_save),
+            ("verify_checksums", verify_checksums),
+            ("write_checksums", write_checksums),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"MegatronFSDPCheckpointIO: {name} must be a bool, got {value!r}.")
+        if storage_writer_factory is not None and not callable(storage_writer_factory):
+            raise TypeError(
+                "MegatronFSDPCheckpointIO: storage_writer_factory must be a callable "
+                f"Path -> StorageWriter, got {storage_writer_factory!r}."
+            )
+        if not isinstance(thread_count, int) or isinstance(thread_count, bool):
+            raise TypeError(
+                f"MegatronFSDPCheckpointIO: thread_count must be an int, got {thread_count!r}."
+            )
+        if thread_count < 1:
+            raise ValueError(
+                f"MegatronFSDPCheckpointIO: thread_count must be >= 1, got {thread_count}."
+            )
+        self.async_save = async_save
+        self.verify_checksums = verify_checksums
+        self.write_checksums = write_checksums
+        self.process_group = process_group
+        self.storage_writer_factory = storage_writer_factory
+        self.thread_count = thread_count
+        self._in_flight: concurrent.futures.Future[None] | None = None
+        self._in_flight_path: Path | None = None
+        self._committer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._background_group: dist.ProcessGroup | None = None
+
+    # ----------------------------------------------------------------------------- save
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any = None
+    ) -> None:
+        """Save ``checkpoint`` as a directory at ``path``, atomically. Collective.
+
+        Args:
+            checkpoint: Lightning's checkpoint dict: ``"state_dict"`` (FQN -> DTensor or
+                tensor, chunk hooks attached), optional ``"optimizer_states"`` (a list of
+                FQN-keyed optimizer state dicts) and any picklable rest.
+            path: Final path of the checkpoint directory; the same on every rank.
+            storage_options: ``None``, or ``{"storage_writer_factory": factory}`` to
+                override the plugin's writer for this save.
+
+        Raises:
+            CheckpointSaveError: On every rank, naming the failing rank(s), if any rank
+                fails; the previous checkpoint at ``path`` (if any) is left as it was.
+                With ``async_save``, also the error of the previous background save.
+        """
+        self.wait()
+        comm = _Comm.of(self.process_group)
+        final = Path(os.path.abspath(os.fspath(path)))
+        # Agree on the hidden directory first; then every check and setup that can fail on
+        # one rank runs before the error gather, so all ranks raise or go on together.
+        token = comm.broadcast_from_first(uuid.uuid4().hex)
+        job = None
+        error: str | None = None
+        try:
+            tensors, meta = _split_checkpoint(checkpoint)
+            job = _SaveJob(
+                final,
+                hidden_path(final, STAGING, token),
+                token,
+                self.write_checksums,
+                self._manifest_fields(checkpoint, tensors, comm),
+            )
+            if comm.rank == 0:
+                _check_replaceable(final)
+                job.staging.mkdir(parents=True)
+                with open(job.staging / META_FILE, "wb") as file:
+                    torch.save(meta, file)
+                    file.flush()
+                    os.fsync(file.fileno())
+            writer = (self._writer_factory(storage_options) or self._default_writer)(job.staging)
+            if self.async_save:
+                tensors = _stage(tensors)
+        except Exception as err:
+            error = f"rank {comm.rank}: {_describe(err)}"
+        errors = [e for e in comm.all_gather(error) if e is not None]
+        if errors:
+            if comm.rank == 0:
+                with contextlib.suppress(OSError):
+                    remove_tree(hidden_path(final, STAGING, token))
+            raise CheckpointSaveError(
+                f"Saving checkpoint {final} failed before any tensor was written; the "
+                "previous checkpoint there, if any, is untouched:\n  " + "\n  ".join(errors)
+            )
+        assert job is not None
+        if not self.async_save:
+            metadata = self._run_dcp_save(
+                job,
+                comm,
+                lambda: dcp.save(tensors, storage_writer=writer, process_group=comm.group),
+            )
+            self._commit(job, metadata, comm)
+            return
+        background = self._background_comm(comm)
+        upload = dcp.async_save(
+            tensors,
+            storage_writer=writer,
+            process_group=background.group,
+            async_stager=_PassThroughStager(),
+        )
+        if self._committer is None:
+            self._committer = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="lmf-checkpoint-commit"
+            )
+        self._in_flight = self._committer.submit(self._finish_background, job, upload, background)
+        self._in_flight_path = final
+
+    def _writer_factory(self, storage_options: Any) -> StorageWriterFactory | None:
+        if storage_options is None:
+            return self.storage_writer_factory
+        if (
+            not isinstance(storage_options, Mapping)
+            or set(storage_options) != {"storage_writer_factory"}
+            or not callable(storage_options["storage_writer_factory"])
+        ):
+            raise TypeError(
+                "MegatronFSDPCheckpointIO.save_checkpoint: storage_options must be None or "
+                "{'storage_writer_factory': callable(Path) -> StorageWriter}, got "
+                f"{storage_options!r:.200}."
+            )
+        return storage_options["storage_writer_factory"]
+
+    def _default_writer(self, staging: Path) -> StorageWriter:
+        return FileSystemWriter(staging, thread_count=self.thread_count)
+
+    def _manifest_fields(
+        self, checkpoint: Mapping[str, Any], tensors: Mapping[str, Any], comm: _Comm
+    ) -> dict[str, Any]:
+        return {
+            "fingerprint": model_fingerprint(tensors["state_dict"]),
+            "optimizer_fingerprints": [
+                optimizer_fingerprint(o) for o in tensors.get("optimizer_states", [])
+            ],
+            "world_size": comm.world_size,
+            "mesh": mesh_info(tensors),
+            "versions": _versions(),
+            "global_step": finite_int_or_none(checkpoint.get("global_step")),
+            "epoch": finite_int_or_none(checkpoint.get("epoch")),
+        }
+
+    def _background_comm(self, comm: _Comm) -> _Comm:
+        """A gloo group of the same ranks for the background thread's collectives.
+
+        Its own group, even when the default group is gloo already: collectives issued
+        from two threads on one group are matched by issue order, which differs per rank.
+        Created once, on the first async save (collective: every rank is here).
+        """
+        if comm.group is None:
+            return comm
+        if self._background_group is None:
+            ranks = dist.get_process_group_ranks(comm.group)
+            self._background_group = dist.new_group(
+                ranks=ranks,
+                backend="gloo",
+                timeout=_timeout_of(comm.group),
+                use_local_synchronization=len(ranks) != dist.get_world_size(),
+            )
+        return _Comm(self._background_group, comm.rank, comm.world_size)
+
+    def _run_dcp_save(self, job: _SaveJob, comm: _Comm, save: Callable[[], Metadata]) -> Metadata:
+        """Run a DCP save, turning its failure into a ``CheckpointSaveError``.
+
+        DCP gathers every rank's failure and raises ``CheckpointException`` (a
+        ``BaseException``) on all ranks, after every rank's writes have stopped, so rank 0
+        can delete the hidden directory safely.
+        """
+        try:
+            return save()
+        except (CheckpointException, Exception) as err:
+            if comm.rank == 0:
+                with contextlib.suppress(OSError):
+                    remove_tree(job.staging)
+            message = (
+                _dcp_failure("Saving", job.final, err)
+                if isinstance(err, CheckpointException)
+                else f"Saving checkpoint {job.final} failed on rank {comm.rank}: {_describe(err)}"
+            )
+            raise CheckpointSaveError(
+                message + "\nThe previous checkpoint there, if any, is untouched."
+            ) from err
+
+    def _finish_background(
+        self, job: _SaveJob, upload: concurrent.futures.Future[Metadata], comm: _Comm
+    ) -> None:
+        metadata = self._run_dcp_save(job, comm, upload.result)
+        self._commit(job, metadata, comm)
+
+    def _commit(self, job: _SaveJob, metadata: Metadata, comm: _Comm) -> None:
+        """Hash, gather, write the manifest and rename into place; every rank learns how it went.
+
+        Raises:
+            CheckpointSaveError: On every rank if any rank failed to hash its files or
+                rank 0 failed to commit; the hidden directory is then deleted.
+        """
+        error, records = None, {}
+        try:
+            records = self._local_records(job, comm.rank)
+        except Exception as err:
+            error = f"rank {comm.rank}: {_describe(err)}"
+        gathered = comm.all_gather((error, records))
+        outcome = None
+        if comm.rank == 0:
+            try:
+                errors = [e for e, _ in gathered if e is not None]
+                if errors:
+                    raise RuntimeError("\n  ".join(errors))
+                files: dict[str, FileRecord] = {}
+                for _, rank_records in gathered:
+                    files.update(rank_records)
+                self._check_claims(job, files, metadata)
+                manifest = Manifest(files=files, **job.manifest_fields)
+                self._write_manifest(job.staging, manifest)
+                self._publish(job)
+            except Exception as err:
+                outcome = _describe(err)
+                with contextlib.suppress(OSError):
+                    remove_tree(job.staging)
+        outcome = comm.broadcast_from_first(outcome)
+        if outcome is not None:
+            raise CheckpointSaveError(
+                f"Saving checkpoint {job.final} failed while committing: {outcome}\nThe "
+                "previous checkpoint there, if any, is untouched."
+            )
+
+    @staticmethod
+    def _local_records(job: _SaveJob, rank: int) -> dict[str, FileRecord]:
+        """Size and digest of the files this rank wrote: its shards; rank 0 also the rest."""
+        pattern = re.compile(_DISTCP_RE.format(rank=rank))
+        names = sorted(p.name for p in job.staging.iterdir() if pattern.fullmatch(p.name))
+        if rank == 0:
+            names += [DCP_METADATA_FILE, META_FILE]
+        return {
+            name: FileRecord(
+                size=(job.staging / name).stat().st_size,
+                sha256=sha256_file(job.staging / name) if job.write_checksums else None,
+            )
+            for name in names
+        }
+
+    @staticmethod
+    def _check_claims(job: _SaveJob, files: Mapping[str, FileRecord], metadata: Metadata) -> None:
+        """Every file on disk was claimed by a rank, and every file DCP indexed exists.
+
+        Raises:
+            RuntimeError: Otherwise: DCP's file naming changed, or a writer misbehaved.
+        """
+        on_disk = {p.name for p in job.staging.iterdir()}
+        unclaimed = sorted(on_disk - set(files))
+        storage = getattr(metadata, "storage_data", None) or {}
+        indexed = {
+            info.relative_path for info in storage.values() if hasattr(info, "relative_path")
+        }
+        missing = sorted(indexed - set(files))
+        if unclaimed or missing:
+            raise RuntimeError(
+                f"the files on disk do not match what the ranks wrote: unclaimed {unclaimed}, "
+                f"indexed by .metadata but not written {missing}. Expected DCP's "
+                "__<rank>_<n>.distcp naming; use torch's FileSystemWriter."
+            )
+
+    @staticmethod
+    def _write_manifest(staging: Path, manifest: Manifest) -> None:
+        partial = staging / f"{MANIFEST_FILE}.partial"
+        with open(partial, "w", encoding="utf-8") as file:
+            file.write(manifest.dumps())
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, staging / MANIFEST_FILE)
+        _fsync(staging)
+
+    @staticmethod
+    def _publish(job: _SaveJob) -> None:
+        """Rename the finished hidden directory into place (see the module docstring)."""
+        final, aside = job.final, None
+        if final.exists() or final.is_symlink():
+            _check_replaceable(final)
+            aside = hidden_path(final, ASIDE, job.token)
+            os.rename(final, aside)
+        try:
+            os.rename(job.staging, final)
+        except BaseException:
+            if aside is not None:
+                os.rename(aside, final)
+            raise
+        _fsync(final.parent)
+        for sibling in list(final.parent.iterdir()):
+            hidden = parse_hidden_name(sibling.name)
+            if hidden is not None and hidden[0] == final.name:
+                try:
+                    remove_tree(sibling)
+                except OSError as err:  # the new checkpoint is committed; only space is lost
+                    log.warning("Could not delete stale %s: %s", sibling, err)
+
+    # ----------------------------------------------------------------------------- async
+
+    def wait(self) -> None:
+        """Block until the in-flight background save (if any) is committed.
+
+        Raises:
+            CheckpointSaveError: If that save failed (reported once).
+        """
+        future, self._in_flight = self._in_flight, None
+        if future is not None:
+            future.result()
+
+    def poll(self) -> bool:
+        """Return whether no save is in flight, without blocking; cheap enough per step.
+
+        Rank-local: ranks may observe completion a step apart. A failure is reported to
+        every rank by the commit, so each rank raises it at its next ``poll``; a rank that
+        is already in the next collective then fails by the process group's timeout.
+
+        Raises:
+            CheckpointSaveError: If the background save finished and failed (reported once).
+        """
+        if self._in_flight is None:
+            return True
+        if not self._in_flight.done():
+            return False
+        self.wait()
+        return True
+
+    @override
+    def teardown(self) -> None:
+        """Wait for the last background save and stop the commit thread.
+
+        Raises:
+            CheckpointSaveError: If that save failed.
+        """
+        try:
+            self.wait()
+        finally:
+            if self._committer is not None:
+                self._committer.shutdown(wait=True)
+                self._committer = None
+
+    # ----------------------------------------------------------------------------- load
+
+    @override
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        map_location: Any = None,
+        weights_only: bool | None = None,
+        *,
+        state: dict[str, Any] | None = None,
+        strict: bool = True,
+    ) -> dict[str, Any]:
+        """Validate the checkpoint at ``path`` against ``state``, then load into it. Collective.
+
+        Args:
+            path: The checkpoint directory; the same on every rank. If a crash left it
+                renamed aside (see the module docstring), it is restored first.
+            map_location: ``torch.load``'s ``map_location`` for ``meta.pt``.
+            weights_only: ``torch.load``'s ``weights_only`` for ``meta.pt``.
+            state: Targets, filled in place: ``{"state_dict": model_sd}`` plus
+                ``"optimizer_states": [osd, ...]`` unless loading weights only. ``None``
+                reads only the non-tensor part.
+            strict: Refuse target keys missing from the checkpoint and checkpoint keys
+                missing from the target. ``False`` leaves missing target keys at their
+                current values and ignores extra checkpoint keys; shapes and dtypes of
+                keys on both sides must agree either way.
+
+        Returns:
+            The non-tensor part of the checkpoint, plus ``"state_dict"`` and (unless
+            weights only) ``"optimizer_states"``: the filled targets.
+
+        Raises:
+            NotACheckpointError: ``path`` is not a complete checkpoint directory.
+            CheckpointCorruptedError: Files are missing, truncated, or fail their sha256.
+            CheckpointMismatchError: The fingerprint differs from the targets; the message
+                lists every missing, unexpected, reshaped and retyped key.
+            TypeError: ``state`` is malformed.
+            CheckpointError: DCP failed reading; names the failing rank(s).
+            All of these are raised on every rank together, before any tensor is read.
+        """
+        self.wait()
+        comm = _Comm.of(self.process_group)
+        final = Path(os.path.abspath(os.fspath(path)))
+        if comm.rank == 0:
+            try:
+                if recover_checkpoint(final):
+                    log.warning("Restored %s, which an interrupted save had renamed aside.", final)
+            except OSError as err:
+                log.warning("Could not restore %s from a renamed-aside copy: %s", final, err)
+        comm.broadcast_from_first(None)  # nobody looks at the path before recovery is done
+        problems = self._validate(final, state, strict, comm)
+        _raise_combined(final, comm.all_gather(problems), comm.world_size)
+        manifest = read_manifest(final)
+        if manifest.world_size != comm.world_size:
+            log.info(
+                "Loading %s, saved by %d ranks, on %d ranks: DCP reshards by global offset.",
+                final,
+                manifest.world_size,
+                comm.world_size,
+            )
+        loaded: dict[str, Any] = {}
+        if state is not None:
+            targets = {k: state[k] for k in ("state_dict", "optimizer_states") if k in state}
+            try:
+                dcp.load(
+                    targets,
+                    storage_reader=FileSystemReader(final),
+                    planner=DefaultLoadPlanner(allow_partial_load=not strict),
+                    process_group=comm.group,
+                )
+            except CheckpointException as err:
+                raise CheckpointError(
+                    _dcp_failure("Loading", final, err) + "\nThe targets may be partly "
+                    "overwritten; load again from a good checkpoint."
+                ) from err
+            loaded = targets
+        meta = torch.load(final / META_FILE, map_location=map_location, weights_only=weights_only)
+        return {**meta, **loaded}
+
+    def _validate(
+        self, final: Path, state: dict[str, Any] | None, strict: bool, comm: _Comm
+    ) -> list[tuple[int, str]]:
+        """This rank's problems with loading ``final`` into ``state``, as (kind, text)."""
+        kind = {cls: i for i, cls in enumerate(_LOAD_ERRORS)}
+        if state is not None:
+            shape_error = _state_shape_error(state)
+            if shape_error:
+                return [(kind[TypeError], shape_error)]
+        try:
+            manifest = read_manifest(final)
+        except NotACheckpointError as err:
+            return [(kind[NotACheckpointError], str(err))]
+        share = None
+        if self.verify_checksums:
+            hashed = sorted(n for n, r in manifest.files.items() if r.sha256 is not None)
+            share = hashed[comm.rank :: comm.world_size]
+        try:
+            damaged = check_files(final, manifest, checksum_files=share)
+        except OSError as err:
+            damaged = [f"cannot read a file: {_describe(err)}"]
+        problems = [(kind[CheckpointCorruptedError], line) for line in damaged]
+        if state is not None:
+            problems += [
+                (kind[CheckpointMismatchError], line)
+                for line in _fingerprint_problems(manifest, state, strict)
+            ]
+        return problems
+
+    # ----------------------------------------------------------------------------- remove
+
+    @override
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Delete a checkpoint directory; a missing path is not an error. Not collective.
+
+        The directory is first renamed to a hidden ``.<name>.del-<token>``, so a crash
+        halfway through the deletion never leaves a damaged checkpoint under its name.
+        A symbolic link is unlinked, its target kept. Only global rank 0 acts (Lightning
+        calls this on rank 0 only).
+
+        Raises:
+            CheckpointError: If ``path`` is not one of our checkpoints (a directory with a
+                manifest) or hidden directories: nothing else is deleted.
+        """
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return
+        target = Path(os.path.abspath(os.fspath(path)))
+        if self._in_flight is not None and self._in_flight_path == target:
+            # Let the background save commit first, or it would re-create the directory.
+            # Its error stays for wait()/poll(): every rank must see it there.
+            concurrent.futures.wait([self._in_flight])
+        if target.is_symlink():  # e.g. Lightning's save_last="link": only the link goes
+            target.unlink()
+            return
+        if not target.exists():
+            return
+        hidden = parse_hidden_name(target.name)
+        ours = target.is_dir()
+        if ours and hidden is None:
+            try:
+                read_manifest(target)
+            except NotACheckpointError:
+                ours = False
+        if not ours:
+            raise CheckpointError(
+                f"MegatronFSDPCheckpointIO.remove_checkpoint: refusing to delete {target}: it "
+                "is not a checkpoint written by this plugin (expected a directory with a "
+                "manifest.json, or a hidden .<name>.tmp-/.old-/.del-<token> directory). "
+                "Delete it by hand if it is really unwanted."
+            )
+        if hidden is None:
+            trash = hidden_path(target, DELETING, uuid.uuid4().hex)
+            os.rename(target, trash)
+            _fsync(target.parent)
+            target = trash
+        remove_tree(target)
+
+
+def _state_shape_error(state: Any) -> str | None:
+    if not isinstance(state, Mapping) or not isinstance(state.get("state_dict"), Mapping):
+        return (
+            "state must be {'state_dict': model_state_dict, 'optimizer_states': [...]} "
+            f"(optimizer_states optional), got {state!r:.200}"
+        )
+    optimizers = state.get("optimizer_states", [])
+    if not isinstance(optimizers, (list, tuple)) or not all(
+        isinstance(o, Mapping) for o in optimizers
+    ):
+        return (
+            "state['optimizer_states'] must be a list of optimizer state dicts, got "
+            f"{optimizers!r:.200}"
+        )
+    return None
+
+
+def _fingerprint_problems(manifest: Manifest, state: Mapping[str, Any], strict: bool) -> list[str]:
+    problems = compare_fingerprints(
+        manifest.fingerprint, model_fingerprint(state["state_dict"]), what="model", strict=strict
+    )
+    if "optimizer_states" not in state:
+        return problems
+    targets, saved = state["optimizer_states"], manifest.optimizer_fingerprints
+    if targets and not saved:
+        problems.append(
+            f"the checkpoint holds no optimizer state (it was saved weights-only), but "
+            f"{len(targets)} optimizer state dict(s) were given to fill. Load weights only: "
+            "leave 'optimizer_states' out of state (the strategy's weights-only load)."
+        )
+    elif len(targets) != len(saved):
+        problems.append(
+            f"the checkpoint holds state for {len(saved)} optimizer(s), but {len(targets)} "
+            "optimizer state dict(s) were given; configure the same optimizers as when saving"
+        )
+    else:
+        for i, (fingerprint, target) in enumerate(zip(saved, targets, strict=True)):
+            problems += compare_fingerprints(
+                fingerprint, optimizer_fingerprint(target), what=f"optimizer {i}", strict=strict
+            )
+    return problems
+
+
+def _raise_combined(final: Path, gathered: list[list[tuple[int, str]]], world_size: int) -> None:
+    """Raise, identically on every rank, the problems all ranks found; else return.
+
+    Raises:
+        TypeError | NotACheckpointError | CheckpointCorruptedError | CheckpointMismatchError:
+            The class of the most fundamental problem kind found, listing every problem
+            and, where not all ranks saw it, which ranks did.
+    """
+    ranks_by_problem: dict[tuple[int, str], list[int]] = {}
+    for rank, problems in enumerate(gathered):
+        for problem in problems:
+            ranks_by_problem.setdefault(problem, []).append(rank)
+    if not ranks_by_problem:
+        return
+    kinds = sorted({kind for kind, _ in ranks_by_problem})
+    lines = []
+    for kind in kinds:
+        for (k, text), ranks in ranks_by_problem.items():
+            if k == kind:
+                where = "" if len(ranks) == world_size else f" [rank(s) {ranks}]"
+                lines.append(f"  - {text}{where}")
+    raise _LOAD_ERRORS[kinds[0]](f"Cannot load checkpoint {final}:\n" + "\n".join(lines))

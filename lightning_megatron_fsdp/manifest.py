@@ -1,0 +1,663 @@
+"""The on-disk format of a Megatron-FSDP checkpoint: manifest, fingerprint, names, discovery.
+
+Problem: a sharded checkpoint is a directory of files written by every rank, so "the file
+exists" no longer means "the checkpoint is complete", and a checkpoint taken from one model
+can be pointed at another whose parameters have different shapes. DCP itself records
+neither completeness nor anything a human can check before the tensor reads begin.
+
+How: the last file written into a checkpoint is ``manifest.json`` (see docs/DESIGN.md,
+"On-disk format"). It records the layout fingerprint (every model and optimizer-state
+tensor's global shape and dtype, keyed by FQN), the world size and mesh, package versions,
+the training position, and the size and sha256 of every other file. A directory is a
+complete checkpoint iff its manifest parses and every file it lists has the recorded size.
+A checkpoint is written under a hidden temporary name and renamed into place, so a
+complete-looking directory under a final name is never half written::
+
+    <parent>/
+      last.ckpt/                     complete: manifest.json present, every size matches
+      .last.ckpt.tmp-<token>/        a save in progress (or one that crashed)
+      .last.ckpt.old-<token>/        the previous last.ckpt, renamed aside during a commit
+      .last.ckpt.del-<token>/        a checkpoint being removed
+
+Every hidden name starts with ``.``, so Lightning's ``last*`` lookup never sees one, and
+:func:`resolve_latest_checkpoint` returns only complete checkpoints.
+
+This module is pure filesystem and bookkeeping: no process group, no Lightning. The
+exporter and the CLI read checkpoints through it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "ASIDE",
+    "DCP_METADATA_FILE",
+    "DELETING",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_FILE",
+    "META_FILE",
+    "STAGING",
+    "CheckpointCorruptedError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointSaveError",
+    "FileRecord",
+    "Manifest",
+    "NotACheckpointError",
+    "TensorSpec",
+    "check_files",
+    "compare_fingerprints",
+    "finite_int_or_none",
+    "hidden_path",
+    "is_complete_checkpoint",
+    "mesh_info",
+    "model_fingerprint",
+    "optimizer_fingerprint",
+    "parse_hidden_name",
+    "read_manifest",
+    "recover_checkpoint",
+    "remove_tree",
+    "resolve_latest_checkpoint",
+    "sha256_file",
+]
+
+FORMAT_NAME = "lightning-megatron-fsdp"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+META_FILE = "meta.pt"
+DCP_METADATA_FILE = ".metadata"
+
+# Kinds of hidden sibling directories; see the module docstring.
+STAGING, ASIDE, DELETING = "tmp", "old", "del"
+_HIDDEN_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|del)-(?P<token>[0-9a-f]{8,64})$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+# Problems listed by name before the rest is summarised as "... and N more".
+_MAX_LISTED = 20
+_HASH_BLOCK = 8 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A Megatron-FSDP checkpoint could not be saved, loaded or removed."""
+
+
+class NotACheckpointError(CheckpointError):
+    """The path is not a complete checkpoint directory written by this library."""
+
+
+class CheckpointCorruptedError(CheckpointError):
+    """A checkpoint's files are missing, truncated, or fail their sha256 check."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint's layout fingerprint does not match the state it is loaded into."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed on some rank; the previous checkpoint under that name is untouched."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """Global shape and dtype of one state-dict entry; both ``None`` for a non-tensor."""
+
+    shape: tuple[int, ...] | None
+    dtype: str | None
+
+    def __post_init__(self) -> None:
+        if (self.shape is None) != (self.dtype is None):
+            raise ValueError(
+                f"TensorSpec: shape and dtype must both be set (a tensor) or both be None "
+                f"(a non-tensor entry), got shape={self.shape!r}, dtype={self.dtype!r}."
+            )
+        if self.shape is not None and any(
+            not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in self.shape
+        ):
+            raise ValueError(f"TensorSpec: shape must hold non-negative ints, got {self.shape!r}.")
+        if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(f"TensorSpec: {self.dtype!r} is not a torch dtype name.")
+
+    @classmethod
+    def of(cls, value: Any) -> TensorSpec:
+        """Describe ``value``: a DTensor by its global shape, any tensor by its shape."""
+        if isinstance(value, torch.Tensor):  # DTensor.shape is the global shape
+            return cls(tuple(int(d) for d in value.shape), str(value.dtype).removeprefix("torch."))
+        return cls(None, None)
+
+    def describe(self) -> str:
+        """Human form: ``(7, 5) float32`` or ``a non-tensor value``."""
+        if self.shape is None:
+            return "a non-tensor value"
+        return f"{self.shape} {self.dtype}"
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form: ``{"shape": [...], "dtype": "float32"}`` (both null for a non-tensor)."""
+        return {"shape": None if self.shape is None else list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, data: Any) -> TensorSpec:
+        """Parse :meth:`to_json` output.
+
+        Raises:
+            ValueError: If ``data`` is not of that form.
+        """
+        if not isinstance(data, Mapping) or set(data) != {"shape", "dtype"}:
+            raise ValueError(f"expected {{'shape': ..., 'dtype': ...}}, got {data!r}")
+        shape = data["shape"]
+        if shape is not None and not isinstance(shape, list):
+            raise ValueError(f"shape must be a list or null, got {shape!r}")
+        return cls(None if shape is None else tuple(shape), data["dtype"])
+
+
+Fingerprint = dict[str, TensorSpec]
+
+
+def model_fingerprint(state_dict: Mapping[str, Any]) -> Fingerprint:
+    """Fingerprint an FQN-keyed model state dict: each entry's global shape and dtype.
+
+    Rank-local and collective-free: a DTensor reports its global shape without communication.
+    """
+    return {str(fqn): TensorSpec.of(value) for fqn, value in state_dict.items()}
+
+
+def optimizer_fingerprint(optimizer_state_dict: Mapping[str, Any]) -> Fingerprint:
+    """Fingerprint an FQN-keyed optimizer state dict, keyed ``"<param fqn>/<state name>"``.
+
+    The ``/`` separator cannot be confused with the dots inside an FQN. ``param_groups``
+    holds no tensors and is not fingerprinted; DCP checks its keys when it loads.
+
+    Raises:
+        TypeError: If ``optimizer_state_dict["state"]`` is not a mapping of mappings (not
+            from ``get_optimizer_state_dict``).
+    """
+    state = optimizer_state_dict.get("state", {})
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            "optimizer state dict: expected 'state' to map parameter FQNs to state dicts "
+            f"(torch's get_optimizer_state_dict), got {type(state).__name__}."
+        )
+    fingerprint: Fingerprint = {}
+    for fqn, entries in state.items():
+        if not isinstance(entries, Mapping):
+            raise TypeError(
+                f"optimizer state dict: state[{fqn!r}] should map state names to values, got "
+                f"{type(entries).__name__}. Take the state dict with get_optimizer_state_dict."
+            )
+        for name, value in entries.items():
+            fingerprint[f"{fqn}/{name}"] = TensorSpec.of(value)
+    return fingerprint
+
+
+def _listed(keys: list[str]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:_MAX_LISTED])
+    more = len(keys) - _MAX_LISTED
+    return f"[{shown}{f', ... and {more} more' if more > 0 else ''}]"
+
+
+def compare_fingerprints(
+    saved: Mapping[str, TensorSpec],
+    target: Mapping[str, TensorSpec],
+    *,
+    what: str,
+    strict: bool,
+) -> list[str]:
+    """Say exactly how a checkpoint's fingerprint differs from the target's.
+
+    Args:
+        saved: Fingerprint recorded in the checkpoint's manifest.
+        target: Fingerprint of the state the checkpoint will be loaded into.
+        what: Names the state dict in messages, e.g. ``"model"`` or ``"optimizer 0"``.
+        strict: Report keys missing on either side. With ``strict=False`` target keys
+            absent from the checkpoint keep their values and extra checkpoint keys are
+            ignored, but a key present on both sides must still agree in shape and dtype.
+
+    Returns:
+        One line per problem; empty when the target can be loaded.
+    """
+    problems: list[str] = []
+    missing = sorted(k for k in target if k not in saved)
+    unexpected = sorted(k for k in saved if k not in target)
+    if strict and missing:
+        problems.append(
+            f"{what}: {len(missing)} key(s) of the target are missing from the checkpoint: "
+            f"{_listed(missing)}"
+        )
+    if strict and unexpected:
+        problems.append(
+            f"{what}: {len(unexpected)} key(s) in the checkpoint are not in the target: "
+            f"{_listed(unexpected)}"
+        )
+    for key in sorted(k for k in target if k in saved):
+        have, want = saved[key], target[key]
+        if have.shape is None or want.shape is None:
+            if (have.shape is None) != (want.shape is None):
+                problems.append(
+                    f"{what} {key!r}: the checkpoint holds {have.describe()}, the target "
+                    f"holds {want.describe()}"
+                )
+            continue
+        if have.shape != want.shape:
+            problems.append(
+                f"{what} {key!r}: shape {have.shape} in the checkpoint, {want.shape} in the target"
+            )
+        if have.dtype != want.dtype:
+            problems.append(
+                f"{what} {key!r}: dtype {have.dtype} in the checkpoint, {want.dtype} in the target"
+            )
+    return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    """Size in bytes and (optional) sha256 hex digest of one checkpoint file."""
+
+    size: int
+    sha256: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 0:
+            raise ValueError(f"FileRecord: size must be a non-negative int, got {self.size!r}.")
+        if self.sha256 is not None and not _SHA256_RE.match(self.sha256):
+            raise ValueError(
+                f"FileRecord: sha256 must be 64 lowercase hex digits, got {self.sha256!r}."
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form; ``sha256`` is left out when it was not computed."""
+        return {"size": self.size} | ({} if self.sha256 is None else {"sha256": self.sha256})
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """Contents of ``manifest.json``; see docs/DESIGN.md, "On-disk format".
+
+    Attributes:
+        fingerprint: Model state-dict entries by FQN.
+        optimizer_fingerprints: One fingerprint per optimizer, keyed ``"<fqn>/<state>"``;
+            empty for a weights-only checkpoint.
+        world_size: Number of ranks that wrote the checkpoint.
+        mesh: ``{"shape": [...], "dim_names": [...]}`` of the DTensors' device mesh, or
+            ``None`` when the state held no DTensor.
+        versions: Package versions that wrote the checkpoint.
+        global_step: Lightning's ``global_step`` at save time, if the checkpoint had one.
+        epoch: Lightning's ``epoch`` at save time, if the checkpoint had one.
+        files: Every other file of the checkpoint, by name relative to its directory.
+        format_version: On-disk format version.
+    """
+
+    fingerprint: dict[str, TensorSpec]
+    optimizer_fingerprints: list[dict[str, TensorSpec]]
+    world_size: int
+    mesh: dict[str, Any] | None
+    versions: dict[str, str]
+    global_step: int | None
+    epoch: int | None
+    files: dict[str, FileRecord]
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"Manifest: world_size must be an int >= 1, got {self.world_size!r}.")
+        for name in ("global_step", "epoch"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"Manifest: {name} must be an int or None, got {value!r}.")
+        if DCP_METADATA_FILE not in self.files or META_FILE not in self.files:
+            raise ValueError(
+                f"Manifest: files must list {DCP_METADATA_FILE!r} and {META_FILE!r}, got "
+                f"{sorted(self.files)}."
+            )
+        for name in self.files:
+            if not name or "/" in name or "\\" in name or name in (".", "..", MANIFEST_FILE):
+                raise ValueError(f"Manifest: {name!r} is not a file name inside a checkpoint.")
+        if self.mesh is not None and (
+            not isinstance(self.mesh, Mapping) or set(self.mesh) != {"shape", "dim_names"}
+        ):
+            raise ValueError(
+                f"Manifest: mesh must be {{'shape': [...], 'dim_names': [...]}} or None, got "
+                f"{self.mesh!r}."
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``manifest.json`` document."""
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "fingerprint": {k: v.to_json() for k, v in self.fingerprint.items()},
+            "optimizer_fingerprints": [
+                {k: v.to_json() for k, v in fp.items()} for fp in self.optimizer_fingerprints
+            ],
+            "world_size": self.world_size,
+            "mesh": self.mesh,
+            "versions": self.versions,
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "files": {k: v.to_json() for k, v in sorted(self.files.items())},
+        }
+
+    def dumps(self) -> str:
+        """The ``manifest.json`` text: one line per tensor and per file, so it greps by FQN."""
+        lines = []
+        for key, value in self.to_json().items():
+            if isinstance(value, dict) and value and key != "versions" and key != "mesh":
+                value = _one_per_line(value, "  ")
+            elif key == "optimizer_fingerprints" and value:
+                value = "[\n" + ",\n".join("  " + _one_per_line(fp, "   ") for fp in value) + "\n ]"
+            else:
+                value = json.dumps(value)
+            lines.append(f" {json.dumps(key)}: {value}")
+        return "{\n" + ",\n".join(lines) + "\n}\n"
+
+    @classmethod
+    def from_json(cls, data: Any) -> Manifest:
+        """Parse a ``manifest.json`` document.
+
+        Raises:
+            ValueError: If it is not a manifest of a format version this library reads.
+        """
+        if not isinstance(data, Mapping) or data.get("format") != FORMAT_NAME:
+            found = data.get("format") if isinstance(data, Mapping) else type(data).__name__
+            raise ValueError(f"'format' is {found!r}, expected {FORMAT_NAME!r}")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"format_version {version!r} is not supported (this version of "
+                f"lightning-megatron-fsdp reads version {FORMAT_VERSION}); use the version of "
+                f"lightning-megatron-fsdp that wrote it ({data.get('versions')!r})"
+            )
+        try:
+            return cls(
+                fingerprint={
+                    str(k): TensorSpec.from_json(v) for k, v in data["fingerprint"].items()
+                },
+                optimizer_fingerprints=[
+                    {str(k): TensorSpec.from_json(v) for k, v in fp.items()}
+                    for fp in data["optimizer_fingerprints"]
+                ],
+                world_size=data["world_size"],
+                mesh=data["mesh"],
+                versions=dict(data["versions"]),
+                global_step=data["global_step"],
+                epoch=data["epoch"],
+                files={
+                    str(k): FileRecord(size=v["size"], sha256=v.get("sha256"))
+                    for k, v in data["files"].items()
+                },
+                format_version=version,
+            )
+        except (KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"malformed manifest ({type(err).__name__}: {err})") from err
+
+
+def _one_per_line(mapping: Mapping[str, Any], indent: str) -> str:
+    if not mapping:
+        return "{}"
+    body = ",\n".join(f"{indent}{json.dumps(k)}: {json.dumps(v)}" for k, v in mapping.items())
+    return "{\n" + body + "\n" + indent[:-1] + "}"
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """Return the sha256 hex digest of a file, read in 8 MiB blocks.
+
+    Costs one sequential read: about 0.9 GB/s per core on a 2-core CI runner (hashlib
+    releases the GIL, so ranks hash in parallel).
+    """
+    digest = hashlib.sha256()
+    buffer = bytearray(_HASH_BLOCK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as file:
+        while n := file.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def hidden_path(final: str | os.PathLike[str], kind: str, token: str) -> Path:
+    """Return the hidden sibling ``<parent>/.<name>.<kind>-<token>`` of ``final``.
+
+    Args:
+        final: The checkpoint's final path.
+        kind: ``"tmp"`` (a save in progress), ``"old"`` (the previous checkpoint renamed
+            aside during a commit) or ``"del"`` (being removed).
+        token: Lowercase hex, 8 to 64 digits, unique per save.
+
+    Raises:
+        ValueError: For an unknown kind or a malformed token.
+    """
+    final = Path(final)
+    path = final.parent / f".{final.name}.{kind}-{token}"
+    parsed = parse_hidden_name(path.name)
+    if parsed is None or parsed != (final.name, kind):
+        raise ValueError(f"hidden_path: bad kind {kind!r} or token {token!r} for {final}.")
+    return path
+
+
+def parse_hidden_name(name: str) -> tuple[str, str] | None:
+    """Return ``(final name, kind)`` for a hidden sibling's name, else ``None``."""
+    match = _HIDDEN_RE.match(name)
+    return None if match is None else (match["name"], match["kind"])
+
+
+def _describe_not_a_checkpoint(path: Path) -> str:
+    """Explain why ``path``, which has no readable manifest, is not a checkpoint."""
+    if not path.exists():
+        return f"{path} does not exist. Expected a checkpoint directory; check the path."
+    if path.is_file():
+        with open(path, "rb") as file:
+            head = file.read(4)
+        kind = (
+            "a single-file torch.save checkpoint (Lightning's default format)"
+            if head == b"PK\x03\x04"
+            else "a file"
+        )
+        return (
+            f"{path} is {kind}, not a checkpoint directory. MegatronFSDPCheckpointIO reads "
+            "the sharded directory format only: load a single-file checkpoint with "
+            "torch.load, or point at a directory written by MegatronFSDPStrategy."
+        )
+    if not path.is_dir():
+        return f"{path} is neither a file nor a directory; expected a checkpoint directory."
+    hidden = parse_hidden_name(path.name)
+    if hidden is not None and hidden[1] == STAGING:
+        return (
+            f"{path} is the temporary directory of a save that did not finish "
+            "(no manifest.json); load the checkpoint under its final name instead."
+        )
+    if (path / DCP_METADATA_FILE).exists():
+        return (
+            f"{path} holds DCP files but no {MANIFEST_FILE}: the save did not finish (the "
+            "manifest is written last) or the directory was written by plain "
+            "torch.distributed.checkpoint. Use a complete checkpoint."
+        )
+    return (
+        f"{path} has no {MANIFEST_FILE}: not a checkpoint written by "
+        "MegatronFSDPCheckpointIO. Check the path."
+    )
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read and validate ``<path>/manifest.json``.
+
+    Raises:
+        NotACheckpointError: If ``path`` is missing, a file, a directory without a manifest,
+            or its manifest cannot be parsed; the message says which and what to do.
+    """
+    path = Path(path)
+    manifest_path = path / MANIFEST_FILE
+    if not path.is_dir() or not manifest_path.is_file():
+        raise NotACheckpointError(_describe_not_a_checkpoint(path))
+    try:
+        with open(manifest_path, encoding="utf-8") as file:
+            data = json.load(file)
+        return Manifest.from_json(data)
+    except (ValueError, OSError) as err:  # json.JSONDecodeError is a ValueError
+        raise NotACheckpointError(
+            f"{manifest_path} cannot be parsed: {err}. The checkpoint is damaged or was not "
+            "written by MegatronFSDPCheckpointIO; use another checkpoint."
+        ) from err
+
+
+def check_files(
+    path: str | os.PathLike[str],
+    manifest: Manifest,
+    *,
+    checksum_files: list[str] | None = None,
+) -> list[str]:
+    """Check that every file the manifest lists exists with its recorded size and digest.
+
+    Args:
+        path: The checkpoint directory.
+        manifest: Its manifest.
+        checksum_files: Files whose sha256 to verify (those with a recorded digest); the
+            caller splits this work across ranks. ``None`` verifies sizes only.
+
+    Returns:
+        One line per problem, naming the file and what was expected.
+    """
+    path = Path(path)
+    problems: list[str] = []
+    for name, record in sorted(manifest.files.items()):
+        try:
+            size = (path / name).stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{name}: missing (expected {record.size} bytes)")
+            continue
+        if size != record.size:
+            problems.append(f"{name}: {size} bytes on disk, {record.size} in the manifest")
+    if checksum_files and not problems:
+        for name in checksum_files:
+            expected = manifest.files[name].sha256
+            if expected is None:
+                continue
+            found = sha256_file(path / name)
+            if found != expected:
+                problems.append(
+                    f"{name}: sha256 {found} on disk, {expected} in the manifest (the file "
+                    "changed after it was written)"
+                )
+    return problems
+
+
+def is_complete_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Return whether ``path`` is a complete checkpoint: manifest parses, all sizes match.
+
+    Reads the manifest and stats each file; no checksums (use ``load_checkpoint`` or the
+    CLI's ``verify`` for those).
+    """
+    try:
+        manifest = read_manifest(path)
+    except NotACheckpointError:
+        return False
+    return not check_files(path, manifest)
+
+
+def _recency(path: Path) -> tuple[int, int]:
+    """Sort key of a complete checkpoint: manifest global_step, then manifest mtime."""
+    step = read_manifest(path).global_step
+    return (-1 if step is None else step, (path / MANIFEST_FILE).stat().st_mtime_ns)
+
+
+def recover_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Restore a checkpoint that a crash left renamed aside, if its final name is missing.
+
+    A commit renames the previous checkpoint to ``.<name>.old-<token>`` before renaming the
+    new one into place. A crash between the two renames leaves no ``<name>``; this renames
+    the newest complete aside copy back. Filesystem work: call it on one rank only.
+
+    Returns:
+        Whether a checkpoint was restored.
+    """
+    path = Path(path)
+    if path.exists() or path.is_symlink() or not path.parent.is_dir():
+        return False
+    asides = [
+        sibling
+        for sibling in path.parent.iterdir()
+        if parse_hidden_name(sibling.name) == (path.name, ASIDE) and is_complete_checkpoint(sibling)
+    ]
+    if not asides:
+        return False
+    os.rename(max(asides, key=_recency), path)
+    return True
+
+
+def resolve_latest_checkpoint(
+    dirpath: str | os.PathLike[str], pattern: str = "last*", *, recover: bool = True
+) -> Path | None:
+    """Return the newest complete checkpoint in ``dirpath`` whose name matches ``pattern``.
+
+    Newest means the highest manifest ``global_step``, then the latest manifest mtime.
+    Hidden directories (saves in progress, renamed-aside and half-removed checkpoints) and
+    incomplete directories are never returned.
+
+    Args:
+        dirpath: Directory holding checkpoints.
+        pattern: ``fnmatch`` pattern for checkpoint names, Lightning's ``last*`` by default.
+        recover: First restore any matching checkpoint that a crash left renamed aside
+            (see :func:`recover_checkpoint`). Filesystem work: with ``recover=True`` call
+            this on one rank and broadcast the result.
+
+    Returns:
+        The checkpoint's path, or ``None`` if there is none.
+    """
+    dirpath = Path(dirpath)
+    if not dirpath.is_dir():
+        return None
+    if recover:
+        for sibling in list(dirpath.iterdir()):
+            hidden = parse_hidden_name(sibling.name)
+            if hidden is not None and hidden[1] == ASIDE and fnmatch.fnmatch(hidden[0], pattern):
+                recover_checkpoint(dirpath / hidden[0])
+    candidates = [
+        p
+        for p in dirpath.iterdir()
+        if not p.name.startswith(".") and fnmatch.fnmatch(p.name, pattern)
+    ]
+    complete = [p for p in candidates if is_complete_checkpoint(p)]
+    return max(complete, key=_recency) if complete else None
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a directory tree, or a file; a missing path is not an error."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=False)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def mesh_info(*state_dicts: Any) -> dict[str, Any] | None:
+    """Return the device mesh of a DTensor in the state dicts (all share one), or ``None``."""
+    stack: list[Any] = list(state_dicts)
+    while stack:
+        value = stack.pop()
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh
+            names = mesh.mesh_dim_names
+            return {"shape": list(mesh.shape), "dim_names": list(names) if names else None}
+        if isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return None
+
+
+def finite_int_or_none(value: Any) -> int | None:
+    """Return ``value`` as an int for the manifest's step/epoch, or ``None``."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return int(value) if math.isfinite(value) and float(value).is_integer() else None
