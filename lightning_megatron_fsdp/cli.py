@@ -1,0 +1,216 @@
+"""The ``lightning-megatron-fsdp`` console script: export and inspect checkpoints offline.
+
+Subcommands (each runs in one process, without a GPU or a process group)::
+
+    lightning-megatron-fsdp consolidate CHECKPOINT_DIR OUTPUT [--dtype bf16|fp16|fp32]
+                                        [--optimizer] [--overwrite] [--skip-checksums]
+    lightning-megatron-fsdp inspect CHECKPOINT_DIR [--json] [--verify] [--skip-checksums]
+
+``consolidate`` writes ``OUTPUT`` as safetensors or ``torch.save`` by its suffix
+(:func:`~lightning_megatron_fsdp.export.consolidate_checkpoint`). ``inspect`` prints each
+tensor's global shape, dtype and chunk count and the Lightning metadata; ``--verify``
+also checks completeness, sizes and sha256 checksums against the manifest.
+
+Exit status: 0 on success, 1 when the checkpoint or output is rejected (or ``--verify``
+finds problems), 2 for a command-line usage error. Errors go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, TextIO
+
+from lightning_megatron_fsdp.export import (
+    CheckpointInfo,
+    consolidate_checkpoint,
+    inspect_checkpoint,
+    verify_checkpoint,
+)
+from lightning_megatron_fsdp.manifest import CheckpointError
+
+__all__ = ["build_parser", "main"]
+
+PROG = "lightning-megatron-fsdp"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the console script (exposed for documentation tools)."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Export and inspect lightning-megatron-fsdp checkpoints offline.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    consolidate = commands.add_parser(
+        "consolidate",
+        help="write the full, unsharded weights to one .safetensors or .pt file",
+        description=(
+            "Write a checkpoint's unsharded tensors to OUTPUT, streaming one tensor at a "
+            "time. The suffix chooses the format: .safetensors, or .pt/.pth/.bin for "
+            "torch.save. Keys are the model's parameter names, so the file loads with "
+            "model.load_state_dict into the unsharded model."
+        ),
+    )
+    consolidate.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    consolidate.add_argument("output", metavar="OUTPUT")
+    consolidate.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        help="cast floating-point model tensors (optimizer state keeps its dtype)",
+    )
+    consolidate.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="also export optimizer state, under keys 'optimizer_states.<i>.'",
+    )
+    consolidate.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
+    consolidate.add_argument(
+        "--skip-checksums",
+        action="store_true",
+        help="do not compare sha256 checksums first (sizes and completeness are still checked)",
+    )
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="list tensors (shape, dtype, chunks) and the epoch, step and versions",
+        description=(
+            "Print each tensor's global shape, dtype and number of saved chunks, and the "
+            "Lightning metadata (epoch, global step, versions, world size)."
+        ),
+    )
+    inspect.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    inspect.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    inspect.add_argument(
+        "--verify",
+        action="store_true",
+        help="also check completeness, file sizes and sha256 checksums; exit 1 on problems",
+    )
+    inspect.add_argument(
+        "--skip-checksums",
+        action="store_true",
+        help="with --verify: check sizes and completeness but not sha256",
+    )
+    return parser
+
+
+def _format_bytes(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _print_table(info: CheckpointInfo, out: TextIO) -> None:
+    data = info.to_json()
+    fields: list[tuple[str, Any]] = [
+        ("checkpoint", data["path"]),
+        ("format", f"{data['format']} v{data['format_version']}" if data["format"] else None),
+        ("epoch", data["epoch"]),
+        ("global_step", data["global_step"]),
+        ("world_size", data["world_size"]),
+        ("mesh", data["mesh"]),
+        ("versions", ", ".join(f"{k} {v}" for k, v in data["versions"].items()) or None),
+    ]
+    for name, value in fields:
+        print(f"{name:<12} {'unknown' if value is None else value}", file=out)
+    for note in info.notes:
+        print(f"{'note':<12} {note}", file=out)
+    rows = [
+        (t.key, str(t.shape), str(t.dtype).removeprefix("torch."), t.chunks) for t in info.tensors
+    ]
+    header = ("key", "shape", "dtype", "chunks")
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(3)]
+    print("", file=out)
+    for key, shape, dtype, chunks in [header, *rows]:
+        print(
+            f"{key:<{widths[0]}}  {shape:<{widths[1]}}  {dtype:<{widths[2]}}  {chunks}",
+            file=out,
+        )
+    total = sum(t.nbytes for t in info.tensors)
+    elements = sum(t.numel for t in info.tensors)
+    print(
+        f"\n{len(info.tensors)} tensors, {elements:,} elements ({_format_bytes(total)}); "
+        f"{len(info.objects)} non-tensor entries",
+        file=out,
+    )
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    info: CheckpointInfo | None = None
+    error: CheckpointError | None = None
+    try:
+        info = inspect_checkpoint(args.checkpoint)
+    except CheckpointError as err:
+        error = err
+    problems = (
+        verify_checkpoint(args.checkpoint, checksums=not args.skip_checksums)
+        if args.verify
+        else None
+    )
+    if error is not None and problems is None:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        data: dict[str, Any] = info.to_json() if info is not None else {"path": args.checkpoint}
+        if error is not None:
+            data["error"] = str(error)
+        if problems is not None:
+            data["verify"] = {"ok": not problems, "problems": problems}
+        print(json.dumps(data, indent=2))
+    else:
+        if info is not None:
+            _print_table(info, sys.stdout)
+        if problems is not None:
+            gap = "\n" if info is not None else ""
+            if problems:
+                print(f"{gap}verify: FAILED, {len(problems)} problems:", file=sys.stdout)
+                for problem in problems:
+                    print(f"  - {problem}", file=sys.stdout)
+            else:
+                what = "sizes" if args.skip_checksums else "sizes and sha256 checksums"
+                print(
+                    f"{gap}verify: OK (complete; every file matches manifest.json {what}; "
+                    "every tensor's chunks tile it exactly once)",
+                    file=sys.stdout,
+                )
+    return 1 if (error is not None or problems) else 0
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    try:
+        output = consolidate_checkpoint(
+            args.checkpoint,
+            args.output,
+            args.dtype,
+            include_optimizer=args.optimizer,
+            overwrite=args.overwrite,
+            verify_checksums=not args.skip_checksums,
+        )
+    except (CheckpointError, OSError, ValueError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {output} ({_format_bytes(output.stat().st_size)})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the console script.
+
+    Args:
+        argv: Arguments without the program name; ``None`` reads ``sys.argv[1:]``.
+
+    Returns:
+        The exit status (0 success, 1 rejected input or failed verification).
+    """
+    args = build_parser().parse_args(argv)
+    if args.command == "consolidate":
+        return _consolidate(args)
+    return _inspect(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

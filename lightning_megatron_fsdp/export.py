@@ -1,0 +1,1099 @@
+"""Offline export and inspection of lightning-megatron-fsdp checkpoints.
+
+Problem: a checkpoint is a directory of DCP shard files whose chunks follow
+Megatron-FSDP's packed layout (a rank may hold all rows of one parameter and none of the
+next), plus ``meta.pt`` and ``manifest.json`` (see docs/DESIGN.md, "On-disk format").
+Deploying the weights, or looking at what a run saved, should need neither the training
+job's world size, nor a process group, nor a GPU, nor memory for the whole model.
+
+How: DCP's ``.metadata`` records every tensor's global shape and where each saved chunk
+lies (file, byte range, offsets in the global tensor). :func:`consolidate_checkpoint`
+checks that metadata against the manifest (read and size/sha256-checked by
+:mod:`lightning_megatron_fsdp.manifest`, as the loader does) and against the files on
+disk, and that every tensor's chunks tile it exactly once; then, for one tensor at
+a time, allocates only that full tensor and has ``dcp.load(..., no_dist=True)`` (no
+process group) plan its reads: only that tensor's chunks, each read straight into place
+(:class:`_StreamingReader`). It then appends the tensor's bytes to the output, casting in
+small blocks if asked. Peak memory is the largest tensor plus a few MiB, not the model
+(``benchmarks/bench_consolidate_memory.py``: 1.2x the largest tensor, 1.5x with a cast)::
+
+    checkpoint dir                         output file (written to a temp file, renamed)
+    .metadata ----------- shapes, dtypes ->  header: every key, shape, dtype, offset
+    __0_0.distcp  [emb rows 0-10][fc r0-1]   then, tensor by tensor:
+    __1_0.distcp  [fc rows 2-3][out ...]       emb  = chunks from __0_0      -> bytes
+                                               fc   = chunks from __0_0, __1_0 -> bytes
+                                               ...  (one full tensor in memory at a time)
+
+Output formats, chosen by the output suffix:
+
+* ``.safetensors``: written here, streaming: the header (8-byte little-endian length,
+  JSON with dtype, shape and byte range per tensor) is known from ``.metadata`` before any
+  data is read, so tensors are appended one by one. Largest element size first, so every
+  tensor is aligned to its element size.
+* ``.pt`` / ``.pth`` / ``.bin``: a regular ``torch.save`` zip file. The skeleton (pickle of
+  every key, shape and dtype, and a reserved record per tensor) is written by
+  ``torch.save`` itself under ``torch.serialization.skip_data`` from fake tensors; each
+  record is then filled in place, and the zip CRC-32 fields ``skip_data`` leaves at zero
+  are patched, so ``unzip -t`` and ``zipfile`` accept the file, not only ``torch.load``.
+
+Output keys are the model's FQNs (the ``state_dict.`` DCP prefix stripped), so
+``model.load_state_dict(torch.load(path))`` works on the unsharded ``LightningModule``.
+A tied parameter appears under each of its FQNs, as in a plain ``state_dict()``, as
+separate copies of equal value. Optimizer state is exported only on request, under its
+DCP key (``optimizer_states.<i>.state.<fqn>.<name>``; see :data:`OPTIMIZER_PREFIX`);
+non-tensor optimizer entries (``optimizer_states.<i>.param_groups.<j>.<name>``) are plain
+Python values in a ``.pt`` file and JSON strings in the safetensors ``__metadata__``.
+
+Alternatives rejected:
+    * ``dcp.format_utils.dcp_to_torch_save``: loads the whole checkpoint into memory.
+    * ``safetensors.torch.save_file``: needs every tensor in memory at once.
+    * ``torch.save`` of tensors backed by ``torch.from_file`` memory maps: every mapped
+      page touched stays resident, so peak RSS grows to the model size again.
+    * Writing the ``torch.save`` zip and pickle by hand: a second copy of torch's format
+      that would drift; ``skip_data`` lets torch write its own format.
+
+Only open checkpoints you trust: DCP's ``.metadata`` and its non-tensor entries are
+pickles. ``meta.pt`` is read with ``weights_only=True`` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import struct
+import sys
+import uuid
+import warnings
+import zipfile
+import zlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.utils import _create_file_view
+from torch.futures import Future
+
+from lightning_megatron_fsdp.manifest import (
+    DCP_METADATA_FILE,
+    FORMAT_NAME,
+    MANIFEST_FILE,
+    META_FILE,
+    CheckpointCorruptedError,
+    Manifest,
+    NotACheckpointError,
+    TensorSpec,
+    check_files,
+    read_manifest,
+)
+
+__all__ = [
+    "MODEL_PREFIX",
+    "OPTIMIZER_PREFIX",
+    "CheckpointInfo",
+    "TensorInfo",
+    "consolidate_checkpoint",
+    "inspect_checkpoint",
+    "verify_checkpoint",
+]
+
+MODEL_PREFIX = "state_dict."
+"""DCP key prefix of model tensors; stripped in consolidated output."""
+
+OPTIMIZER_PREFIX = "optimizer_states."
+"""DCP (and consolidated output) key prefix of optimizer state, ``optimizer_states.<i>.``."""
+
+_DTYPE_ALIASES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+_SAFETENSORS_SUFFIX = ".safetensors"
+
+_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+}
+
+_WRITE_BLOCK = 8 << 20
+# Problems of one kind in one file are summarised after this many, so a truncated shard
+# of a large model yields a readable report rather than one line per chunk.
+_MAX_EXAMPLES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a checkpoint, as DCP's ``.metadata`` records it.
+
+    Args:
+        key: DCP key, e.g. ``state_dict.embed.weight``.
+        shape: Global (unsharded) shape.
+        dtype: Saved dtype.
+        chunks: Number of saved chunks that together tile the tensor.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: int
+
+    def __post_init__(self) -> None:
+        if any(size < 0 for size in self.shape):
+            raise ValueError(f"TensorInfo {self.key!r}: negative size in shape {self.shape}.")
+        if self.chunks < 0:
+            raise ValueError(f"TensorInfo {self.key!r}: chunks must be >= 0, got {self.chunks}.")
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the full tensor."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the full tensor in its saved dtype."""
+        return self.numel * self.dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready form: key, shape (list), dtype (``"float32"``), chunks."""
+        return {
+            "key": self.key,
+            "shape": list(self.shape),
+            "dtype": _dtype_name(self.dtype),
+            "chunks": self.chunks,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """What :func:`inspect_checkpoint` found in a checkpoint directory.
+
+    Args:
+        path: The checkpoint directory.
+        tensors: Every tensor: model entries in saved state-dict order, then optimizer state.
+        objects: DCP keys of non-tensor entries (optimizer hyper-parameters, ...).
+        manifest: The parsed ``manifest.json``, ``None`` if missing or unreadable.
+        meta: The plain-value entries of ``meta.pt`` (epoch, global_step,
+            ``pytorch-lightning_version``, ...), ``None`` if it could not be read safely.
+        notes: Human-readable remarks (a missing manifest, an unreadable ``meta.pt``).
+    """
+
+    path: Path
+    tensors: tuple[TensorInfo, ...]
+    objects: tuple[str, ...]
+    manifest: Manifest | None
+    meta: Mapping[str, Any] | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def epoch(self) -> int | None:
+        """Epoch recorded at save time, from the manifest or else ``meta.pt``."""
+        if self.manifest is not None and self.manifest.epoch is not None:
+            return self.manifest.epoch
+        return (self.meta or {}).get("epoch")
+
+    @property
+    def global_step(self) -> int | None:
+        """Optimizer steps taken at save time, from the manifest or else ``meta.pt``."""
+        if self.manifest is not None and self.manifest.global_step is not None:
+            return self.manifest.global_step
+        return (self.meta or {}).get("global_step")
+
+    @property
+    def world_size(self) -> int | None:
+        """Number of ranks that wrote the checkpoint, ``None`` without a manifest."""
+        return None if self.manifest is None else self.manifest.world_size
+
+    @property
+    def versions(self) -> dict[str, str]:
+        """Package versions that wrote the checkpoint (manifest, else ``meta.pt``)."""
+        versions = {} if self.manifest is None else dict(self.manifest.versions)
+        lightning = (self.meta or {}).get("pytorch-lightning_version")
+        if lightning is not None and "lightning" not in versions:
+            versions["lightning"] = str(lightning)
+        return versions
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready summary (what ``lightning-megatron-fsdp inspect --json`` prints)."""
+        return {
+            "path": str(self.path),
+            "format": None if self.manifest is None else FORMAT_NAME,
+            "format_version": None if self.manifest is None else self.manifest.format_version,
+            "epoch": self.epoch,
+            "global_step": self.global_step,
+            "world_size": self.world_size,
+            "mesh": None if self.manifest is None else self.manifest.mesh,
+            "versions": self.versions,
+            "meta": None if self.meta is None else dict(self.meta),
+            "tensors": [tensor.to_json() for tensor in self.tensors],
+            "objects": list(self.objects),
+            "notes": list(self.notes),
+        }
+
+
+# ---------------------------------------------------------------------------------------
+# Reading and checking a checkpoint directory (manifest.py owns the manifest itself)
+# ---------------------------------------------------------------------------------------
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _read_metadata(path: Path) -> Metadata:
+    """Parse ``<path>/.metadata``.
+
+    Raises:
+        CheckpointCorruptedError: If it is missing or does not parse as DCP metadata.
+    """
+    if not (path / DCP_METADATA_FILE).is_file():
+        raise CheckpointCorruptedError(
+            f"{DCP_METADATA_FILE}: missing. Every checkpoint has this DCP index of its "
+            "tensors; without it no tensor can be located."
+        )
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # a pickle of unknown content can raise anything
+        raise CheckpointCorruptedError(
+            f"{DCP_METADATA_FILE}: unreadable as DCP metadata ({type(err).__name__}: {err}); "
+            "the file is corrupt or was not written by torch.distributed.checkpoint."
+        ) from err
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointCorruptedError(
+            f"{DCP_METADATA_FILE}: holds {type(metadata).__name__}, expected torch DCP "
+            "Metadata with the storage index FileSystemWriter records."
+        )
+    return metadata
+
+
+def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The plain-value top-level entries of ``meta.pt``, or ``None`` and why not.
+
+    ``weights_only=True``: inspecting a checkpoint must not run code from it. Lightning's
+    ``hyper_parameters`` may hold arbitrary objects; then the scalars come from the
+    manifest alone.
+    """
+    file = path / META_FILE
+    if not file.is_file():
+        return None, f"{META_FILE}: missing."
+    try:
+        meta = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # UnpicklingError, RuntimeError, ... depending on content
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        return None, (
+            f"{META_FILE}: not readable with weights_only=True ({type(err).__name__}: "
+            f"{first_line}); epoch and step come from {MANIFEST_FILE} alone."
+        )
+    if not isinstance(meta, dict):
+        return None, f"{META_FILE}: holds a {type(meta).__name__}, expected a dict."
+    plain = (bool, int, float, str, type(None))
+    return {str(key): value for key, value in meta.items() if isinstance(value, plain)}, None
+
+
+def _file_sizes(path: Path) -> dict[str, int]:
+    """Size of every regular file directly inside ``path``."""
+    with os.scandir(path) as entries:
+        return {entry.name: entry.stat().st_size for entry in entries if entry.is_file()}
+
+
+def _summarise(prefix: str, examples: list[str]) -> str:
+    shown = "; ".join(examples[:_MAX_EXAMPLES])
+    more = f" (and {len(examples) - _MAX_EXAMPLES} more)" if len(examples) > _MAX_EXAMPLES else ""
+    return f"{prefix}: {shown}{more}"
+
+
+def _storage_problems(
+    metadata: Metadata, sizes: Mapping[str, int], listed: set[str] | None
+) -> list[str]:
+    """Every stored item lies inside an existing file that the manifest lists.
+
+    A missing file the manifest lists is already reported by ``check_files``.
+    """
+    missing: dict[str, list[str]] = {}
+    past_end: dict[str, list[str]] = {}
+    for index, info in metadata.storage_data.items():
+        name = info.relative_path
+        if name not in sizes:
+            if listed is None or name not in listed:
+                missing.setdefault(name, []).append(repr(index.fqn))
+        elif info.offset < 0 or info.length < 0 or info.offset + info.length > sizes[name]:
+            past_end.setdefault(name, []).append(
+                f"{index.fqn!r} at bytes [{info.offset}, {info.offset + info.length})"
+            )
+    problems = [
+        _summarise(f"{name}: missing; {DCP_METADATA_FILE} stores {len(keys)} items there", keys)
+        for name, keys in sorted(missing.items())
+    ]
+    problems += [
+        _summarise(
+            f"{name}: {len(items)} items lie past its end ({sizes[name]} bytes; truncated)",
+            items,
+        )
+        for name, items in sorted(past_end.items())
+    ]
+    if listed is not None:
+        referenced = {info.relative_path for info in metadata.storage_data.values()}
+        problems += [
+            f"{name}: {DCP_METADATA_FILE} stores data there but {MANIFEST_FILE} does not list "
+            "it, so its size and checksum cannot be checked."
+            for name in sorted(referenced - listed)
+        ]
+    return problems
+
+
+def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
+    return all(
+        max(ao, bo) < min(ao + asz, bo + bsz)
+        for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
+    )
+
+
+def _tiling_problem(key: str, md: TensorStorageMetadata, stored: set[Any]) -> str | None:
+    """Why the saved chunks of ``key`` do not tile its global shape exactly once, if so.
+
+    A gap would leave uninitialised memory in a consolidated tensor, and an overlap means
+    two writers disagree about who owns which rows; both are corrupt checkpoints.
+    """
+    shape = tuple(md.size)
+    for chunk in md.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            return f"chunk at {offsets} has a different rank than shape {shape}"
+        if any(o < 0 or o + n > s for o, n, s in zip(offsets, sizes, shape, strict=True)):
+            return f"chunk at offsets {offsets} with sizes {sizes} lies outside shape {shape}"
+        if (key, offsets) not in stored:
+            return f"chunk at offsets {offsets} has no stored data"
+    # Sweep along dim 0: only chunks whose dim-0 ranges meet can overlap, so Megatron-FSDP's
+    # row-range chunks cost O(n log n) rather than O(n^2).
+    chunks = sorted((c for c in md.chunks if math.prod(c.sizes)), key=lambda c: tuple(c.offsets))
+    if not shape and len(chunks) > 1:
+        return f"{len(chunks)} chunks for a 0-dim tensor"
+    for i, chunk in enumerate(chunks if shape else ()):
+        for other in chunks[i + 1 :]:
+            if other.offsets[0] >= chunk.offsets[0] + chunk.sizes[0]:
+                break
+            if _overlap(chunk, other):
+                return f"chunks at {tuple(chunk.offsets)} and {tuple(other.offsets)} overlap"
+    covered = sum(math.prod(c.sizes) for c in md.chunks)
+    if covered != math.prod(shape):
+        return f"chunks cover {covered} of its {math.prod(shape)} elements"
+    return None
+
+
+def _tiling_problems(metadata: Metadata) -> list[str]:
+    stored = {(index.fqn, tuple(index.offset or ())) for index in metadata.storage_data}
+    problems = []
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            problem = _tiling_problem(key, md, stored)
+            if problem is not None:
+                problems.append(f"{DCP_METADATA_FILE}: tensor {key!r}: {problem}.")
+        elif (key, ()) not in stored:
+            problems.append(f"{DCP_METADATA_FILE}: entry {key!r} has no stored data.")
+    return problems
+
+
+def _metadata_fingerprints(
+    metadata: Metadata,
+) -> tuple[dict[str, TensorSpec], dict[int, dict[str, TensorSpec]]]:
+    """The model and per-optimizer fingerprints ``.metadata`` implies, keyed as in the
+    manifest (``fqn``; ``"<fqn>/<state>"``).
+
+    DCP's ``planner_data`` maps each flat key back to its path in the saved dict, e.g.
+    ``("optimizer_states", 0, "state", "embed.weight", "exp_avg")``, which splits FQNs
+    from state names without guessing at dots.
+    """
+    paths: Mapping[str, Any] = metadata.planner_data or {}
+    model: dict[str, TensorSpec] = {}
+    optimizers: dict[int, dict[str, TensorSpec]] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        spec = (
+            TensorSpec(tuple(md.size), _dtype_name(md.properties.dtype))
+            if isinstance(md, TensorStorageMetadata)
+            else TensorSpec(None, None)
+        )
+        path = tuple(paths.get(key, ()))
+        if not path and key.startswith(MODEL_PREFIX):
+            path = ("state_dict", key[len(MODEL_PREFIX) :])
+        if len(path) >= 2 and path[0] == "state_dict":
+            # A nested, non-tensor value (``_extra_state``) is flattened further by DCP.
+            model[str(path[1])] = spec if len(path) == 2 else TensorSpec(None, None)
+        elif len(path) == 5 and path[0] == "optimizer_states" and path[2] == "state":
+            optimizers.setdefault(int(path[1]), {})[f"{path[3]}/{path[4]}"] = spec
+    return model, optimizers
+
+
+def _compare(
+    recorded: Mapping[str, TensorSpec], found: Mapping[str, TensorSpec], what: str
+) -> list[str]:
+    lines = [
+        f"{key!r} is {recorded[key].describe() if key in recorded else 'absent'} in "
+        f"{MANIFEST_FILE} but {found[key].describe() if key in found else 'absent'} in "
+        f"{DCP_METADATA_FILE}"
+        for key in sorted(set(recorded) | set(found))
+        if recorded.get(key) != found.get(key)
+    ]
+    if not lines:
+        return []
+    return [
+        _summarise(f"{what} fingerprint disagrees with the saved data ({len(lines)} keys)", lines)
+    ]
+
+
+def _fingerprint_problems(manifest: Manifest, metadata: Metadata) -> list[str]:
+    """The manifest's fingerprints describe the tensors ``.metadata`` indexes (one save)."""
+    model, optimizers = _metadata_fingerprints(metadata)
+    problems = _compare(manifest.fingerprint, model, "model")
+    for i in range(max(len(manifest.optimizer_fingerprints), max(optimizers, default=-1) + 1)):
+        recorded = (
+            manifest.optimizer_fingerprints[i] if i < len(manifest.optimizer_fingerprints) else {}
+        )
+        problems += _compare(recorded, optimizers.get(i, {}), f"optimizer {i}")
+    return problems
+
+
+def _ordered_keys(metadata: Metadata, manifest: Manifest | None) -> list[str]:
+    """``.metadata``'s keys in state-dict order: model entries, then each optimizer's,
+    then the rest. DCP's own order depends on which rank wrote what; the manifest's
+    fingerprints keep the order of the state dicts that were saved.
+    """
+    rank: dict[str, int] = {}
+    if manifest is not None:
+        for fqn in manifest.fingerprint:
+            rank.setdefault(MODEL_PREFIX + fqn, len(rank))
+        for i, fingerprint in enumerate(manifest.optimizer_fingerprints):
+            for key in fingerprint:
+                fqn, _, name = key.rpartition("/")
+                rank.setdefault(f"{OPTIMIZER_PREFIX}{i}.state.{fqn}.{name}", len(rank))
+
+    def order(key: str) -> tuple[int, int, str]:
+        group = 0 if key.startswith(MODEL_PREFIX) else 1 if key.startswith(OPTIMIZER_PREFIX) else 2
+        return (group, rank.get(key, len(rank)), key)
+
+    return sorted(metadata.state_dict_metadata, key=order)
+
+
+@dataclasses.dataclass
+class _Checked:
+    """Result of checking a directory: the problems, and whatever parsed along the way."""
+
+    problems: list[str]
+    metadata: Metadata | None = None
+    manifest: Manifest | None = None
+
+
+def _check(path: Path, *, checksums: bool) -> _Checked:
+    """Collect every problem of ``path`` as a checkpoint (see :func:`verify_checkpoint`)."""
+    try:
+        manifest: Manifest | None = read_manifest(path)
+    except NotACheckpointError as err:
+        if not path.is_dir():
+            return _Checked([str(err)])
+        manifest, problems = None, [str(err)]
+    else:
+        problems = []
+    sizes = _file_sizes(path)
+    listed_missing: set[str] = set()
+    if manifest is not None:
+        hashed = sorted(manifest.files) if checksums else None
+        try:
+            problems += check_files(path, manifest, checksum_files=hashed)
+        except OSError as err:
+            problems.append(f"cannot read a file: {type(err).__name__}: {err}")
+        listed_missing = {name for name in manifest.files if name not in sizes}
+    metadata = None
+    if DCP_METADATA_FILE not in listed_missing:  # else check_files said so already
+        try:
+            metadata = _read_metadata(path)
+        except CheckpointCorruptedError as err:
+            problems.append(str(err))
+    if metadata is not None:
+        listed = None if manifest is None else set(manifest.files)
+        problems += _storage_problems(metadata, sizes, listed)
+        problems += _tiling_problems(metadata)
+        if manifest is not None:
+            problems += _fingerprint_problems(manifest, metadata)
+    if manifest is None and META_FILE not in sizes:
+        problems.append(f"{META_FILE}: missing; every complete checkpoint has one.")
+    return _Checked(problems, metadata, manifest)
+
+
+def verify_checkpoint(
+    checkpoint_dir: str | os.PathLike[str], *, checksums: bool = True
+) -> list[str]:
+    """Check a checkpoint's completeness and integrity offline, reading only files.
+
+    Checks that ``manifest.json`` parses; that every file it lists exists with the
+    recorded size and (when ``checksums``) sha256; that ``.metadata`` parses, that every
+    item it stores lies inside an existing file the manifest lists, and that every
+    tensor's chunks tile its global shape exactly once; and that the manifest's model and
+    optimizer fingerprints describe the tensors ``.metadata`` indexes.
+
+    Needs no process group and no GPU. With ``checksums`` it reads every file once.
+
+    Args:
+        checkpoint_dir: The checkpoint directory.
+        checksums: Also compare sha256 digests; sizes are always checked.
+
+    Returns:
+        One line per problem, each naming the file (relative to ``checkpoint_dir``) and
+        key concerned; empty if the checkpoint is complete and intact.
+    """
+    return _check(Path(checkpoint_dir), checksums=checksums).problems
+
+
+def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> CheckpointInfo:
+    """Describe a checkpoint: every tensor's global shape, dtype and chunk count, and the
+    Lightning metadata (epoch, step, versions, world size).
+
+    Works on an incomplete directory too (a missing manifest becomes a note), as long as
+    ``.metadata`` is readable; :func:`verify_checkpoint` checks integrity. Reads
+    ``.metadata``, ``manifest.json`` and ``meta.pt`` only, no tensor data.
+
+    Args:
+        checkpoint_dir: The checkpoint directory.
+
+    Returns:
+        The description.
+
+    Raises:
+        NotACheckpointError: If the directory is missing, or has neither a manifest nor
+            ``.metadata``.
+        CheckpointCorruptedError: If it has a manifest but no readable ``.metadata``.
+    """
+    path = Path(checkpoint_dir)
+    notes = []
+    try:
+        manifest: Manifest | None = read_manifest(path)
+    except NotACheckpointError as err:
+        if not path.is_dir() or not (path / DCP_METADATA_FILE).exists():
+            raise
+        manifest = None
+        notes.append(str(err))
+    metadata = _read_metadata(path)
+    meta, meta_note = _read_meta(path)
+    if meta_note is not None:
+        notes.append(meta_note)
+    tensors = []
+    objects = []
+    for key in _ordered_keys(metadata, manifest):
+        md = metadata.state_dict_metadata[key]
+        if isinstance(md, TensorStorageMetadata):
+            tensors.append(TensorInfo(key, tuple(md.size), md.properties.dtype, len(md.chunks)))
+        else:
+            objects.append(key)
+    return CheckpointInfo(path, tuple(tensors), tuple(objects), manifest, meta, tuple(notes))
+
+
+# ---------------------------------------------------------------------------------------
+# Consolidation
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One output entry: the DCP key it comes from and the name and dtype it gets."""
+
+    key: str
+    name: str
+    metadata: TensorStorageMetadata | BytesStorageMetadata
+    dtype: torch.dtype | None  # output dtype; None for non-tensor entries
+
+    def __post_init__(self) -> None:
+        if (self.dtype is None) != isinstance(self.metadata, BytesStorageMetadata):
+            raise AssertionError(f"_Entry {self.key!r}: dtype must be set exactly for tensors.")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        assert isinstance(self.metadata, TensorStorageMetadata)
+        return tuple(self.metadata.size)
+
+    @property
+    def nbytes(self) -> int:
+        assert self.dtype is not None
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class _StreamingReader(FileSystemReader):
+    """``FileSystemReader`` that reuses parsed metadata and reads chunks into place.
+
+    ``dcp.load`` still plans every read (which stored chunk lands where); only the byte
+    copy differs. DCP's reader ``torch.load``s each stored chunk into a new tensor and
+    copies it into the target, so a tensor saved whole by one rank costs twice its size.
+    Here each chunk's layout is read with ``torch.load(map_location="meta")`` (no data;
+    torch reports where the storage bytes start), and the bytes are read with
+    ``readinto`` straight into the target's memory. Anything else (a stream transform,
+    a dtype change, a non-contiguous region) goes through DCP's own path unchanged.
+
+    It also returns the metadata it was given instead of re-reading ``.metadata``, which
+    ``dcp.load`` would otherwise unpickle once per tensor.
+    """
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(str(path))
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
+        fallback = []
+        for relative_path, items in per_file.items():
+            with open(os.path.join(self.path, relative_path), "rb") as stream:
+                fallback += [item for item in items if not self._read_into(stream, item, planner)]
+        if fallback:
+            return super().read_data(dataclasses.replace(plan, items=fallback), planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_into(self, stream: IO[bytes], item: ReadItem, planner: LoadPlanner) -> bool:
+        """Read ``item``'s bytes straight into its target; ``False`` if it cannot."""
+        info = self.storage_data[item.storage_index]
+        if item.type != LoadItemType.TENSOR or info.transform_descriptors:
+            return False
+        view = _create_file_view(stream, info.offset, info.length)
+        stored = torch.load(view, map_location="meta", weights_only=True)
+        offset = getattr(stored.untyped_storage(), "_checkpoint_offset", None)
+        source = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if (
+            offset is None
+            or sys.byteorder != "little"
+            or source.dtype != target.dtype
+            or source.shape != target.shape
+            or not source.is_contiguous()
+            or not target.is_contiguous()
+        ):
+            return False
+        nbytes = target.numel() * target.element_size()
+        start = info.offset + offset + source.storage_offset() * source.element_size()
+        if nbytes:
+            stream.seek(start)
+            read = stream.readinto(_raw_bytes(target))  # type: ignore[attr-defined]
+            if read != nbytes:
+                raise CheckpointCorruptedError(
+                    f"{os.path.join(self.path, info.relative_path)}: {item.storage_index.fqn!r} "
+                    f"needs bytes [{start}, {start + nbytes}) but the file ends first; the "
+                    "file is truncated."
+                )
+        planner.commit_tensor(item, target)
+        return True
+
+
+def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or dtype in _DTYPE_ALIASES.values():
+        return dtype  # type: ignore[return-value]
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[dtype.lower()]
+    raise ValueError(
+        f"consolidate_checkpoint: dtype={dtype!r} is not supported; expected None (keep the "
+        f"saved dtypes), torch.float32/bfloat16/float16, or one of {sorted(_DTYPE_ALIASES)}."
+    )
+
+
+def _output_format(output: Path) -> str:
+    suffix = output.suffix.lower()
+    if suffix == _SAFETENSORS_SUFFIX:
+        return "safetensors"
+    if suffix in _TORCH_SUFFIXES:
+        return "torch"
+    raise ValueError(
+        f"consolidate_checkpoint: output {output} has suffix {output.suffix!r}; expected "
+        f"{_SAFETENSORS_SUFFIX} for safetensors or one of {', '.join(_TORCH_SUFFIXES)} for "
+        "torch.save. The suffix chooses the format."
+    )
+
+
+def _check_output(output: Path, checkpoint: Path, *, overwrite: bool) -> None:
+    """Refuse outputs we must not write, before anything is read or written."""
+    if output.is_dir():
+        raise IsADirectoryError(
+            f"consolidate_checkpoint: output {output} is a directory; expected a file path."
+        )
+    if output.exists() and not overwrite:
+        raise FileExistsError(
+            f"consolidate_checkpoint: output {output} already exists; nothing was written. "
+            "Pass overwrite=True (--overwrite) to replace it, or choose another path."
+        )
+    if not output.parent.is_dir():
+        raise FileNotFoundError(
+            f"consolidate_checkpoint: the output's directory {output.parent} does not exist; "
+            "create it first."
+        )
+    if checkpoint.is_dir() and output.parent.resolve() == checkpoint.resolve():
+        raise ValueError(
+            f"consolidate_checkpoint: output {output} lies inside the checkpoint directory; a "
+            "new file there would make the checkpoint fail verification. Write it elsewhere."
+        )
+
+
+def _select_entries(
+    checked: _Checked, dtype: torch.dtype | None, *, include_optimizer: bool, path: Path
+) -> list[_Entry]:
+    """The entries to export, in state-dict order, with their output names and dtypes."""
+    metadata = checked.metadata
+    if metadata is None:
+        raise AssertionError("_select_entries: a checked checkpoint has parsed metadata.")
+    entries = []
+    for key in _ordered_keys(metadata, checked.manifest):
+        md = metadata.state_dict_metadata[key]
+        if key.startswith(MODEL_PREFIX):
+            name = key[len(MODEL_PREFIX) :]
+            cast = dtype
+        elif include_optimizer and key.startswith(OPTIMIZER_PREFIX):
+            # Optimizer state keeps its saved dtype: rounding Adam's moments or step count
+            # to bf16 would change what a resumed optimizer does.
+            name, cast = key, None
+        else:
+            continue
+        if isinstance(md, TensorStorageMetadata):
+            saved = md.properties.dtype
+            out = cast if cast is not None and saved.is_floating_point else saved
+            entries.append(_Entry(key, name, md, out))
+        else:
+            entries.append(_Entry(key, name, md, None))
+    if not any(e.key.startswith(MODEL_PREFIX) for e in entries):
+        raise NotACheckpointError(
+            f"{path / DCP_METADATA_FILE}: no model tensors (keys starting with "
+            f"{MODEL_PREFIX!r}); expected a checkpoint written by MegatronFSDPCheckpointIO."
+        )
+    if include_optimizer and not any(e.key.startswith(OPTIMIZER_PREFIX) for e in entries):
+        raise ValueError(
+            f"{path / DCP_METADATA_FILE}: no optimizer state (keys starting with "
+            f"{OPTIMIZER_PREFIX!r}); the checkpoint was saved weights-only. Export without "
+            "include_optimizer (--optimizer)."
+        )
+    names = [e.name for e in entries]
+    if len(set(names)) != len(names):
+        clash = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(
+            f"consolidate_checkpoint: output keys {clash[:3]} would appear twice (a model "
+            f"FQN starting with {OPTIMIZER_PREFIX!r}); export without include_optimizer."
+        )
+    return entries
+
+
+@contextlib.contextmanager
+def _quiet_no_dist() -> Iterator[None]:
+    """Silence DCP's warning that there is no process group: that is the point here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is .*", category=UserWarning)
+        yield
+
+
+def _load_tensor(reader: _StreamingReader, entry: _Entry) -> torch.Tensor:
+    """Read one full tensor, in its saved dtype, from its chunks: the only full copy.
+
+    Every chunk is read straight into place (:class:`_StreamingReader`), so this costs
+    the tensor's size and no transient copy.
+    """
+    assert isinstance(entry.metadata, TensorStorageMetadata)
+    target = torch.empty(entry.shape, dtype=entry.metadata.properties.dtype)
+    with _quiet_no_dist():
+        dcp.load({entry.key: target}, storage_reader=reader, no_dist=True)
+    return target
+
+
+def _write_tensor(stream: IO[bytes], tensor: torch.Tensor, dtype: torch.dtype) -> int:
+    """Append ``tensor`` cast to ``dtype`` to ``stream``; return the CRC-32 of its bytes.
+
+    Casts and writes in blocks of about ``_WRITE_BLOCK`` bytes, so a cast never holds a
+    second full copy of the tensor.
+    """
+    flat = tensor.reshape(-1)
+    step = max(1, _WRITE_BLOCK // max(tensor.element_size(), dtype.itemsize))
+    crc = 0
+    for start in range(0, flat.numel(), step):
+        block = _raw_bytes(flat[start : start + step].to(dtype))
+        if stream.write(block) != len(block):
+            raise OSError(f"short write to {getattr(stream, 'name', stream)}")
+        crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _load_object(reader: _StreamingReader, entry: _Entry) -> Any:
+    holder: dict[str, Any] = {entry.key: None}
+    with _quiet_no_dist():
+        dcp.load(holder, storage_reader=reader, no_dist=True)
+    return holder[entry.key]
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in native (little-endian) order, without a copy."""
+    flat = tensor.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def _write_safetensors(
+    stream: IO[bytes], entries: list[_Entry], reader: _StreamingReader, objects: dict[str, Any]
+) -> None:
+    """Stream ``entries`` into ``stream`` in the safetensors format.
+
+    Format: ``<u64 little-endian N><N bytes of JSON header><data>``; the header maps each
+    name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` relative to the data, and
+    ``__metadata__`` to string pairs. Offsets must tile the data exactly.
+    """
+    if sys.byteorder != "little":
+        raise NotImplementedError("safetensors export needs a little-endian machine.")
+    tensors = [e for e in entries if e.dtype is not None]
+    # Largest element first: with an 8-byte-aligned header every tensor is then aligned to
+    # its element size, which zero-copy loaders expect.
+    tensors.sort(key=lambda e: -e.dtype.itemsize)  # type: ignore[union-attr]
+    header: dict[str, Any] = {}
+    offset = 0
+    for entry in tensors:
+        assert entry.dtype is not None
+        code = _SAFETENSORS_DTYPES.get(entry.dtype)
+        if code is None:
+            raise ValueError(
+                f"consolidate_checkpoint: tensor {entry.key!r} has dtype {entry.dtype}, which "
+                "safetensors cannot store; export to .pt instead."
+            )
+        header[entry.name] = {
+            "dtype": code,
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
+        offset += entry.nbytes
+    metadata = {"format": "pt"}
+    for name, value in objects.items():
+        try:
+            metadata[name] = json.dumps(value)
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"consolidate_checkpoint: entry {name!r} is a {type(value).__name__}, which "
+                "neither safetensors nor its JSON metadata can hold; export to .pt instead."
+            ) from err
+    header["__metadata__"] = metadata
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    stream.write(struct.pack("<Q", len(encoded)))
+    stream.write(encoded)
+    for entry in tensors:
+        assert entry.dtype is not None
+        _write_tensor(stream, _load_tensor(reader, entry), entry.dtype)
+
+
+def _write_torch(
+    path: Path, entries: list[_Entry], reader: _StreamingReader, objects: dict[str, Any]
+) -> None:
+    """Write ``entries`` to ``path`` as a ``torch.save`` file, one tensor in memory at a time.
+
+    ``torch.save`` under ``skip_data`` writes the pickle and reserves each tensor's record
+    from fake tensors (no memory). ``torch.load(map_location="meta")`` of that skeleton
+    reports each storage's byte offset, where the real bytes are then written. The zip
+    CRC-32 that ``skip_data`` leaves at zero is computed while writing and patched in.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    skeleton: dict[str, Any] = {}
+    with FakeTensorMode():
+        for entry in entries:
+            if entry.dtype is None:
+                skeleton[entry.name] = objects[entry.name]
+            else:
+                skeleton[entry.name] = torch.empty(entry.shape, dtype=entry.dtype)
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(skeleton, path)
+    del skeleton
+    # Our own file, whose objects came out of the checkpoint already unpickled.
+    placed = torch.load(path, map_location="meta", weights_only=False)
+    crc_by_offset: dict[int, int] = {}
+    with path.open("r+b") as stream:
+        for entry in entries:
+            if entry.dtype is None:
+                continue
+            meta_tensor = placed[entry.name]
+            storage = meta_tensor.untyped_storage()
+            offset = getattr(storage, "_checkpoint_offset", None)
+            if offset is None or storage.nbytes() != entry.nbytes:
+                raise AssertionError(
+                    f"torch.save skeleton: record of {entry.name!r} has offset {offset} and "
+                    f"{storage.nbytes()} bytes, expected {entry.nbytes}; torch's serialization "
+                    "changed in a way this exporter does not support."
+                )
+            stream.seek(offset)
+            crc = _write_tensor(stream, _load_tensor(reader, entry), entry.dtype)
+            if entry.nbytes:
+                crc_by_offset[offset] = crc
+        _patch_zip_crcs(stream, crc_by_offset)
+
+
+def _patch_zip_crcs(stream: IO[bytes], crc_by_offset: dict[int, int]) -> None:
+    """Write each record's CRC-32 into its data descriptor and central directory entry.
+
+    torch's zip writer sets general-purpose flag bit 3, so the CRC lives in the data
+    descriptor after the payload (``PK\\x07\\x08``, crc, sizes) and in the central
+    directory entry (offset 16), not in the local header.
+    """
+    stream.seek(0)
+    archive = zipfile.ZipFile(stream)  # type: ignore[arg-type]
+    position = archive.start_dir
+    remaining = dict(crc_by_offset)
+    for info in archive.infolist():
+        stream.seek(position)
+        central = stream.read(46)
+        if central[:4] != b"PK\x01\x02":
+            raise AssertionError(f"zip central directory entry expected at {position}.")
+        name_len, extra_len, comment_len = struct.unpack("<3H", central[28:34])
+        stream.seek(info.header_offset)
+        local = stream.read(30)
+        local_name_len, local_extra_len = struct.unpack("<2H", local[26:30])
+        data_offset = info.header_offset + 30 + local_name_len + local_extra_len
+        crc = remaining.pop(data_offset, None)
+        if crc is not None:
+            if info.flag_bits & 0x08:
+                stream.seek(data_offset + info.file_size)
+                if stream.read(4) != b"PK\x07\x08":
+                    raise AssertionError(f"zip data descriptor of {info.filename} not found.")
+                stream.write(struct.pack("<I", crc))
+            else:
+                stream.seek(info.header_offset + 14)
+                stream.write(struct.pack("<I", crc))
+            stream.seek(position + 16)
+            stream.write(struct.pack("<I", crc))
+        position += 46 + name_len + extra_len + comment_len
+    if remaining:
+        raise AssertionError(f"zip records at offsets {sorted(remaining)} not found.")
+
+
+def consolidate_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    output_path: str | os.PathLike[str],
+    dtype: torch.dtype | str | None = None,
+    *,
+    include_optimizer: bool = False,
+    overwrite: bool = False,
+    verify_checksums: bool = True,
+) -> Path:
+    """Write a checkpoint's full, unsharded tensors to one ``.safetensors`` or ``.pt`` file.
+
+    Runs offline in one process: no process group (it issues no collective, so it is also
+    safe on one rank of a running job), no GPU. Streams tensor by tensor, so peak memory
+    is about the largest tensor (casts run in small blocks), whatever the model
+    size. Nothing is written unless the whole export succeeds: the data goes to a hidden
+    temporary file next to ``output_path``, which is renamed into place at the end and
+    removed on any error.
+
+    The output's keys are the model FQNs, so ``model.load_state_dict(torch.load(path))``
+    (or ``safetensors.torch.load_file``) loads it into the unsharded model; see the module
+    docstring for tied weights and the optimizer layout.
+
+    Args:
+        checkpoint_dir: A checkpoint directory written by ``MegatronFSDPCheckpointIO``.
+        output_path: Output file; ``.safetensors`` writes safetensors, ``.pt``, ``.pth``
+            or ``.bin`` writes a ``torch.save`` file.
+        dtype: Cast floating-point model tensors to this dtype (``torch.bfloat16`` or
+            ``"bf16"``, ``"fp16"``, ``"fp32"``); ``None`` keeps the saved dtypes.
+            Integer tensors and optimizer state are never cast.
+        include_optimizer: Also export optimizer state under ``optimizer_states.<i>.``.
+        overwrite: Replace an existing ``output_path``.
+        verify_checksums: Check every file's sha256 against the manifest first. On by
+            default although it reads the checkpoint twice: a flipped bit inside a shard
+            leaves sizes and structure intact and would be exported silently. Sizes,
+            completeness and chunk tiling are always checked.
+
+    Returns:
+        ``output_path`` as a ``Path``.
+
+    Raises:
+        NotACheckpointError: If the directory has no readable manifest (not a complete
+            checkpoint written by ``MegatronFSDPCheckpointIO``); the message lists every
+            problem found.
+        CheckpointCorruptedError: If files are missing, truncated or fail their sha256,
+            or ``.metadata`` disagrees with them or with the manifest; the message lists
+            each problem and the file it concerns.
+        FileExistsError: If ``output_path`` exists and ``overwrite`` is false.
+        FileNotFoundError: If the output's directory does not exist.
+        IsADirectoryError: If ``output_path`` is a directory.
+        ValueError: For an unsupported suffix or ``dtype``, an output inside the
+            checkpoint, or an entry the output format cannot hold.
+    """
+    checkpoint = Path(checkpoint_dir)
+    output = Path(output_path)
+    out_dtype = _parse_dtype(dtype)
+    output_format = _output_format(output)
+    _check_output(output, checkpoint, overwrite=overwrite)
+    checked = _check(checkpoint, checksums=verify_checksums)
+    if checked.problems:
+        listing = "\n".join(f"  - {problem}" for problem in checked.problems)
+        error = NotACheckpointError if checked.manifest is None else CheckpointCorruptedError
+        raise error(
+            f"consolidate_checkpoint: {checkpoint} is not a complete, intact "
+            f"lightning-megatron-fsdp checkpoint ({len(checked.problems)} problems):\n"
+            f"{listing}\nNothing was written. Point at a complete checkpoint directory (one "
+            f"that has {MANIFEST_FILE}), or run `lightning-megatron-fsdp inspect --verify "
+            f"{checkpoint}` for details."
+        )
+    entries = _select_entries(
+        checked, out_dtype, include_optimizer=include_optimizer, path=checkpoint
+    )
+    assert checked.metadata is not None  # _select_entries checked it
+    reader = _StreamingReader(checkpoint, checked.metadata)
+    objects = {e.name: _load_object(reader, e) for e in entries if e.dtype is None}
+    if output_format == "safetensors":
+        for entry in entries:
+            if entry.dtype is None and entry.key.startswith(MODEL_PREFIX):
+                raise ValueError(
+                    f"consolidate_checkpoint: model entry {entry.key!r} is a "
+                    f"{type(objects[entry.name]).__name__}, not a tensor; safetensors holds "
+                    "only tensors. Export to .pt instead."
+                )
+    temporary = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        if output_format == "safetensors":
+            with temporary.open("xb") as stream:
+                _write_safetensors(stream, entries, reader, objects)
+                stream.flush()
+                os.fsync(stream.fileno())
+        else:
+            _write_torch(temporary, entries, reader, objects)
+            with temporary.open("rb") as stream:
+                os.fsync(stream.fileno())
+        if output.exists() and not overwrite:
+            raise FileExistsError(
+                f"consolidate_checkpoint: output {output} appeared while exporting; nothing "
+                "was written. Pass overwrite=True (--overwrite) to replace it."
+            )
+        os.replace(temporary, output)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+    return output
