@@ -1,8 +1,33 @@
 """Train with NVIDIA Megatron-FSDP in PyTorch Lightning, and checkpoint/resume it bit-exactly."""
 
+from lightning_megatron_fsdp.checkpoint_io import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    MegatronFSDPCheckpointIO,
+    NotACheckpointError,
+    is_complete_checkpoint,
+    read_manifest,
+    resolve_latest_checkpoint,
+)
 from lightning_megatron_fsdp.cpu_execution import cpu_execution_enabled, enable_cpu_execution
+from lightning_megatron_fsdp.export import (
+    CheckpointInfo,
+    TensorInfo,
+    consolidate_checkpoint,
+    inspect_checkpoint,
+    verify_checkpoint,
+)
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
+from lightning_megatron_fsdp.precision import (
+    MegatronFSDPPrecision,
+    clip_sharded_grad_norm_,
+    clip_sharded_grad_value_,
+    sharded_grad_norm,
+)
 from lightning_megatron_fsdp.sharding import shard_module
+from lightning_megatron_fsdp.strategy import MegatronFSDPStrategy
 from lightning_megatron_fsdp.uneven_dtensor import (
     attach_uneven_dtensor_metadata,
     chunk_metadata_by_fqn,
@@ -11,10 +36,29 @@ from lightning_megatron_fsdp.uneven_dtensor import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointCorruptedError",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointMismatchError",
+    "CheckpointSaveError",
+    "MegatronFSDPCheckpointIO",
+    "MegatronFSDPPrecision",
+    "MegatronFSDPStrategy",
+    "NotACheckpointError",
+    "TensorInfo",
     "attach_uneven_dtensor_metadata",
     "chunk_metadata_by_fqn",
+    "clip_sharded_grad_norm_",
+    "clip_sharded_grad_value_",
+    "consolidate_checkpoint",
     "cpu_execution_enabled",
     "enable_cpu_execution",
     "ensure_optimizer_state",
+    "inspect_checkpoint",
+    "is_complete_checkpoint",
+    "read_manifest",
+    "resolve_latest_checkpoint",
     "shard_module",
+    "sharded_grad_norm",
+    "verify_checkpoint",
 ]

@@ -1,0 +1,349 @@
+"""What Lightning's ``precision=`` flags mean under Megatron-FSDP, and the step/clip path.
+
+Problem: Lightning implements ``precision="bf16-true"`` by casting the whole module to
+bf16 (``HalfPrecision.convert_module``), so the optimizer would update bf16 weights and
+hold bf16 state. Megatron-FSDP instead keeps fp32 *main* weights (what the optimizer
+steps) apart from low-precision *compute* weights (what forward reads), and takes the
+compute dtype from the parameters it is handed. Lightning's default precision plugins also
+step with ``optimizer.step(closure)``, which ``fully_shard_optimizer`` refuses, and clip
+with ``torch.nn.utils.clip_grad_norm_``, whose DTensor collectives assume torch's
+canonical ``Shard(0)`` split, which Megatron-FSDP's packed shards do not follow.
+
+:class:`MegatronFSDPPrecision` maps each flag onto Megatron-FSDP:
+
+============  ================  ============  ============  =====================
+flag          compute weights   main weights  main grads    forward
+============  ================  ============  ============  =====================
+32-true       fp32              fp32          fp32          as is
+bf16-true     bf16              fp32          fp32          inputs cast to bf16
+16-true       fp16              fp32          fp32          inputs cast to fp16
+bf16-mixed    fp32              fp32          fp32          ``torch.autocast`` bf16
+============  ================  ============  ============  =====================
+
+Optimizer state follows the main weights (fp32). For the ``-true`` flags the strategy
+casts each unit's parameters to the compute dtype right before sharding it, then writes
+the original fp32 values into the main weights, so the fp32 masters start from the exact
+initialisation, not from its bf16 rounding. Gradients are reduced in the compute dtype
+and accumulated in fp32. ``16-mixed`` (fp16 autocast) needs a loss scaler whose
+inf-check spans the uneven shards; it is refused rather than half-supported. Pass a
+``MixedPrecisionPolicy`` to :class:`~lightning_megatron_fsdp.MegatronFSDPStrategy` to
+choose other main dtypes.
+
+The module also provides :func:`sharded_grad_norm`, :func:`clip_sharded_grad_norm_` and
+:func:`clip_sharded_grad_value_`: clipping that reads each rank's local gradient shard
+once and reduces one scalar per mesh, so every element counts exactly once however the
+layout packs it.
+
+Alternatives rejected:
+    * Subclassing Lightning's ``HalfPrecision``: its ``convert_module`` and bf16
+      ``tensor_init_context`` would initialise the master weights in bf16.
+    * ``torch.nn.utils.clip_grad_norm_`` on the DTensor gradients: one collective per
+      parameter, and semantics that depend on DTensor's view of a shard that is not the
+      canonical one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Generator, Iterable
+from typing import Any, Literal, cast
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning.fabric.utilities.types import Steppable
+from lightning.pytorch.plugins.precision import Precision
+from lightning_utilities.core.apply_func import apply_to_collection
+from megatron_fsdp import MixedPrecisionPolicy
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+__all__ = [
+    "SUPPORTED_PRECISIONS",
+    "MegatronFSDPPrecision",
+    "clip_sharded_grad_norm_",
+    "clip_sharded_grad_value_",
+    "sharded_grad_norm",
+]
+
+_PrecisionFlag = Literal["32-true", "bf16-true", "16-true", "bf16-mixed"]
+SUPPORTED_PRECISIONS: tuple[str, ...] = ("32-true", "bf16-true", "16-true", "bf16-mixed")
+_COMPUTE_DTYPES = {
+    "32-true": torch.float32,
+    "bf16-true": torch.bfloat16,
+    "16-true": torch.float16,
+    "bf16-mixed": torch.float32,
+}
+
+
+class MegatronFSDPPrecision(Precision):
+    """Precision plugin for :class:`~lightning_megatron_fsdp.MegatronFSDPStrategy`.
+
+    The strategy converts Lightning's own plugins (chosen by ``Trainer(precision=...)``)
+    into this one, so users rarely build it themselves.
+
+    Args:
+        precision: One of :data:`SUPPORTED_PRECISIONS` (see the module docstring).
+        device_type: Device type for ``torch.autocast`` under ``"bf16-mixed"``; the
+            strategy fills it from its root device when ``None``.
+
+    Raises:
+        ValueError: If ``precision`` is not supported.
+    """
+
+    def __init__(self, precision: str = "32-true", *, device_type: str | None = None) -> None:
+        if precision not in SUPPORTED_PRECISIONS:
+            hint = (
+                " fp16 autocast needs a loss scaler that Megatron-FSDP's uneven shards do not "
+                "support yet; use 'bf16-mixed' or 'bf16-true'."
+                if precision == "16-mixed"
+                else ""
+            )
+            raise ValueError(
+                f"MegatronFSDPPrecision: precision={precision!r} is not supported; expected one "
+                f"of {', '.join(map(repr, SUPPORTED_PRECISIONS))}.{hint}"
+            )
+        self.precision = cast(_PrecisionFlag, precision)  # type: ignore[assignment]
+        self.device_type = device_type
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Dtype of the compute weights the strategy shards (``float32`` unless ``-true``)."""
+        return _COMPUTE_DTYPES[self.precision]
+
+    @property
+    def casts_parameters(self) -> bool:
+        """Whether the strategy casts parameters to :attr:`compute_dtype` before sharding."""
+        return self.precision in ("bf16-true", "16-true")
+
+    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        """Return the Megatron-FSDP policy this flag implies: fp32 main weights and grads.
+
+        Returns:
+            A fresh policy; fp32 main gradients for the half-precision ``-true`` flags so
+            gradient accumulation does not round each micro-batch to 8 mantissa bits.
+        """
+        if self.casts_parameters:
+            return MixedPrecisionPolicy(
+                main_params_dtype=torch.float32, main_grads_dtype=torch.float32
+            )
+        return MixedPrecisionPolicy(main_params_dtype=torch.float32)
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Leave the module alone: the strategy casts each unit as it shards it."""
+        return module
+
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        """Initialise in the default dtype, so fp32 main weights start exact."""
+        return contextlib.nullcontext()
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        """Initialise in the default dtype, so fp32 main weights start exact."""
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Default dtype = compute dtype (``-true``), or bf16 autocast (``bf16-mixed``)."""
+        if self.precision == "bf16-mixed":
+            with torch.autocast(self.device_type or "cuda", dtype=torch.bfloat16):
+                yield
+            return
+        if not self.casts_parameters:
+            yield
+            return
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.compute_dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
+
+    def convert_input(self, data: Any) -> Any:
+        """Cast floating-point inputs to the compute dtype under the ``-true`` flags."""
+        if not self.casts_parameters:
+            return data
+        return apply_to_collection(
+            data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.compute_dtype
+        )
+
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Steppable,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """Run the closure (forward, backward, clipping hooks), then step without it.
+
+        ``fully_shard_optimizer`` refuses ``step(closure)``, because it must cast
+        gradients between the closure and the update. Every optimizer that evaluates its
+        closure once (SGD, Adam, ...) computes the same update this way.
+
+        Returns:
+            The optimizer's step output, or the closure's result when the step returns
+            ``None`` (what ``step(closure)`` would have returned).
+
+        Raises:
+            TypeError: For ``torch.optim.LBFGS``, which re-evaluates its closure.
+        """
+        _reject_closure_optimizer(optimizer)
+        closure_result = self._wrap_closure(model, optimizer, closure)
+        step_output = optimizer.step(**kwargs)
+        return closure_result if step_output is None else step_output
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Clip the optimizer's gradients to total norm ``clip_val`` across all shards."""
+        clip_sharded_grad_norm_(self.main_params(optimizer), clip_val)
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Clamp every gradient element of the optimizer to ``[-clip_val, clip_val]``."""
+        clip_sharded_grad_value_(self.main_params(optimizer), clip_val)
+
+
+def _reject_closure_optimizer(optimizer: Any) -> None:
+    """Raise for optimizers that need ``step(closure)`` to re-run forward and backward."""
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    if isinstance(inner, torch.optim.LBFGS):
+        raise TypeError(
+            "MegatronFSDPStrategy: torch.optim.LBFGS re-evaluates its closure several times "
+            "per step, but Megatron-FSDP's fully_shard_optimizer cannot run a closure inside "
+            "optimizer.step (it must cast gradients between backward and the update). Use an "
+            "optimizer that evaluates the loss once per step (SGD, Adam, AdamW, ...)."
+        )
+
+
+def _reduce_groups(parameter: Tensor) -> tuple[DeviceMesh, tuple[int, ...]] | None:
+    """Return the mesh and the mesh dims a parameter's gradient is sharded over.
+
+    Dims with ``Replicate`` placement hold copies of the same shard (HSDP replicas), so a
+    sum over the sharded dims alone counts every element once. ``None`` for a plain
+    tensor, which every rank holds whole.
+
+    Raises:
+        RuntimeError: If the gradient is ``Partial`` (accumulation not finalised).
+    """
+    grad = parameter.grad
+    spec_source = grad if isinstance(grad, DTensor) else parameter
+    if not isinstance(spec_source, DTensor):
+        return None
+    if any(placement.is_partial() for placement in spec_source.placements):
+        raise RuntimeError(
+            "Gradient clipping: a gradient is still Partial (unreduced across replicas); "
+            "clip only after the last micro-batch's backward, when Megatron-FSDP has "
+            "finalised the gradients. Run accumulation through the strategy (it wraps the "
+            "earlier micro-batches in megatron_fsdp.experimental.microbatch)."
+        )
+    dims = tuple(i for i, p in enumerate(spec_source.placements) if p.is_shard())
+    return spec_source.device_mesh, dims
+
+
+def _local_grad(parameter: Tensor) -> Tensor | None:
+    grad = parameter.grad
+    if grad is None:
+        return None
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
+
+
+def sharded_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
+    """Total gradient norm over parameters whose gradients are uneven Megatron-FSDP shards.
+
+    Each rank sums ``|g|**p`` over its local shard (``DTensor._local_tensor``), then one
+    all-reduce per (mesh, sharded dims) adds the partial sums over the shard groups only,
+    so HSDP replicas are not double counted. Plain-tensor gradients count once, locally.
+    Parameters come in the same order on every rank (they are the optimizer's), so every
+    rank issues the same collectives, even for a parameter whose local shard is empty.
+
+    Args:
+        parameters: Parameters (typically an optimizer's); those without ``.grad`` count 0.
+        norm_type: ``p`` of the p-norm; ``math.inf`` for the max norm.
+
+    Returns:
+        The total norm as a float32 scalar tensor, identical on every rank.
+
+    Raises:
+        ValueError: If ``norm_type`` is not positive.
+        RuntimeError: If a gradient is still ``Partial``.
+    """
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"sharded_grad_norm: norm_type must be > 0 or inf, got {norm_type}.")
+    is_inf = math.isinf(norm_type)
+    partials: dict[tuple[int, tuple[int, ...]], tuple[DeviceMesh, tuple[int, ...], Tensor]] = {}
+    replicated: Tensor | None = None
+    device: torch.device | None = None
+    for parameter in parameters:
+        groups = _reduce_groups(parameter)
+        local = _local_grad(parameter)
+        device = device or (local.device if local is not None else parameter.device)
+        if local is None or local.numel() == 0:
+            value = torch.zeros((), dtype=torch.float32, device=device)
+        elif is_inf:
+            value = local.detach().abs().max().float()
+        else:
+            value = torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float32)
+            value = value**norm_type
+        if groups is None:
+            replicated = value if replicated is None else _combine(replicated, value, is_inf)
+            continue
+        mesh, dims = groups
+        key = (id(mesh), dims)
+        if key in partials:
+            partials[key] = (mesh, dims, _combine(partials[key][2], value, is_inf))
+        else:
+            partials[key] = (mesh, dims, value.clone())
+    total = torch.zeros((), dtype=torch.float32, device=device or "cpu")
+    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+    for mesh, dims, value in partials.values():
+        for dim in dims:
+            dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+        total = _combine(total, value, is_inf)
+    if replicated is not None:
+        total = _combine(total, replicated, is_inf)
+    return total if is_inf else total ** (1.0 / norm_type)
+
+
+def _combine(a: Tensor, b: Tensor, is_inf: bool) -> Tensor:
+    return torch.maximum(a, b) if is_inf else a + b
+
+
+def clip_sharded_grad_norm_(
+    parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0
+) -> Tensor:
+    """Scale gradients in place so their total norm is at most ``max_norm``.
+
+    Same arithmetic as ``torch.nn.utils.clip_grad_norm_`` (``coef = max_norm / (norm +
+    1e-6)``, clamped to 1), with the norm from :func:`sharded_grad_norm`.
+
+    Args:
+        parameters: Parameters whose gradients to clip.
+        max_norm: Maximum total norm.
+        norm_type: ``p`` of the p-norm.
+
+    Returns:
+        The total norm before clipping, identical on every rank.
+    """
+    parameters = list(parameters)
+    total = sharded_grad_norm(parameters, norm_type)
+    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for parameter in parameters:
+        local = _local_grad(parameter)
+        if local is not None and local.numel():
+            local.mul_(coefficient.to(device=local.device, dtype=local.dtype))
+    return total
+
+
+def clip_sharded_grad_value_(parameters: Iterable[Tensor], clip_value: float) -> None:
+    """Clamp every gradient element to ``[-clip_value, clip_value]``, in place, rank-local.
+
+    Args:
+        parameters: Parameters whose gradients to clip.
+        clip_value: Bound on each element's magnitude.
+    """
+    for parameter in parameters:
+        local = _local_grad(parameter)
+        if local is not None and local.numel():
+            local.clamp_(-clip_value, clip_value)
