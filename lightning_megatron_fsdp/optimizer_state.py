@@ -7,6 +7,22 @@ sharded parameter advertises its gradient dtype through ``grad_dtype`` (bf16 und
 bf16 compute with fp32 main weights), and a gradient of the parameter's own dtype
 violates it: the assignment raises. :func:`ensure_optimizer_state` does the same
 zero-learning-rate step with gradients of the advertised dtype.
+
+A zero-learning-rate step is not free: it counts as a step (Adam's ``step`` becomes 1, so
+its bias correction shifts) and L2 weight decay feeds the weights into the moments. Since
+the strategy also materialises state to *save* an optimizer that has not stepped yet, that
+would make a run that checkpoints before its first step diverge from one that does not.
+So every tensor of the state the step created is zeroed afterwards: for Adam, AdamW,
+Adamax, NAdam, RAdam, RMSprop, Adadelta and SGD (with ``dampening=0``) all-zero state is
+exactly what their first real step starts from, so the next step is bit-identical to a
+fresh optimizer's.
+
+Alternatives rejected:
+    * Saving an optimizer without state and skipping it on load: the checkpoint's
+      optimizer fingerprint would then depend on when it was written, and a resume into
+      a fresh optimizer would need a separate "no state" path in the loader.
+    * Leaving torch's behaviour: a checkpoint written before the first step changes the
+      training trajectory, which is the kind of silent drift this library exists to stop.
 """
 
 from __future__ import annotations
@@ -17,12 +33,14 @@ __all__ = ["ensure_optimizer_state"]
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create every parameter's optimizer state with one step at learning rate zero.
+    """Create every parameter's optimizer state, equivalent to a never-stepped optimizer.
 
     A no-op when the optimizer already holds state or any parameter has a gradient
     (a stateless optimizer such as SGD then needs none). Parameters and their values
     are unchanged: the step runs with ``lr=0`` (tensor or float, restored afterwards),
-    and gradients are cleared to ``None`` again.
+    gradients are cleared to ``None`` again, and every state tensor the step created
+    (moments and step counters alike) is zeroed, so the next real step matches a fresh
+    optimizer's bit for bit (see the module docstring for which optimizers).
 
     Args:
         optimizer: A plain or ``fully_shard_optimizer``-adapted torch optimizer.
@@ -50,3 +68,8 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             if lr is not None:
                 group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()

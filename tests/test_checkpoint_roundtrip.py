@@ -455,6 +455,38 @@ def test_ensure_optimizer_state_creates_state_without_moving_parameters(
     assert not torch.equal(model.weight, before[0])
 
 
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.3),
+        lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.3, amsgrad=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.3),
+        lambda ps: torch.optim.RMSprop(ps, lr=0.1, momentum=0.5, centered=True),
+    ],
+    ids=["adam_l2", "adamw_amsgrad", "sgd_momentum", "rmsprop"],
+)
+def test_materialised_state_behaves_like_a_fresh_optimizer(make_optimizer: object) -> None:
+    """Saving before the first step must not change training: after ensure_optimizer_state
+    the next two real steps are bit-identical to a fresh optimizer's (L2 weight decay would
+    otherwise leak into the moments, and Adam's step count would start at 1)."""
+
+    def train(materialise: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = make_optimizer(model.parameters())  # type: ignore[operator]
+        if materialise:
+            ensure_optimizer_state(optimizer)
+            assert optimizer.state, "state was not created"
+        for step in range(2):
+            model(torch.full((2, 4), float(step + 1))).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for fresh, materialised in zip(train(False), train(True), strict=True):
+        torch.testing.assert_close(materialised, fresh, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------
 # Bad input
 # ---------------------------------------------------------------------------------------
