@@ -7,32 +7,52 @@ fit, and DCP only notices the last of these while it is already reading tensor d
 
 How (the format is in :mod:`lightning_megatron_fsdp.manifest` and docs/DESIGN.md):
 
-* Save. Every rank writes only its own shards with DCP (the chunk hooks of
-  ``uneven_dtensor`` put each packed shard at its true offset); rank 0 writes the
-  non-tensor rest of Lightning's dict to ``meta.pt``. All of it goes into a hidden sibling
-  ``.<name>.tmp-<token>``. Once DCP returns, every rank's data and ``.metadata`` are on disk
-  (DCP's final step gathers every rank's write result before rank 0 writes ``.metadata``);
-  each rank then hashes the files it wrote, rank 0 gathers the digests, writes
-  ``manifest.json`` last and commits::
+* Save. Before anything is written, the ranks agree on what they save: each sends a
+  digest of its state's layout (every key, every tensor's global shape and dtype), so a
+  rank whose model or optimizer state differs fails the save on every rank instead of
+  writing a checkpoint no rank can load. Every rank then writes only its own shards with
+  DCP (the chunk hooks of ``uneven_dtensor`` put each packed shard at its true offset);
+  rank 0 writes the non-tensor rest of Lightning's dict to ``meta.pt``. All of it goes
+  into a hidden sibling ``.<name>.tmp-<token>``. Once DCP returns, every rank's data and
+  ``.metadata`` are on disk (DCP's final step gathers every rank's write result before
+  rank 0 writes ``.metadata``); each rank then hashes the files it wrote, rank 0 gathers
+  the digests, writes ``manifest.json`` last and commits::
 
-      1. rename <name>              -> .<name>.old-<token>   (only if <name> exists)
+      1. exchange .<name>.tmp-<token> <-> <name>    (one atomic renameat2(RENAME_EXCHANGE);
+                                                      a plain rename if <name> is absent)
+      2. delete .<name>.tmp-<token> (now the previous checkpoint) and stale hidden siblings
+
+  ``<name>`` therefore always holds a complete checkpoint, the previous one or the new
+  one, and Lightning's own ``ckpt_path="last"`` lookup (which sees only ``last*`` names)
+  never finds it missing. Where the exchange is unsupported (not Linux, or a filesystem
+  such as NFS that refuses it) the commit falls back to two renames::
+
+      1. rename <name>              -> .<name>.old-<token>
       2. rename .<name>.tmp-<token> -> <name>
       3. delete .<name>.old-<token> and stale hidden siblings of <name>
 
-  A crash before 1 leaves the old checkpoint in place (and a hidden temp directory that
-  the next save of that name deletes). A crash between 1 and 2 leaves no ``<name>``:
+  and a crash between 1 and 2 leaves no ``<name>``:
   :func:`~lightning_megatron_fsdp.manifest.recover_checkpoint`, which ``load_checkpoint``
-  and ``resolve_latest_checkpoint`` call, renames the aside copy back. A crash after 2
-  leaves the new checkpoint in place and a stale aside copy for the next save to delete.
-  Rank 0 broadcasts the outcome, so every rank returns or raises together.
+  and ``resolve_latest_checkpoint`` call, renames the aside copy back. A crash before the
+  commit leaves the old checkpoint in place and a hidden temp directory, which the next
+  save of that name deletes and ``load_checkpoint`` reports. Rank 0 broadcasts the
+  outcome, so every rank returns or raises together.
 * Load. Before any tensor is read, every rank checks the manifest, file sizes, a share
-  of the sha256 digests, and the layout fingerprint against the targets; the problems of
-  all ranks are all-gathered so every rank raises the same error. Then ``dcp.load`` fills
-  the targets in place, resharding by global offset when the world size changed.
+  of the sha256 digests, the layout fingerprint against the targets, and reads
+  ``meta.pt``; the problems of all ranks are all-gathered so every rank raises the same
+  error. Then ``dcp.load`` reads into CPU copies of the targets (``atomic_load``), and
+  only once every rank has read all its data are the copies written into the targets:
+  a failure while reading (an I/O error, a file that changed after it was verified, a
+  peer that died) leaves every target as it was. DCP reshards by global offset when the
+  world size changed.
 * Async save. Each rank copies its shards to CPU memory itself (DCP's ``DefaultStager``
   fails on packed shards, see :func:`_stage`), keeping the chunk hooks on the copies;
   ``dcp.async_save`` writes them on a background thread over a dedicated gloo group, and a
   second background thread commits as above.
+* Lost peers. A rank that dies (or hangs) makes its peers' next collective fail (at the
+  latest after the process group's timeout); every collective of a save or load turns
+  that into a :class:`CheckpointSaveError` / :class:`CheckpointError` naming the phase,
+  and the hidden directory never becomes a checkpoint.
 
 Alternatives rejected:
     * A marker file instead of renames: a reader must know to look for it, and Lightning's
@@ -42,6 +62,12 @@ Alternatives rejected:
       rank, all ranks in parallel.
     * Committing from DCP's ``finish`` on rank 0: it runs before the other ranks have
       hashed their files, and a failure there is not reported to the other ranks.
+    * Loading in place and restoring a snapshot on failure: costs the same copy, and a
+      rank that dies mid-read cannot restore anything; reading into copies never touches
+      the targets until every rank has succeeded.
+    * Comparing the ranks' full fingerprints on every save: an all-gather of every key;
+      a 32-byte digest per rank costs nothing, and the full lists are gathered only to
+      explain a mismatch.
 """
 
 from __future__ import annotations
@@ -49,13 +75,19 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import copy
+import ctypes
 import dataclasses
+import errno
+import functools
+import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import re
+import sys
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -69,7 +101,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.checkpoint.storage import StorageWriter
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
@@ -87,10 +119,12 @@ from lightning_megatron_fsdp.manifest import (
     FileRecord,
     Manifest,
     NotACheckpointError,
+    TensorSpec,
     check_files,
     compare_fingerprints,
     finite_int_or_none,
     hidden_path,
+    interrupted_saves,
     is_complete_checkpoint,
     mesh_info,
     model_fingerprint,
@@ -111,6 +145,7 @@ __all__ = [
     "CheckpointSaveError",
     "MegatronFSDPCheckpointIO",
     "NotACheckpointError",
+    "StorageReaderFactory",
     "StorageWriterFactory",
     "is_complete_checkpoint",
     "read_manifest",
@@ -122,11 +157,85 @@ log = logging.getLogger(__name__)
 StorageWriterFactory = Callable[[Path], StorageWriter]
 """Builds the DCP writer for a save, given the hidden directory it must write into."""
 
+StorageReaderFactory = Callable[[Path], StorageReader]
+"""Builds the DCP reader for a load, given the checkpoint directory."""
+
 # DCP's FileSystemWriter names rank r's files __<r>_<n>.distcp.
 _DISTCP_RE = r"__{rank}_\d+\.distcp"
 # Attributes uneven_dtensor attaches to a local shard; the staging copy keeps them.
 _HOOK_ATTRS = ("__create_chunk_list__", "__create_write_items__", CHUNK_ATTR)
 _MAX_DETAIL = 600
+_LOST_PEER_HINT = (
+    "a collective with the other ranks failed: another rank probably crashed or timed "
+    "out (check its log)"
+)
+
+_FAULT_HOOK: Callable[[str], None] | None = None
+"""Test seam: when set, called with the name of each commit step as it is reached.
+
+Fault-injection tests set it inside a rank process to raise, or to kill the process, at
+one step of the commit, which no ``StorageWriter`` can reach (the writer's part is over
+by then). Points, in order: ``"commit:hashed"`` (every rank, its files hashed, before the
+gather), ``"commit:manifest"`` (rank 0, before writing ``manifest.json``),
+``"commit:publish"`` (rank 0, manifest written, before the rename), ``"commit:aside"``
+(rank 0, two-rename fallback only: the previous checkpoint renamed aside, the new one not
+yet in place) and ``"commit:replaced"`` (rank 0, the new checkpoint in place, the previous
+one not yet deleted). ``None`` in production.
+"""
+
+_USE_RENAME_EXCHANGE = True
+"""Commit with one ``renameat2(RENAME_EXCHANGE)`` where the OS supports it; tests set this
+to ``False`` to exercise the two-rename fallback that other systems use."""
+
+_RENAME_EXCHANGE_FLAG = 2  # linux/fs.h
+_AT_FDCWD = -100
+_EXCHANGE_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
+
+
+def _fault(point: str) -> None:
+    if _FAULT_HOOK is not None:
+        _FAULT_HOOK(point)
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """libc's ``renameat2``, or ``None`` where there is none (not Linux, old glibc, musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing directory entries; ``False`` where unsupported.
+
+    Raises:
+        OSError: If the exchange is supported but failed (say, permissions).
+    """
+    function = _renameat2() if _USE_RENAME_EXCHANGE else None
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE_FLAG) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _EXCHANGE_UNSUPPORTED:
+        return False
+    raise OSError(code, f"renameat2(RENAME_EXCHANGE): {os.strerror(code)}", str(a), None, str(b))
+
+
+class _PeerLostError(RuntimeError):
+    """A collective of a save or load failed: a peer died, hung, or the network broke."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,17 +254,33 @@ class _Comm:
         return cls(group, dist.get_rank(group), dist.get_world_size(group))
 
     def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank.
+
+        Raises:
+            _PeerLostError: If the collective failed (within the group's timeout).
+        """
         if self.group is None:
             return [obj]
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self.group)
+        try:
+            dist.all_gather_object(gathered, obj, group=self.group)
+        except RuntimeError as err:  # gloo/NCCL errors and timeouts are RuntimeErrors
+            raise _PeerLostError(f"{_LOST_PEER_HINT}: {_describe(err)}") from err
         return gathered
 
     def broadcast_from_first(self, obj: Any) -> Any:
+        """Rank 0's ``obj``.
+
+        Raises:
+            _PeerLostError: If the collective failed (within the group's timeout).
+        """
         if self.group is None:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        try:
+            dist.broadcast_object_list(box, group=self.group, group_src=0)
+        except RuntimeError as err:
+            raise _PeerLostError(f"{_LOST_PEER_HINT}: {_describe(err)}") from err
         return box[0]
 
 
@@ -259,6 +384,94 @@ def _split_checkpoint(checkpoint: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, meta
 
 
+def _layout_summary(tensors: Mapping[str, Any]) -> dict[str, str]:
+    """Every leaf of the state to save, DCP-flattened (``state_dict.<fqn>``,
+    ``optimizer_states.<i>.state.<fqn>.<name>``, ...), with its global shape and dtype.
+
+    Rank-local; identical on every rank that saves the same model and optimizer state.
+    Non-tensor values count by key only (``lr`` may be a float or a tensor).
+    """
+    summary: dict[str, str] = {}
+
+    def visit(value: Any, path: tuple[str, ...]) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                visit(item, (*path, str(key)))
+        elif isinstance(value, list) and any(isinstance(v, (Mapping, list)) for v in value):
+            for index, item in enumerate(value):
+                visit(item, (*path, str(index)))
+        else:
+            summary[".".join(path)] = TensorSpec.of(value).describe()
+
+    visit(tensors, ())
+    return summary
+
+
+def _listed(keys: list[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return f"[{shown}{f', ... and {len(keys) - limit} more' if len(keys) > limit else ''}]"
+
+
+def _layout_disagreement(layouts: list[dict[str, str]]) -> list[str]:
+    """Say how each rank's layout differs from rank 0's (see :func:`_layout_summary`)."""
+    reference, lines = layouts[0], []
+    for rank, layout in enumerate(layouts[1:], start=1):
+        extra = sorted(set(layout) - set(reference))
+        lacking = sorted(set(reference) - set(layout))
+        differ = sorted(k for k in set(layout) & set(reference) if layout[k] != reference[k])
+        if extra:
+            lines.append(f"rank {rank} has {len(extra)} key(s) rank 0 has not: {_listed(extra)}")
+        if lacking:
+            lines.append(f"rank {rank} lacks {len(lacking)} key(s) of rank 0: {_listed(lacking)}")
+        lines += [
+            f"rank {rank} {key!r}: {layout[key]}, rank 0: {reference[key]}" for key in differ[:10]
+        ]
+    lines.append(
+        "The ranks disagree on the state to save. Every rank must pass the same keys with "
+        "the same global shapes and dtypes: build the same model on every rank, and give "
+        "every optimizer state for every parameter (ensure_optimizer_state) before saving."
+    )
+    return lines
+
+
+def _fill(target: Any, source: Any) -> None:
+    """Write what DCP read into ``source`` (a :func:`_stage` copy of ``target``) into
+    ``target``, in place: tensors by ``copy_`` (a DTensor's local shard, no collective),
+    other leaves by assignment, as an in-place ``dcp.load`` would have left them."""
+    items = source.items() if isinstance(source, Mapping) else enumerate(source)
+    for key, value in items:
+        current = target[key]
+        if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+            if isinstance(current, DTensor):
+                local = value._local_tensor if isinstance(value, DTensor) else value
+                current._local_tensor.copy_(local)
+            else:
+                current.copy_(value)
+        elif (isinstance(current, MutableMapping) and isinstance(value, Mapping)) or (
+            isinstance(current, list) and isinstance(value, list) and len(current) == len(value)
+        ):
+            _fill(current, value)
+        else:
+            target[key] = value
+
+
+def _report_interrupted_saves(parent: Path) -> None:
+    """Log the hidden directories of saves that never finished (rank 0, on load)."""
+    try:
+        leftovers = interrupted_saves(parent)
+    except OSError:
+        return
+    if leftovers:
+        log.warning(
+            "%d hidden directory(ies) left by interrupted saves in %s: %s. None of them is "
+            "ever loaded; the next save under the same name deletes them (or delete them by "
+            "hand while no save is running).",
+            len(leftovers),
+            parent,
+            ", ".join(p.name for p in leftovers),
+        )
+
+
 def _versions() -> dict[str, str]:
     versions = {"torch": torch.__version__}
     for key, distribution in (
@@ -337,6 +550,7 @@ _LOAD_ERRORS: tuple[type[Exception], ...] = (
     NotACheckpointError,
     CheckpointCorruptedError,
     CheckpointMismatchError,
+    CheckpointError,  # meta.pt does not unpickle
 )
 
 
@@ -357,7 +571,8 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             flight; its error surfaces at the next ``save_checkpoint``, ``load_checkpoint``,
             :meth:`wait`, :meth:`poll` or :meth:`teardown`.
         verify_checksums: On load, check every file's sha256 (split across ranks) before
-            reading tensor data.
+            reading tensor data. Sizes are always checked; without checksums a flipped
+            bit in tensor data loads silently (DCP's files carry no checksum of their own).
         write_checksums: On save, record each file's sha256 (each rank hashes its own
             files in parallel; sha256 runs at ~0.9 GB/s per core). Measured on 2 CPU cores,
             2 ranks, 257 MB: 0.53 s plain ``dcp.save``, 0.55 s without and 0.88 s with
@@ -369,6 +584,15 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             it must write into; a ``FileSystemWriter`` when ``None``. It must write DCP's
             file names (``__<rank>_<n>.distcp``, ``.metadata``) into that directory.
         thread_count: Writer threads per rank for the default ``FileSystemWriter``.
+        storage_reader_factory: Builds the DCP reader for a load from the checkpoint
+            directory; a ``FileSystemReader`` when ``None``.
+        atomic_load: Read into CPU copies of the targets and write them into the
+            targets only once every rank has read all its data, so a load that fails
+            while reading leaves the model and optimizers as they were. Costs one CPU
+            copy of this rank's shards during the load (as ``async_save`` does during a
+            save). ``False`` reads straight into the targets: less memory, but a read
+            failure (validation passed, then an I/O error, a file changed underneath, or
+            a peer died) can leave them partly overwritten.
 
     Raises:
         TypeError: If an option has the wrong type.
@@ -384,11 +608,14 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         process_group: dist.ProcessGroup | None = None,
         storage_writer_factory: StorageWriterFactory | None = None,
         thread_count: int = 1,
+        storage_reader_factory: StorageReaderFactory | None = None,
+        atomic_load: bool = True,
     ) -> None:
         for name, value in (
             ("async_save", async_save),
             ("verify_checksums", verify_checksums),
             ("write_checksums", write_checksums),
+            ("atomic_load", atomic_load),
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"MegatronFSDPCheckpointIO: {name} must be a bool, got {value!r}.")
@@ -396,6 +623,11 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             raise TypeError(
                 "MegatronFSDPCheckpointIO: storage_writer_factory must be a callable "
                 f"Path -> StorageWriter, got {storage_writer_factory!r}."
+            )
+        if storage_reader_factory is not None and not callable(storage_reader_factory):
+            raise TypeError(
+                "MegatronFSDPCheckpointIO: storage_reader_factory must be a callable "
+                f"Path -> StorageReader, got {storage_reader_factory!r}."
             )
         if not isinstance(thread_count, int) or isinstance(thread_count, bool):
             raise TypeError(
@@ -411,6 +643,8 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         self.process_group = process_group
         self.storage_writer_factory = storage_writer_factory
         self.thread_count = thread_count
+        self.storage_reader_factory = storage_reader_factory
+        self.atomic_load = atomic_load
         self._in_flight: concurrent.futures.Future[None] | None = None
         self._in_flight_path: Path | None = None
         self._committer: concurrent.futures.ThreadPoolExecutor | None = None
@@ -440,13 +674,67 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         self.wait()
         comm = _Comm.of(self.process_group)
         final = Path(os.path.abspath(os.fspath(path)))
-        # Agree on the hidden directory first; then every check and setup that can fail on
-        # one rank runs before the error gather, so all ranks raise or go on together.
+        try:
+            job, tensors, writer = self._prepare_save(checkpoint, final, storage_options, comm)
+        except _PeerLostError as err:
+            raise CheckpointSaveError(
+                f"Saving checkpoint {final} failed before any tensor was written: {err}. The "
+                "previous checkpoint there, if any, is untouched."
+            ) from err
+        if not self.async_save:
+            metadata = self._run_dcp_save(
+                job,
+                comm,
+                lambda: dcp.save(tensors, storage_writer=writer, process_group=comm.group),
+            )
+            self._commit(job, metadata, comm)
+            return
+        try:
+            background = self._background_comm(comm)
+            upload = dcp.async_save(
+                tensors,
+                storage_writer=writer,
+                process_group=background.group,
+                async_stager=_PassThroughStager(),
+            )
+        except Exception as err:
+            self._discard(final, job.token, comm)
+            raise CheckpointSaveError(
+                f"Saving checkpoint {final} failed starting the background save on rank "
+                f"{comm.rank}: {_describe(err)}. The previous checkpoint there, if any, is "
+                "untouched."
+            ) from err
+        if self._committer is None:
+            self._committer = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="lmf-checkpoint-commit"
+            )
+        self._in_flight = self._committer.submit(self._finish_background, job, upload, background)
+        self._in_flight_path = final
+
+    def _prepare_save(
+        self, checkpoint: Any, final: Path, storage_options: Any, comm: _Comm
+    ) -> tuple[_SaveJob, dict[str, Any], StorageWriter]:
+        """Check and set up a save on every rank; all ranks go on, or all raise.
+
+        Every check that can fail on one rank (the checkpoint's shape, the options, the
+        target name, rank 0's ``meta.pt``, the ranks agreeing on the layout) runs before
+        one gather of the outcome, so no rank enters DCP's collectives alone.
+
+        Raises:
+            CheckpointSaveError: Naming each failing rank and its error, or the ranks
+                whose state differs from rank 0's; rank 0's hidden directory is removed.
+            _PeerLostError: If a peer is gone.
+        """
+        # Agree on the hidden directory first.
         token = comm.broadcast_from_first(uuid.uuid4().hex)
-        job = None
+        job = writer = None
+        tensors: dict[str, Any] = {}
         error: str | None = None
+        digest: str | None = None
         try:
             tensors, meta = _split_checkpoint(checkpoint)
+            layout = _layout_summary(tensors)
+            digest = hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
             job = _SaveJob(
                 final,
                 hidden_path(final, STAGING, token),
@@ -466,37 +754,30 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 tensors = _stage(tensors)
         except Exception as err:
             error = f"rank {comm.rank}: {_describe(err)}"
-        errors = [e for e in comm.all_gather(error) if e is not None]
+        try:
+            gathered = comm.all_gather((error, digest))
+            errors = [e for e, _ in gathered if e is not None]
+            if not errors and len({d for _, d in gathered}) > 1:
+                # Rare and fatal: now gather the full layouts to say exactly what differs.
+                layouts = comm.all_gather(_layout_summary(tensors))
+                errors = _layout_disagreement(layouts)
+        except _PeerLostError:
+            self._discard(final, token, comm)
+            raise
         if errors:
-            if comm.rank == 0:
-                with contextlib.suppress(OSError):
-                    remove_tree(hidden_path(final, STAGING, token))
+            self._discard(final, token, comm)
             raise CheckpointSaveError(
                 f"Saving checkpoint {final} failed before any tensor was written; the "
                 "previous checkpoint there, if any, is untouched:\n  " + "\n  ".join(errors)
             )
-        assert job is not None
-        if not self.async_save:
-            metadata = self._run_dcp_save(
-                job,
-                comm,
-                lambda: dcp.save(tensors, storage_writer=writer, process_group=comm.group),
-            )
-            self._commit(job, metadata, comm)
-            return
-        background = self._background_comm(comm)
-        upload = dcp.async_save(
-            tensors,
-            storage_writer=writer,
-            process_group=background.group,
-            async_stager=_PassThroughStager(),
-        )
-        if self._committer is None:
-            self._committer = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="lmf-checkpoint-commit"
-            )
-        self._in_flight = self._committer.submit(self._finish_background, job, upload, background)
-        self._in_flight_path = final
+        assert job is not None and writer is not None
+        return job, tensors, writer
+
+    @staticmethod
+    def _discard(final: Path, token: str, comm: _Comm) -> None:
+        if comm.rank == 0:
+            with contextlib.suppress(OSError):
+                remove_tree(hidden_path(final, STAGING, token))
 
     def _writer_factory(self, storage_options: Any) -> StorageWriterFactory | None:
         if storage_options is None:
@@ -567,6 +848,8 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 _dcp_failure("Saving", job.final, err)
                 if isinstance(err, CheckpointException)
                 else f"Saving checkpoint {job.final} failed on rank {comm.rank}: {_describe(err)}"
+                f"\nDCP reports each rank's own errors as one CheckpointException, so this "
+                f"error most likely means {_LOST_PEER_HINT}."
             )
             raise CheckpointSaveError(
                 message + "\nThe previous checkpoint there, if any, is untouched."
@@ -588,27 +871,61 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         error, records = None, {}
         try:
             records = self._local_records(job, comm.rank)
+            _fault("commit:hashed")
         except Exception as err:
             error = f"rank {comm.rank}: {_describe(err)}"
-        gathered = comm.all_gather((error, records))
+        try:
+            gathered = comm.all_gather((error, records))
+        except _PeerLostError as err:
+            if comm.rank == 0:
+                with contextlib.suppress(OSError):
+                    remove_tree(job.staging)
+            raise CheckpointSaveError(
+                f"Saving checkpoint {job.final} failed before the commit: {err}. The previous "
+                "checkpoint there, if any, is untouched."
+            ) from err
         outcome = None
-        if comm.rank == 0:
+        errors = [e for e, _ in gathered if e is not None]
+        if errors:
+            outcome = "\n  ".join(errors)
+            if comm.rank == 0:
+                with contextlib.suppress(OSError):
+                    remove_tree(job.staging)
+        elif comm.rank == 0:
             try:
-                errors = [e for e, _ in gathered if e is not None]
-                if errors:
-                    raise RuntimeError("\n  ".join(errors))
                 files: dict[str, FileRecord] = {}
                 for _, rank_records in gathered:
                     files.update(rank_records)
                 self._check_claims(job, files, metadata)
                 manifest = Manifest(files=files, **job.manifest_fields)
+                _fault("commit:manifest")
                 self._write_manifest(job.staging, manifest)
+                _fault("commit:publish")
                 self._publish(job)
             except Exception as err:
                 outcome = _describe(err)
                 with contextlib.suppress(OSError):
                     remove_tree(job.staging)
-        outcome = comm.broadcast_from_first(outcome)
+        try:
+            outcome = comm.broadcast_from_first(outcome)
+        except _PeerLostError as err:
+            if comm.rank == 0 and outcome is None:
+                raise CheckpointError(
+                    f"Checkpoint {job.final} was saved and committed, but the other ranks "
+                    f"could not be told: {err}."
+                ) from err
+            if comm.rank == 0:
+                raise CheckpointSaveError(
+                    f"Saving checkpoint {job.final} failed while committing: {outcome}\nThe "
+                    f"previous checkpoint there, if any, is untouched. Also, {err}."
+                ) from err
+            raise CheckpointSaveError(
+                f"Saving checkpoint {job.final}: contact with rank 0 was lost while it "
+                f"committed ({err}). {job.final.name} holds the previous or the new "
+                "checkpoint, complete either way (load_checkpoint and "
+                "resolve_latest_checkpoint restore it if a crash left it renamed aside); "
+                "its manifest's global_step tells which."
+            ) from err
         if outcome is not None:
             raise CheckpointSaveError(
                 f"Saving checkpoint {job.final} failed while committing: {outcome}\nThe "
@@ -663,26 +980,44 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
 
     @staticmethod
     def _publish(job: _SaveJob) -> None:
-        """Rename the finished hidden directory into place (see the module docstring)."""
-        final, aside = job.final, None
+        """Put the finished hidden directory in place (see the module docstring).
+
+        Raises:
+            CheckpointSaveError: If ``<name>`` exists and is not replaceable.
+            OSError: If the rename failed; ``<name>`` then holds the previous checkpoint.
+            Once the new checkpoint is in place nothing raises: leftovers are logged.
+        """
+        final = job.final
         if final.exists() or final.is_symlink():
             _check_replaceable(final)
-            aside = hidden_path(final, ASIDE, job.token)
-            os.rename(final, aside)
-        try:
-            os.rename(job.staging, final)
-        except BaseException:
-            if aside is not None:
-                os.rename(aside, final)
-            raise
-        _fsync(final.parent)
-        for sibling in list(final.parent.iterdir()):
-            hidden = parse_hidden_name(sibling.name)
-            if hidden is not None and hidden[0] == final.name:
+            if not _exchange(job.staging, final):
+                aside = hidden_path(final, ASIDE, job.token)
+                os.rename(final, aside)
                 try:
-                    remove_tree(sibling)
-                except OSError as err:  # the new checkpoint is committed; only space is lost
-                    log.warning("Could not delete stale %s: %s", sibling, err)
+                    _fault("commit:aside")
+                    os.rename(job.staging, final)
+                except BaseException:
+                    os.rename(aside, final)
+                    raise
+        else:
+            os.rename(job.staging, final)
+        # Committed: from here on only space can be lost, so nothing may fail the save.
+        try:
+            _fault("commit:replaced")
+            _fsync(final.parent)
+            for sibling in list(final.parent.iterdir()):
+                hidden = parse_hidden_name(sibling.name)
+                if hidden is not None and hidden[0] == final.name:
+                    try:
+                        remove_tree(sibling)
+                    except OSError as err:
+                        log.warning("Could not delete stale %s: %s", sibling, err)
+        except Exception as err:
+            log.warning(
+                "Checkpoint %s is committed, but cleaning up after it failed: %s",
+                final,
+                _describe(err),
+            )
 
     # ----------------------------------------------------------------------------- async
 
@@ -764,8 +1099,12 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             CheckpointMismatchError: The fingerprint differs from the targets; the message
                 lists every missing, unexpected, reshaped and retyped key.
             TypeError: ``state`` is malformed.
-            CheckpointError: DCP failed reading; names the failing rank(s).
-            All of these are raised on every rank together, before any tensor is read.
+            CheckpointError: ``meta.pt`` cannot be unpickled (for example with
+                ``weights_only=True``); or DCP failed reading, naming the failing
+                rank(s); or a peer was lost.
+            All of these are raised on every rank together, before any target changes
+            (with ``atomic_load=False``, a failure while DCP reads may leave targets
+            partly overwritten; the message says so).
         """
         self.wait()
         comm = _Comm.of(self.process_group)
@@ -776,9 +1115,17 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                     log.warning("Restored %s, which an interrupted save had renamed aside.", final)
             except OSError as err:
                 log.warning("Could not restore %s from a renamed-aside copy: %s", final, err)
-        comm.broadcast_from_first(None)  # nobody looks at the path before recovery is done
-        problems = self._validate(final, state, strict, comm)
-        _raise_combined(final, comm.all_gather(problems), comm.world_size)
+            _report_interrupted_saves(final.parent)
+        try:
+            comm.broadcast_from_first(None)  # nobody looks at the path before recovery is done
+            problems, meta = self._validate(final, state, strict, comm, map_location, weights_only)
+            gathered = comm.all_gather(problems)
+        except _PeerLostError as err:
+            raise CheckpointError(
+                f"Loading checkpoint {final} failed before any tensor was read: {err}. The "
+                "targets are unchanged."
+            ) from err
+        _raise_combined(final, gathered, comm.world_size)
         manifest = read_manifest(final)
         if manifest.world_size != comm.world_size:
             log.info(
@@ -790,35 +1137,57 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         loaded: dict[str, Any] = {}
         if state is not None:
             targets = {k: state[k] for k in ("state_dict", "optimizer_states") if k in state}
+            # Tied entries are one object in both: _stage copies them once, _fill copies twice.
+            into = _stage(targets) if self.atomic_load else targets
+            reader = (self.storage_reader_factory or FileSystemReader)(final)
             try:
                 dcp.load(
-                    targets,
-                    storage_reader=FileSystemReader(final),
+                    into,
+                    storage_reader=reader,
                     planner=DefaultLoadPlanner(allow_partial_load=not strict),
                     process_group=comm.group,
                 )
-            except CheckpointException as err:
-                raise CheckpointError(
-                    _dcp_failure("Loading", final, err) + "\nThe targets may be partly "
-                    "overwritten; load again from a good checkpoint."
-                ) from err
+            except (CheckpointException, Exception) as err:
+                message = (
+                    _dcp_failure("Loading", final, err)
+                    if isinstance(err, CheckpointException)
+                    else f"Loading checkpoint {final} failed on rank {comm.rank}: "
+                    f"{_describe(err)}\nDCP reports each rank's own errors as one "
+                    f"CheckpointException, so this error most likely means {_LOST_PEER_HINT}."
+                )
+                aftermath = (
+                    "The targets are unchanged (atomic_load)."
+                    if self.atomic_load
+                    else "The targets may be partly overwritten (atomic_load=False); load "
+                    "again from a good checkpoint."
+                )
+                raise CheckpointError(f"{message}\n{aftermath}") from err
+            if self.atomic_load:
+                with torch.no_grad():
+                    _fill(targets, into)
             loaded = targets
-        meta = torch.load(final / META_FILE, map_location=map_location, weights_only=weights_only)
         return {**meta, **loaded}
 
     def _validate(
-        self, final: Path, state: dict[str, Any] | None, strict: bool, comm: _Comm
-    ) -> list[tuple[int, str]]:
-        """This rank's problems with loading ``final`` into ``state``, as (kind, text)."""
+        self,
+        final: Path,
+        state: dict[str, Any] | None,
+        strict: bool,
+        comm: _Comm,
+        map_location: Any,
+        weights_only: bool | None,
+    ) -> tuple[list[tuple[int, str]], dict[str, Any]]:
+        """This rank's problems with loading ``final`` into ``state``, as (kind, text),
+        and the checkpoint's ``meta.pt`` (empty if it could not be read)."""
         kind = {cls: i for i, cls in enumerate(_LOAD_ERRORS)}
         if state is not None:
             shape_error = _state_shape_error(state)
             if shape_error:
-                return [(kind[TypeError], shape_error)]
+                return [(kind[TypeError], shape_error)], {}
         try:
             manifest = read_manifest(final)
         except NotACheckpointError as err:
-            return [(kind[NotACheckpointError], str(err))]
+            return [(kind[NotACheckpointError], str(err))], {}
         share = None
         if self.verify_checksums:
             hashed = sorted(n for n, r in manifest.files.items() if r.sha256 is not None)
@@ -833,7 +1202,22 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 (kind[CheckpointMismatchError], line)
                 for line in _fingerprint_problems(manifest, state, strict)
             ]
-        return problems
+        meta: dict[str, Any] = {}
+        if not damaged:
+            try:
+                meta = torch.load(
+                    final / META_FILE, map_location=map_location, weights_only=weights_only
+                )
+            except Exception as err:
+                problems.append(
+                    (
+                        kind[CheckpointError],
+                        f"{META_FILE}: torch.load(weights_only={weights_only}) failed: "
+                        f"{_describe(err)}. If it holds objects the weights-only unpickler "
+                        "refuses and you trust the checkpoint, load with weights_only=False.",
+                    )
+                )
+        return problems, meta
 
     # ----------------------------------------------------------------------------- remove
 
@@ -948,4 +1332,22 @@ def _raise_combined(final: Path, gathered: list[list[tuple[int, str]]], world_si
             if k == kind:
                 where = "" if len(ranks) == world_size else f" [rank(s) {ranks}]"
                 lines.append(f"  - {text}{where}")
-    raise _LOAD_ERRORS[kinds[0]](f"Cannot load checkpoint {final}:\n" + "\n".join(lines))
+    error = _LOAD_ERRORS[kinds[0]]
+    advice = _LOAD_ADVICE.get(error)
+    if advice:
+        lines.append(advice.format(final=final))
+    raise error(f"Cannot load checkpoint {final}:\n" + "\n".join(lines))
+
+
+# What to do, by error class; every load error leaves the targets untouched.
+_LOAD_ADVICE: dict[type[Exception], str] = {
+    CheckpointCorruptedError: (
+        "Nothing was loaded. The files differ from what the save recorded: load an older "
+        "complete checkpoint, or restore these files from an intact copy (check it offline "
+        "with `lightning-megatron-fsdp inspect --verify {final}`)."
+    ),
+    CheckpointMismatchError: (
+        "Nothing was loaded. Build the model and optimizers the checkpoint was saved from "
+        "(strict=False tolerates missing and unexpected keys, not other shapes or dtypes)."
+    ),
+}

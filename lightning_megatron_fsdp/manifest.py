@@ -15,8 +15,11 @@ complete-looking directory under a final name is never half written::
 
     <parent>/
       last.ckpt/                     complete: manifest.json present, every size matches
-      .last.ckpt.tmp-<token>/        a save in progress (or one that crashed)
-      .last.ckpt.old-<token>/        the previous last.ckpt, renamed aside during a commit
+      .last.ckpt.tmp-<token>/        a save in progress (or one that crashed), or, for a
+                                     moment after an atomic exchange commit, the previous
+                                     last.ckpt being deleted
+      .last.ckpt.old-<token>/        the previous last.ckpt, renamed aside during a
+                                     two-rename commit (systems without RENAME_EXCHANGE)
       .last.ckpt.del-<token>/        a checkpoint being removed
 
 Every hidden name starts with ``.``, so Lightning's ``last*`` lookup never sees one, and
@@ -64,6 +67,7 @@ __all__ = [
     "compare_fingerprints",
     "finite_int_or_none",
     "hidden_path",
+    "interrupted_saves",
     "is_complete_checkpoint",
     "mesh_info",
     "model_fingerprint",
@@ -592,6 +596,25 @@ def recover_checkpoint(path: str | os.PathLike[str]) -> bool:
         return False
     os.rename(max(asides, key=_recency), path)
     return True
+
+
+def interrupted_saves(dirpath: str | os.PathLike[str]) -> list[Path]:
+    """Return the hidden ``.<name>.tmp-<token>`` directories in ``dirpath``, sorted.
+
+    Each is a save that has not committed: one in progress, or one that crashed (a rank
+    was killed, the disk filled up); or the previous checkpoint that a commit swapped out
+    and a crash kept from being deleted. None is ever loaded or returned by
+    :func:`resolve_latest_checkpoint`; the next save under the same name deletes them.
+    Pure listing: no process group.
+    """
+    dirpath = Path(dirpath)
+    if not dirpath.is_dir():
+        return []
+    return sorted(
+        p
+        for p in dirpath.iterdir()
+        if (hidden := parse_hidden_name(p.name)) is not None and hidden[1] == STAGING
+    )
 
 
 def resolve_latest_checkpoint(

@@ -1,0 +1,436 @@
+"""Fault injectors and rank-side helpers for the fault-tolerance tests.
+
+Problem: proving that a checkpoint survives a crash needs the crash to happen at an exact
+point of a real save or load -- before any shard is written, after some, before the
+commit -- on one chosen rank of a real process group, without mocking torch or DCP.
+
+How: every injector is a real DCP component or a documented seam of our own:
+
+* :class:`FaultyWriter` is torch's ``FileSystemWriter`` and :class:`FaultyReader` its
+  ``FileSystemReader``; each runs the real method and, on the chosen rank at the chosen
+  phase, raises an ``OSError`` or SIGKILLs its own process. They reach the plugin through
+  its public ``storage_writer_factory`` / ``storage_reader_factory``.
+* Commit steps, which no writer sees, go through ``checkpoint_io._FAULT_HOOK``
+  (:func:`arm_commit_fault`).
+* A full disk is the kernel's: :func:`file_size_limit` sets ``RLIMIT_FSIZE``, so the real
+  writer's ``write`` fails with ``EFBIG``.
+
+Phases, in the order a save reaches them (``*`` = coordinator, rank 0, only)::
+
+    plan          FaultyWriter.prepare_local_plan    nothing written yet
+    global-plan*  FaultyWriter.prepare_global_plan
+    write:before  FaultyWriter.write_data            before this rank's shard files
+    write:after   FaultyWriter.write_data            this rank's shard files on disk
+    metadata*     FaultyWriter.finish                every shard on disk, no .metadata
+    commit:...    checkpoint_io._FAULT_HOOK          see its docstring
+
+and a load: ``read:metadata``, ``read:plan``, ``read:global-plan*``, ``read:before``,
+``read:after`` (this rank's data read into the load's buffers).
+
+The module also holds what every test rank does: build and train the tiny model, build
+Lightning's checkpoint dict, snapshot a state as picklable "facts", compare them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import functools
+import os
+import resource
+import signal
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal, NoReturn
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+import lightning_megatron_fsdp.checkpoint_io as checkpoint_io
+from lightning_megatron_fsdp import (
+    attach_uneven_dtensor_metadata,
+    enable_cpu_execution,
+    ensure_optimizer_state,
+)
+from lightning_megatron_fsdp.uneven_dtensor import CHUNK_ATTR
+from tests.models import (
+    build_packed_lm,
+    dp_mesh,
+    lm_loss,
+    make_batch,
+    shard_packed_lm,
+    sharded_adam,
+)
+
+__all__ = [
+    "LR",
+    "PG_TIMEOUT",
+    "Fault",
+    "FaultyReader",
+    "FaultyWriter",
+    "arm_commit_fault",
+    "assemble",
+    "assert_matches_full",
+    "assert_same_facts",
+    "checkpoint_dict",
+    "die",
+    "differing",
+    "facts",
+    "file_size_limit",
+    "init_group",
+    "live_state",
+    "reader_factory",
+    "resume_optimizer",
+    "step",
+    "target_state",
+    "trained",
+    "writer_factory",
+]
+
+LR = 0.05
+# Peers of a dead rank see gloo's "connection closed" at once; this bounds real hangs.
+PG_TIMEOUT = timedelta(seconds=30)
+
+Action = Literal["raise", "kill"]
+
+
+def init_group(rank: int, world_size: int) -> None:
+    """Join the gloo group the harness's environment describes, with :data:`PG_TIMEOUT`."""
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
+
+
+def die() -> NoReturn:
+    """SIGKILL this process: no ``finally``, no ``atexit``, no flush (a preempted node)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable: SIGKILL did not kill the process")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """Fail (``"raise"``) or die (``"kill"``) on ``rank`` when ``phase`` is reached."""
+
+    phase: str
+    rank: int
+    action: Action = "raise"
+
+    def __post_init__(self) -> None:
+        if self.action not in ("raise", "kill"):
+            raise ValueError(f"Fault: action must be 'raise' or 'kill', got {self.action!r}.")
+
+    def reached(self, phase: str) -> None:
+        """Inject this fault if ``phase`` is its phase and this process is its rank.
+
+        Raises:
+            OSError: ``ENOSPC``, naming the phase and rank, for ``action="raise"``.
+        """
+        if phase != self.phase or dist.get_rank() != self.rank:
+            return
+        if self.action == "kill":
+            die()
+        raise OSError(errno.ENOSPC, f"injected failure at {phase} on rank {self.rank}")
+
+
+class FaultyWriter(FileSystemWriter):
+    """torch's ``FileSystemWriter``, with :class:`Fault` injected at the save phases."""
+
+    def __init__(self, path: Path, *, fault: Fault) -> None:
+        super().__init__(path)
+        self.fault = fault
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        self.fault.reached("plan")
+        return super().prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        self.fault.reached("global-plan")
+        return super().prepare_global_plan(plans)
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        self.fault.reached("write:before")
+        written = super().write_data(plan, planner)
+        written.wait()
+        self.fault.reached("write:after")
+        return written
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        self.fault.reached("metadata")
+        super().finish(metadata, results)
+
+
+class FaultyReader(FileSystemReader):
+    """torch's ``FileSystemReader``, with :class:`Fault` injected at the load phases."""
+
+    def __init__(self, path: Path, *, fault: Fault) -> None:
+        super().__init__(path)
+        self.fault = fault
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        self.fault.reached("read:metadata")
+        return super().read_metadata(*args, **kwargs)
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        self.fault.reached("read:plan")
+        return super().prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        self.fault.reached("read:global-plan")
+        return super().prepare_global_plan(plans)
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        self.fault.reached("read:before")
+        done = super().read_data(plan, planner)
+        done.wait()
+        self.fault.reached("read:after")
+        return done
+
+
+def writer_factory(fault: Fault) -> Any:
+    """A ``storage_writer_factory`` building :class:`FaultyWriter`\\ s."""
+    return functools.partial(FaultyWriter, fault=fault)
+
+
+def reader_factory(fault: Fault) -> Any:
+    """A ``storage_reader_factory`` building :class:`FaultyReader`\\ s."""
+    return functools.partial(FaultyReader, fault=fault)
+
+
+@contextlib.contextmanager
+def arm_commit_fault(fault: Fault | None, *, rename_exchange: bool = True) -> Iterator[None]:
+    """Install ``fault`` at the commit steps (``checkpoint_io._FAULT_HOOK``) for a block.
+
+    Args:
+        fault: The fault, or ``None`` for none.
+        rename_exchange: ``False`` forces the two-rename commit that systems without
+            ``renameat2(RENAME_EXCHANGE)`` use.
+    """
+    checkpoint_io._FAULT_HOOK = None if fault is None else fault.reached
+    checkpoint_io._USE_RENAME_EXCHANGE = rename_exchange
+    try:
+        yield
+    finally:
+        checkpoint_io._FAULT_HOOK = None
+        checkpoint_io._USE_RENAME_EXCHANGE = True
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int | None) -> Iterator[None]:
+    """Let this process write no file larger than ``limit`` bytes: a full disk, by the
+    kernel (writes fail with ``EFBIG`` instead of raising ``SIGXFSZ``). ``None``: no-op."""
+    if limit is None:
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def trained(
+    world_size: int, steps: int = 2, *, num_blocks: int = 2
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The sharded :class:`~tests.models.PackedLM` and its Adam after ``steps`` steps."""
+    enable_cpu_execution()
+    model = shard_packed_lm(build_packed_lm(0, num_blocks=num_blocks), dp_mesh(world_size))
+    optimizer = sharded_adam(model, lr=LR)
+    for seed in range(steps):
+        step(model, optimizer, seed)
+    return model, optimizer
+
+
+def step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    """One training step on batch ``seed`` (deterministic on every rank)."""
+    lm_loss(model, make_batch(seed)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def live_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The model's and optimizer's state dicts, hooks attached: what the strategy saves,
+    and, as load targets, the live tensors themselves (a load writes into the model)."""
+    model_state = get_model_state_dict(model)
+    optimizer_state: dict[str, Any] = {}
+    if optimizer is not None:
+        ensure_optimizer_state(optimizer)
+        optimizer_state = get_optimizer_state_dict(model, optimizer)
+    attach_uneven_dtensor_metadata(model, model_state, optimizer_state)
+    state: dict[str, Any] = {"state_dict": model_state}
+    if optimizer is not None:
+        state["optimizer_states"] = [optimizer_state]
+    return state
+
+
+def checkpoint_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, global_step: int
+) -> dict[str, Any]:
+    """Lightning's checkpoint dict as ``MegatronFSDPStrategy.save_checkpoint`` hands it on."""
+    return {
+        **live_state(model, optimizer),
+        "global_step": global_step,
+        "epoch": 0,
+        "loops": {"fit_loop": {"global_step": global_step}},
+    }
+
+
+def target_state(world_size: int, *, num_blocks: int = 2) -> tuple[nn.Module, Any, dict]:
+    """A fresh all-zero model and Adam (state zeroed, lr 0) and their state as targets."""
+    enable_cpu_execution()
+    model = shard_packed_lm(build_packed_lm(None, num_blocks=num_blocks), dp_mesh(world_size))
+    optimizer = sharded_adam(model, lr=LR)
+    state = live_state(model, optimizer)
+    with torch.no_grad():
+        for entries in state["optimizer_states"][0]["state"].values():
+            for tensor in entries.values():
+                tensor.zero_()
+    for group in state["optimizer_states"][0]["param_groups"]:
+        group["lr"] = 0.0
+    return model, optimizer, state
+
+
+def resume_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, loaded: Mapping[str, Any]
+) -> None:
+    """Apply loaded optimizer hyper-parameters, as the strategy does after a load."""
+    set_optimizer_state_dict(model, optimizer, loaded["optimizer_states"][0])
+
+
+# ---------------------------------------------------------------------------- facts
+
+
+def facts(state: Any, prefix: str = "") -> dict[str, tuple[Any, ...]]:
+    """Every leaf of a state as picklable facts, keyed by its ``/``-joined path.
+
+    A DTensor becomes ``("shard", row offset, global shape, local values)`` (the offset
+    from the chunk ``uneven_dtensor`` attached, ``-1`` if none), a tensor
+    ``("tensor", values)``, anything else ``("value", value)``; values are numpy copies,
+    which survive the rank process (tensors would travel as shared-memory handles).
+    """
+    if isinstance(state, Mapping):
+        items: Any = state.items()
+    elif isinstance(state, list) and not all(isinstance(v, str) for v in state):
+        items = enumerate(state)
+    else:
+        items = None
+    if items is not None:
+        out: dict[str, tuple[Any, ...]] = {}
+        for key, value in items:
+            out.update(facts(value, f"{prefix}{key}/"))
+        return out
+    key = prefix.rstrip("/")
+    if isinstance(state, DTensor):
+        local = state._local_tensor
+        chunk = vars(local).get(CHUNK_ATTR)
+        offset = int(chunk.offsets[0]) if chunk is not None else -1
+        return {key: ("shard", offset, tuple(state.shape), _numpy(local))}
+    if isinstance(state, torch.Tensor):
+        return {key: ("tensor", _numpy(state))}
+    return {key: ("value", state)}
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().to("cpu", copy=True).numpy()
+
+
+def _bits(array: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
+    return (array.dtype.str, array.shape, np.ascontiguousarray(array).tobytes())
+
+
+def assert_same_facts(
+    got: Mapping[str, tuple[Any, ...]], want: Mapping[str, tuple[Any, ...]], what: str = ""
+) -> None:
+    """Bit for bit (dtype, shape, bytes), every key; values by equality.
+
+    Raises:
+        AssertionError: Naming ``what`` and the first differing key.
+    """
+    assert got.keys() == want.keys(), f"{what}: keys differ: {sorted(set(got) ^ set(want))}"
+    for key, fact in want.items():
+        other = got[key]
+        assert other[0] == fact[0], f"{what} {key}: {other[0]} vs {fact[0]}"
+        if fact[0] == "value":
+            assert other[1] == fact[1], f"{what} {key}: {other[1]!r} != {fact[1]!r}"
+            continue
+        assert other[1:-1] == fact[1:-1], f"{what} {key}: {other[1:-1]} != {fact[1:-1]}"
+        assert _bits(other[-1]) == _bits(fact[-1]), f"{what} {key}: values differ"
+
+
+def differing(got: Mapping[str, tuple[Any, ...]], want: Mapping[str, tuple[Any, ...]]) -> list:
+    """Keys whose facts differ (rank-side check that returns instead of raising)."""
+    keys = sorted(set(got) | set(want))
+    return [
+        k
+        for k in keys
+        if k not in got
+        or k not in want
+        or got[k][0] != want[k][0]
+        or (got[k][0] == "value" and got[k][1] != want[k][1])
+        or (got[k][0] != "value" and _bits(got[k][-1]) != _bits(want[k][-1]))
+    ]
+
+
+def assemble(per_rank: list[Mapping[str, tuple[Any, ...]]]) -> dict[str, Any]:
+    """Full arrays from every rank's shard facts; each row must be covered exactly once.
+
+    Raises:
+        AssertionError: If a row is covered twice or never, or replicated values differ.
+    """
+    full: dict[str, Any] = {}
+    coverage: dict[str, np.ndarray] = {}
+    for rank_facts in per_rank:
+        for key, fact in rank_facts.items():
+            if fact[0] == "shard":
+                _, offset, shape, local = fact
+                assert offset >= 0, f"{key}: no chunk attached"
+                if key not in full:
+                    full[key] = np.zeros(shape, dtype=local.dtype)
+                    coverage[key] = np.zeros(shape[0], dtype=np.int64)
+                full[key][offset : offset + local.shape[0]] = local
+                coverage[key][offset : offset + local.shape[0]] += 1
+            elif key in full:
+                same = (
+                    _bits(full[key]) == _bits(fact[1])
+                    if fact[0] == "tensor"
+                    else full[key] == fact[1]
+                )
+                assert same, f"{key}: replicated value differs between ranks"
+            else:
+                full[key] = fact[1]
+    for key, rows in coverage.items():
+        assert (rows == 1).all(), f"{key}: rows covered {rows.tolist()}"
+    return full
+
+
+def assert_matches_full(full: Mapping[str, Any], per_rank: list[Mapping[str, tuple]]) -> None:
+    """Every rank's facts equal the rows of ``full`` (bit for bit); every row checked once."""
+    seen: dict[str, np.ndarray] = {}
+    for rank_facts in per_rank:
+        assert rank_facts.keys() == full.keys(), sorted(set(rank_facts) ^ set(full))
+        for key, fact in rank_facts.items():
+            if fact[0] == "shard":
+                _, offset, shape, local = fact
+                reference = full[key][offset : offset + local.shape[0]]
+                assert _bits(local) == _bits(reference), f"{key}: rows differ"
+                rows = seen.setdefault(key, np.zeros(shape[0], dtype=np.int64))
+                rows[offset : offset + local.shape[0]] += 1
+            elif fact[0] == "tensor":
+                assert _bits(fact[1]) == _bits(full[key]), key
+            else:
+                assert fact[1] == full[key], key
+    assert seen and all((rows == 1).all() for rows in seen.values())

@@ -1,0 +1,287 @@
+"""Damaged checkpoints are refused before any weight is touched; a soak leaks nothing.
+
+Damage: a 2-rank run saves a good checkpoint and, one step later, "another run's", then
+trains on so the live model differs from both. Copies of the good checkpoint are damaged
+the ways checkpoints get damaged -- a truncated or deleted shard, a deleted ``.metadata``
+or ``manifest.json``, a shard / ``.metadata`` / ``meta.pt`` / manifest copied over from
+the other run, a directory that is no checkpoint, one flipped bit -- and loaded into the
+*live* model and optimizer. Each load must raise the documented error on both ranks,
+naming the file, and leave every live tensor bit-identical. The offline check
+(``lightning-megatron-fsdp inspect --verify``) must flag the same files and pass the
+good checkpoint. ``verify_checksums=False`` must let the flipped bit through (the switch
+works, and only the checksum catches a flip DCP cannot see).
+
+Soak: 20 save/load cycles in one 2-rank run, sync and async alternating, each loaded
+bit-exactly into zeroed targets; open file descriptors and threads must not grow between
+cycle 2 and 20, nor RSS beyond noise.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from lightning_megatron_fsdp.checkpoint_io import CheckpointError, MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.cli import main as cli_main
+from lightning_megatron_fsdp.export import verify_checkpoint
+from tests.harness import run_distributed
+from tests.scripts.fault_injection import (
+    checkpoint_dict,
+    differing,
+    facts,
+    init_group,
+    live_state,
+    step,
+    target_state,
+    trained,
+)
+
+TIMEOUT = 90.0
+SOAK_CYCLES = 20
+# Generous: allocator noise on a 2-core CI runner, far below what a leaked copy of the
+# state per cycle (or a leaked thread stack per cycle) would add up to over 18 cycles.
+RSS_NOISE_KB = 48 * 1024
+FLIP_KEY = "state_dict/blocks.0.mix"
+
+
+def _truncate(path: Path, other: Path) -> None:
+    file = path / "__1_0.distcp"
+    os.truncate(file, file.stat().st_size // 2)
+
+
+def _copy_from_other(name: str) -> Callable[[Path, Path], None]:
+    def damage(path: Path, other: Path) -> None:
+        shutil.copyfile(other / name, path / name)
+
+    return damage
+
+
+def _not_a_checkpoint(path: Path, other: Path) -> None:
+    shutil.rmtree(path)
+    path.mkdir()
+    (path / "notes.txt").write_text("not a checkpoint")
+
+
+# (case, damage done by rank 0 to a copy of the good checkpoint, expected error)
+DAMAGE: list[tuple[str, Callable[[Path, Path], None], str]] = [
+    (
+        "truncated shard",
+        _truncate,
+        r"CheckpointCorruptedError: .*__1_0\.distcp: \d+ bytes on disk, \d+ in the manifest",
+    ),
+    (
+        "deleted shard",
+        lambda path, other: (path / "__0_0.distcp").unlink(),
+        r"CheckpointCorruptedError: .*__0_0\.distcp: missing \(expected \d+ bytes\)",
+    ),
+    (
+        "deleted .metadata",
+        lambda path, other: (path / ".metadata").unlink(),
+        r"CheckpointCorruptedError: .*\.metadata: missing \(expected \d+ bytes\)",
+    ),
+    (
+        "deleted manifest",
+        lambda path, other: (path / "manifest.json").unlink(),
+        r"NotACheckpointError: .*holds DCP files but no manifest\.json: the save did not finish",
+    ),
+    (
+        "shard from another run",
+        _copy_from_other("__1_0.distcp"),
+        r"CheckpointCorruptedError: .*__1_0\.distcp: sha256 [0-9a-f]{64} on disk, [0-9a-f]{64} "
+        r"in the manifest \(the file changed after it was written\)",
+    ),
+    (
+        ".metadata from another run",
+        _copy_from_other(".metadata"),
+        r"CheckpointCorruptedError: .*\.metadata: (sha256 [0-9a-f]{64} on disk|\d+ bytes on disk)",
+    ),
+    (
+        "meta.pt from another run",
+        _copy_from_other("meta.pt"),
+        r"CheckpointCorruptedError: .*meta\.pt: (sha256 [0-9a-f]{64} on disk|\d+ bytes on disk)",
+    ),
+    (
+        "manifest from another run",
+        _copy_from_other("manifest.json"),
+        r"CheckpointCorruptedError: .*: (sha256 [0-9a-f]{64} on disk|\d+ bytes on disk)",
+    ),
+    (
+        "not a checkpoint",
+        _not_a_checkpoint,
+        r"NotACheckpointError: .*has no manifest\.json: not a checkpoint written by "
+        r"MegatronFSDPCheckpointIO",
+    ),
+    (
+        "one flipped bit",
+        lambda path, other: None,  # done by _flip_bit, which knows where the data lies
+        r"CheckpointCorruptedError: .*__0_0\.distcp: sha256 [0-9a-f]{64} on disk",
+    ),
+]
+
+
+def _flip_bit(path: Path, local: Any) -> int:
+    """Flip one bit inside ``local``'s bytes in rank 0's shard file; return the element."""
+    file = path / "__0_0.distcp"
+    data = bytearray(file.read_bytes())
+    needle = local.tobytes()
+    at = data.find(needle)
+    assert at >= 0 and data.find(needle, at + 1) < 0, "shard bytes not found exactly once"
+    element = local.size // 2
+    data[at + element * local.itemsize + 1] ^= 0x10  # a mantissa bit: still a finite float
+    file.write_bytes(data)
+    return element
+
+
+def _load_into(plugin: MegatronFSDPCheckpointIO, path: Path, state: dict) -> str:
+    try:
+        plugin.load_checkpoint(path, state=state)
+    except CheckpointError as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def _damaged(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    init_group(rank, world_size)
+    base = Path(root)
+    model, adam = trained(world_size)
+    plugin = MegatronFSDPCheckpointIO()
+    good, other = base / "good", base / "other"
+    plugin.save_checkpoint(checkpoint_dict(model, adam, 2), good)
+    saved = facts(live_state(model, adam))
+    step(model, adam, 2)
+    plugin.save_checkpoint(checkpoint_dict(model, adam, 3), other)  # "another run"
+    step(model, adam, 3)
+    live = facts(live_state(model, adam))
+    out: dict[str, Any] = {}
+    for case, damage, _ in DAMAGE:
+        path = base / case.replace(" ", "-")
+        if rank == 0:
+            shutil.copytree(good, path)
+            damage(path, other)
+            if case == "one flipped bit":
+                out["flipped element"] = _flip_bit(path, saved[FLIP_KEY][-1])
+        dist.barrier()
+        out[case] = {
+            "message": _load_into(plugin, path, live_state(model, adam)),
+            "changed": differing(facts(live_state(model, adam)), live),
+        }
+    # Checksums off: the flipped bit loads silently. Only the checksum could have caught it.
+    _, _, state = target_state(world_size)
+    unchecked = MegatronFSDPCheckpointIO(verify_checksums=False)
+    out["unchecked flip"] = _load_into(unchecked, base / "one-flipped-bit", state)
+    out["unchecked differs"] = differing(facts(state), saved)
+    return out
+
+
+def test_damaged_checkpoints_are_refused_before_any_weight_changes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = run_distributed(_damaged, 2, str(tmp_path), timeout=TIMEOUT, init_process_group=False)
+    for case, _, pattern in DAMAGE:
+        path = tmp_path / case.replace(" ", "-")
+        seen = [result[case] for result in results]
+        for rank, result in enumerate(seen):
+            assert re.search(f"(?s){pattern}", result["message"]), (case, rank, result["message"])
+            assert str(path) in result["message"], case
+            advice = "Nothing was loaded. The files differ from what the save recorded"
+            if "CheckpointCorruptedError" in result["message"]:
+                assert advice in result["message"], case
+            assert result["changed"] == [], (case, rank, result["changed"][:5])
+        # One rank may have found a bad checksum ("[rank(s) [r]]"), but both raised it.
+        assert seen[0]["message"] == seen[1]["message"], case
+        # The offline check flags the same damage.
+        assert verify_checkpoint(path), case
+        assert cli_main(["inspect", "--verify", str(path)]) == 1, case
+    assert verify_checkpoint(tmp_path / "good") == []
+    assert cli_main(["inspect", "--verify", str(tmp_path / "good")]) == 0
+    capsys.readouterr()
+    # "Another run's" files are the same size: only the checksums told them apart.
+    for name in ("__1_0.distcp", "meta.pt"):
+        assert (tmp_path / "good" / name).stat().st_size == (
+            tmp_path / "other" / name
+        ).stat().st_size, name
+
+    element = results[0]["flipped element"]
+    assert results[0]["unchecked flip"] == results[1]["unchecked flip"] == "no error"
+    assert results[0]["unchecked differs"] == [FLIP_KEY], element  # rank 0 loaded the flip
+    assert results[1]["unchecked differs"] == []
+
+
+# ---------------------------------------------------------------------------------------
+# Soak
+# ---------------------------------------------------------------------------------------
+
+
+def _usage() -> dict[str, int]:
+    gc.collect()
+    with open("/proc/self/status", encoding="ascii") as status:
+        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    return {
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": threading.active_count(),
+        "rss_kb": rss,
+    }
+
+
+def _zero(state: Any) -> None:
+    """Zero every tensor of a state in place (a DTensor's local shard: no collective)."""
+    values = state.values() if isinstance(state, dict) else state
+    for value in values:
+        if isinstance(value, DTensor):
+            value._local_tensor.zero_()
+        elif isinstance(value, torch.Tensor):
+            value.zero_()
+        elif isinstance(value, (dict, list)):
+            _zero(value)
+
+
+def _soak(rank: int, world_size: int, root: str, cycles: int) -> dict[str, Any]:
+    init_group(rank, world_size)
+    path = Path(root) / "last.ckpt"
+    model, adam = trained(world_size, steps=1)
+    _, _, target = target_state(world_size)
+    sync, background = MegatronFSDPCheckpointIO(), MegatronFSDPCheckpointIO(async_save=True)
+    usage, compared = {}, 0
+    with torch.no_grad():
+        for cycle in range(1, cycles + 1):
+            with torch.enable_grad():
+                step(model, adam, cycle)
+            plugin = background if cycle % 2 else sync
+            plugin.save_checkpoint(checkpoint_dict(model, adam, cycle), path)
+            plugin.wait()
+            _zero(target)
+            loaded = sync.load_checkpoint(path, state=target)
+            want = facts(live_state(model, adam))
+            bad = differing(facts(target), want)
+            if bad or loaded["global_step"] != cycle:
+                raise AssertionError(f"cycle {cycle}: not bit-exact: {bad[:5]}")
+            compared += sum(f[0] != "value" for f in want.values())
+            if cycle in (2, cycles):
+                usage[cycle] = _usage()
+    background.teardown()
+    return {"usage": usage, "compared": compared}
+
+
+def test_twenty_save_load_cycles_leak_no_files_threads_or_memory(tmp_path: Path) -> None:
+    results = run_distributed(
+        _soak, 2, str(tmp_path), SOAK_CYCLES, timeout=TIMEOUT, init_process_group=False
+    )
+    for rank, result in enumerate(results):
+        early, late = result["usage"][2], result["usage"][SOAK_CYCLES]
+        assert result["compared"] > SOAK_CYCLES * 30, result["compared"]  # real tensors
+        assert late["fds"] <= early["fds"], (rank, early, late)
+        assert late["threads"] <= early["threads"], (rank, early, late)
+        assert late["rss_kb"] - early["rss_kb"] < RSS_NOISE_KB, (rank, early, late)
+    print(f"soak usage (cycle 2 -> {SOAK_CYCLES}):", [r["usage"] for r in results])
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
