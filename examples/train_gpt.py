@@ -138,8 +138,9 @@ class RecordStartStep(Callback):
     """Write the global step a run starts from (0, or the resumed checkpoint's step)."""
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero and trainer.log_dir is not None:
-            Path(trainer.log_dir, "start_step.txt").write_text(str(trainer.global_step))
+        log_dir = trainer.log_dir  # a collective (broadcast from rank 0): call it on every rank
+        if trainer.is_global_zero and log_dir is not None:
+            Path(log_dir, "start_step.txt").write_text(str(trainer.global_step))
 
 
 def plot_losses(log_dir: Path, output: Path) -> None:
@@ -184,6 +185,7 @@ def main() -> None:
     parser.add_argument("--ckpt-path", default=None, help='"last", a checkpoint directory, or none')
     parser.add_argument("--out", type=Path, default=Path("runs/gpt"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=5, help="train steps")
     args = parser.parse_args()
 
     pl.seed_everything(args.seed, workers=True)
@@ -207,7 +209,7 @@ def main() -> None:
         max_steps=args.max_steps,
         val_check_interval=args.checkpoint_every,
         limit_val_batches=4,
-        log_every_n_steps=5,
+        log_every_n_steps=args.log_every,
         callbacks=[checkpoints, TQDMProgressBar(refresh_rate=10), RecordStartStep()],
         logger=CSVLogger(args.out, name="logs"),
     )
