@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -85,7 +86,10 @@ def _worker(
                 "gloo", rank=rank, world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT
             )
         value = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, True, value))
+        # Pickled here with plain pickle: multiprocessing's own pickler would pass torch
+        # tensors through shared memory whose owner (this process) may exit before the
+        # parent maps it ("connection reset"); plain pickle copies the bytes.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -104,7 +108,8 @@ def run_distributed(
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes.
 
     Args:
-        fn: A module-level (picklable) function; its return value must be picklable.
+        fn: A module-level (picklable) function; its return value must be picklable
+            (torch tensors included: they are copied, not shared).
         world_size: Number of ranks.
         *args: Extra positional arguments for ``fn``.
         timeout: Seconds for the whole run before every rank is killed.
@@ -156,10 +161,13 @@ def run_distributed(
                     except queue.Empty:
                         failures[r] = f"process died with exit code {processes[r].exitcode}"
                         continue
-                    (values if ok else failures)[rank] = value
+                    if ok:
+                        values[rank] = pickle.loads(value)
+                    else:
+                        failures[rank] = value
                 continue
             if ok:
-                values[rank] = value
+                values[rank] = pickle.loads(value)
             else:
                 failures[rank] = value
                 # One failing rank: give peers a short grace to report their own error.

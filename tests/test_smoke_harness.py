@@ -49,3 +49,12 @@ def test_hang_is_killed_and_named() -> None:
 def test_dead_rank_is_named() -> None:
     with pytest.raises(AssertionError, match=r"(?s)rank 0 failed.*exit code 7"):
         run_distributed(_die, 2, timeout=30, init_process_group=False)
+
+
+def _return_tensor(rank: int, world_size: int) -> torch.Tensor:
+    return torch.full((3,), float(rank))
+
+
+def test_tensors_come_back_by_value() -> None:
+    values = run_distributed(_return_tensor, 2, init_process_group=False)
+    assert [v.tolist() for v in values] == [[0.0] * 3, [1.0] * 3]
