@@ -7,6 +7,7 @@ from lightning_megatron_fsdp.checkpoint_io import (
     CheckpointSaveError,
     MegatronFSDPCheckpointIO,
     NotACheckpointError,
+    interrupted_saves,
     is_complete_checkpoint,
     read_manifest,
     resolve_latest_checkpoint,
@@ -26,6 +27,11 @@ from lightning_megatron_fsdp.precision import (
     clip_sharded_grad_value_,
     sharded_grad_norm,
 )
+from lightning_megatron_fsdp.pretrained import (
+    FullWeightsLoad,
+    PretrainedWeights,
+    load_full_weights,
+)
 from lightning_megatron_fsdp.sharding import shard_module
 from lightning_megatron_fsdp.strategy import MegatronFSDPStrategy
 from lightning_megatron_fsdp.uneven_dtensor import (
@@ -41,10 +47,12 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointMismatchError",
     "CheckpointSaveError",
+    "FullWeightsLoad",
     "MegatronFSDPCheckpointIO",
     "MegatronFSDPPrecision",
     "MegatronFSDPStrategy",
     "NotACheckpointError",
+    "PretrainedWeights",
     "TensorInfo",
     "attach_uneven_dtensor_metadata",
     "chunk_metadata_by_fqn",
@@ -55,7 +63,9 @@ __all__ = [
     "enable_cpu_execution",
     "ensure_optimizer_state",
     "inspect_checkpoint",
+    "interrupted_saves",
     "is_complete_checkpoint",
+    "load_full_weights",
     "read_manifest",
     "resolve_latest_checkpoint",
     "shard_module",
