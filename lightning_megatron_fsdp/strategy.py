@@ -61,8 +61,11 @@ import atexit
 import contextlib
 import inspect
 import math
+import os
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from datetime import timedelta
+from fnmatch import fnmatch
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -81,6 +84,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import (
@@ -90,11 +94,12 @@ from lightning.pytorch.plugins.precision import (
     Precision,
 )
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from megatron_fsdp import MixedPrecisionPolicy
 from megatron_fsdp.experimental import (
@@ -108,13 +113,30 @@ from megatron_fsdp.experimental import (
 from megatron_fsdp.experimental.module import FsdpModule
 from megatron_fsdp.experimental.parameter_group import get_containing_parameter_group
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
+from lightning_megatron_fsdp.manifest import (
+    ASIDE,
+    MANIFEST_FILE,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    is_complete_checkpoint,
+    parse_hidden_name,
+    read_manifest,
+    recover_checkpoint,
+)
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
 from lightning_megatron_fsdp.precision import MegatronFSDPPrecision, _reject_closure_optimizer
+from lightning_megatron_fsdp.pretrained import (
+    PretrainedWeights,
+    apply_pretrained_weights,
+    as_pretrained_weights,
+)
 from lightning_megatron_fsdp.sharding import shard_module
 from lightning_megatron_fsdp.uneven_dtensor import attach_uneven_dtensor_metadata
 
@@ -176,6 +198,16 @@ class MegatronFSDPStrategy(ParallelStrategy):
             :class:`~lightning_megatron_fsdp.precision.MegatronFSDPPrecision`).
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by device type when ``None``.
         timeout: Timeout of every collective of the process groups this strategy creates.
+        init_weights_from: Full (unsharded) weights to initialise the model with, right
+            after sharding and before optimizers are created: a ``torch.save`` state dict
+            (``.pt``/``.pth``/``.bin``), a Lightning ``.ckpt`` file (DDP, single device),
+            a ``.safetensors`` file, a consolidated export, or a DCP checkpoint directory
+            (ours at any world size or mesh, or Lightning ``ModelParallelStrategy``'s).
+            Each rank reads only the rows it owns. A path, or a
+            :class:`~lightning_megatron_fsdp.pretrained.PretrainedWeights` for key prefixes
+            and non-strict loading. Applied once per model (a later ``test`` with the same
+            model keeps its trained weights); a ``ckpt_path`` restore overrides it. See
+            :func:`~lightning_megatron_fsdp.pretrained.load_full_weights`.
         accelerator: Set by the Trainer.
         parallel_devices: Set by the Trainer.
         cluster_environment: Set by the Trainer (``torchrun``, SLURM, Lightning, ...).
@@ -183,7 +215,8 @@ class MegatronFSDPStrategy(ParallelStrategy):
         precision_plugin: Set by the Trainer from ``precision=...``.
 
     Raises:
-        TypeError: If ``auto_wrap_policy``, ``device_mesh`` or ``timeout`` has the wrong type.
+        TypeError: If ``auto_wrap_policy``, ``device_mesh``, ``timeout`` or
+            ``init_weights_from`` has the wrong type.
         ValueError: If ``device_mesh`` has a non-positive size.
     """
 
@@ -197,6 +230,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         mixed_precision_policy: MixedPrecisionPolicy | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        init_weights_from: _PATH | PretrainedWeights | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -223,6 +257,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         if timeout is not None and not isinstance(timeout, timedelta):
             raise TypeError(f"{_STRATEGY}: timeout must be a datetime.timedelta, got {timeout!r}.")
         self._mixed_precision_policy = mixed_precision_policy
+        self._init_weights_from = as_pretrained_weights(init_weights_from)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._device_mesh: DeviceMesh | None = None
@@ -484,6 +519,8 @@ class MegatronFSDPStrategy(ParallelStrategy):
             )
         assert self.lightning_module is not None
         self._shard_model(self.lightning_module)
+        if self._init_weights_from is not None:
+            apply_pretrained_weights(self.lightning_module, self._init_weights_from)
         self.model = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -743,6 +780,61 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
 
+    #: Let ``fit(ckpt_path=...)`` start from a checkpoint that holds no optimizer state
+    #: (one saved with ``weights_only=True`` or ``ModelCheckpoint(save_weights_only=True)``).
+    #: ``False`` (the default) refuses such a resume on every rank with an error that says
+    #: so, because continuing with fresh optimizer state is not the run that was saved.
+    #: ``True`` loads the weights and the training position (loops, epoch, global step,
+    #: callbacks if saved), leaves the optimizers as freshly created (all-zero state, see
+    #: :func:`~lightning_megatron_fsdp.ensure_optimizer_state`) and the LR schedulers as
+    #: configured, and warns. Set it on the instance before ``fit``:
+    #: ``strategy.allow_weights_only_resume = True``. A checkpoint that does hold
+    #: optimizer state always resumes fully.
+    allow_weights_only_resume: bool = False
+
+    @property
+    @override
+    def launcher(self) -> _Launcher | None:
+        """Lightning's launcher, wrapped so ``ckpt_path="last"`` means a complete checkpoint.
+
+        Lightning resolves ``"last"`` before the strategy sees the run (in the Trainer's
+        checkpoint connector, before ``connect`` and ``setup_environment``): it takes the
+        most recently modified ``last*`` entry of each ``ModelCheckpoint`` directory. That
+        may be a damaged directory, and after a crash between the two renames of an
+        overwrite (see ``docs/DESIGN.md``) there is no ``last*`` entry at all, so training
+        would silently start from scratch. The one strategy hook that runs earlier is the
+        launcher's ``launch``, which receives the Trainer and the stage's arguments: the
+        wrapper first restores checkpoints a crash left renamed aside, then replaces
+        ``"last"`` by the most recently written *complete* ``last*`` checkpoint (manifest
+        mtime, Lightning's "most recent" rule), and leaves ``"last"`` to Lightning when there
+        is none. Every rank does this before any process group exists (recovery is
+        idempotent across ranks); :meth:`load_checkpoint` then loads rank 0's choice.
+
+        Alternatives rejected:
+            * Resolving in :meth:`load_checkpoint`: it is never called when Lightning finds
+              no ``last*`` entry, which is exactly the crash case.
+            * Patching ``ModelCheckpoint._find_last_checkpoints``: the user's callback would
+              no longer be the unchanged Lightning callback.
+            * Ordering by ``global_step`` (as ``resolve_latest_checkpoint`` does): a run
+              restarted from scratch into the same directory writes ``last-v1.ckpt``, and
+              Lightning's "last" means that newer run, not the older run's higher step.
+        """
+        inner = self._launcher
+        cached = self.__dict__.get("_lmf_launcher")
+        if cached is not None and cached[0] is inner:
+            return cached[1]
+        wrapper: _Launcher
+        if inner is None:  # processes created externally (torchrun, SLURM, ...)
+            wrapper = _ResolvingLastLauncher()
+        elif type(inner) is _SubprocessScriptLauncher:
+            wrapper = _ResolvingLastSubprocessScriptLauncher(
+                inner.cluster_environment, inner.num_processes, inner.num_nodes
+            )
+        else:
+            return inner
+        self._lmf_launcher = (inner, wrapper)
+        return wrapper
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's state by FQN, sharded parameters as DTensors (no collective)."""
@@ -753,7 +845,12 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's state keyed by parameter FQN (DCP's ``get_optimizer_state_dict``)."""
+        """The optimizer's state keyed by parameter FQN (DCP's ``get_optimizer_state_dict``).
+
+        An optimizer that has not stepped yet first gets all-zero state
+        (:func:`~lightning_megatron_fsdp.ensure_optimizer_state`), equivalent to a fresh
+        optimizer, so every checkpoint of a run has the same optimizer fingerprint.
+        """
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         optimizer = getattr(optimizer, "_optimizer", optimizer)
@@ -779,17 +876,42 @@ class MegatronFSDPStrategy(ParallelStrategy):
         FQN-keyed model and optimizer state dicts from :meth:`lightning_module_state_dict`
         and :meth:`optimizer_state`; this attaches each packed shard's true chunk to them
         and hands everything to the checkpoint IO. The path is rank 0's, so all ranks
-        write one checkpoint even if their clocks or names differ.
+        write one checkpoint even if their clocks or names differ. Attaching is rank-local
+        and can fail on one rank alone (a rank whose state differs), so the ranks agree on
+        its outcome with one all-reduce before the IO's first collective.
+
+        Called after a Trainer stage ended (``trainer.save_checkpoint`` after ``fit``),
+        when ``teardown`` has destroyed the process group, it re-creates the group on the
+        rendezvous that teardown prepared, saves, and destroys it again.
+
+        Raises:
+            CheckpointSaveError: On every rank if any rank fails (the failing rank names
+                its own error, the others name the failing rank); nothing is written.
+            CheckpointError: If the process group is gone and cannot be re-created.
         """
-        path = self.broadcast(str(filepath))
-        model = self.lightning_module
-        assert model is not None
-        state_dict = checkpoint.get("state_dict", {})
-        optimizer_states = checkpoint.get("optimizer_states", [])
-        attach_uneven_dtensor_metadata(model, state_dict, {})
-        for optimizer_state in optimizer_states:
-            attach_uneven_dtensor_metadata(model, {}, optimizer_state)
-        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        with self._checkpoint_process_group(f"save checkpoint {filepath}"):
+            path = self.broadcast(str(filepath))
+            model = self.lightning_module
+            assert model is not None
+            error: Exception | None = None
+            try:
+                attach_uneven_dtensor_metadata(model, checkpoint.get("state_dict", {}), {})
+                for optimizer_state in checkpoint.get("optimizer_states", []):
+                    attach_uneven_dtensor_metadata(model, {}, optimizer_state)
+            except Exception as err:
+                error = err
+            self._raise_together(
+                f"saving checkpoint {path} (attaching chunk metadata)",
+                error,
+                CheckpointSaveError,
+                consequence="nothing was written",
+            )
+            try:
+                self.checkpoint_io.save_checkpoint(
+                    checkpoint, path, storage_options=storage_options
+                )
+            except CheckpointException as err:  # a BaseException: never let it escape as is
+                raise CheckpointSaveError(_dcp_exception_message("Saving", path, err)) from err
 
     @override
     def load_checkpoint(
@@ -797,50 +919,228 @@ class MegatronFSDPStrategy(ParallelStrategy):
     ) -> dict[str, Any]:
         """Load a checkpoint in place into the sharded model (and optimizers when fitting).
 
-        Targets are built from the live model and optimizers (fresh optimizers get state
-        first, so DCP has tensors to fill), the IO validates and loads them, optimizer
-        hyper-parameters are applied by FQN, and the compute weights are refreshed from the
-        loaded main weights. validate/test/predict load weights only.
+        Collective: every rank calls it, and rank 0's path is loaded. Targets are built
+        from the live model and optimizers (a fresh optimizer first gets all-zero state,
+        so DCP has tensors to fill), the ranks agree that every rank built them, the IO
+        checks the checkpoint's fingerprint against them before any rank reads tensor data
+        and loads them, optimizer hyper-parameters are applied by FQN, and the compute
+        weights are refreshed from the loaded main weights. validate/test/predict load
+        weights only. A fit from a checkpoint without optimizer state is refused unless
+        :attr:`allow_weights_only_resume` is set.
 
         Returns:
             The non-tensor rest of the checkpoint, plus the filled targets.
-        """
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
 
-        path = self.broadcast(str(checkpoint_path))
-        model = self.lightning_module
-        assert model is not None
-        model_state = get_model_state_dict(model)
-        state: dict[str, Any] = {"state_dict": model_state}
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        load_optimizers = bool(optimizers) and model.trainer.state.fn == TrainerFn.FITTING
-        if load_optimizers:
-            for optimizer in optimizers:
-                ensure_optimizer_state(optimizer)
-            state["optimizer_states"] = [get_optimizer_state_dict(model, o) for o in optimizers]
-        attach_uneven_dtensor_metadata(model, model_state, {})
-        for optimizer_state in state.get("optimizer_states", []):
-            attach_uneven_dtensor_metadata(model, {}, optimizer_state)
-        checkpoint = self.checkpoint_io.load_checkpoint(
-            path, weights_only=weights_only, state=state, strict=model.strict_loading
-        )
-        if load_optimizers:
-            for optimizer, optimizer_state in zip(
-                optimizers, checkpoint["optimizer_states"], strict=True
-            ):
-                set_optimizer_state_dict(model, optimizer, optimizer_state)
-        _sync_compute_weights(model)
+        Raises:
+            NotACheckpointError: ``checkpoint_path`` is missing, a file, or incomplete.
+            CheckpointMismatchError: The checkpoint does not fit the model or optimizers
+                (naming every missing, unexpected or reshaped FQN), or it holds no
+                optimizer state and :attr:`allow_weights_only_resume` is off.
+            CheckpointError: Building the targets, reading, or applying the state failed
+                on some rank. Every error is raised on every rank; before any tensor is
+                read, the model and optimizers are unchanged.
+        """
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        with self._checkpoint_process_group(f"load checkpoint {checkpoint_path}"):
+            peek = _saved_optimizer_count(checkpoint_path) if self.is_global_zero else None
+            path, saved_optimizers = self.broadcast((str(checkpoint_path), peek))
+            model = self.lightning_module
+            assert model is not None
+            optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+            fitting = bool(optimizers) and model.trainer.state.fn == TrainerFn.FITTING
+            weights_only_resume = fitting and saved_optimizers == 0
+            if weights_only_resume and not self.allow_weights_only_resume:
+                raise CheckpointMismatchError(
+                    f"{_STRATEGY}: checkpoint {path} holds no optimizer state (it was saved "
+                    "with weights_only=True, e.g. by ModelCheckpoint(save_weights_only=True)), "
+                    f"so fit() cannot resume the run exactly with its {len(optimizers)} "
+                    "optimizer(s). To train on from its weights with fresh optimizer state, set "
+                    "strategy.allow_weights_only_resume = True before fit; to evaluate it, use "
+                    "trainer.validate/test/predict(ckpt_path=...); to resume exactly, save "
+                    "checkpoints with optimizer state."
+                )
+            load_optimizers = fitting and not weights_only_resume
+            state: dict[str, Any] = {}
+            error: Exception | None = None
+            try:
+                state = _load_targets(model, optimizers if load_optimizers else [])
+            except Exception as err:
+                error = err
+            self._raise_together(
+                f"loading checkpoint {path} (building the load targets)",
+                error,
+                CheckpointError,
+                consequence="nothing was read; the model and optimizers are unchanged",
+            )
+            try:
+                checkpoint = self.checkpoint_io.load_checkpoint(
+                    path, weights_only=weights_only, state=state, strict=model.strict_loading
+                )
+            except CheckpointException as err:  # a BaseException: never let it escape as is
+                raise CheckpointError(_dcp_exception_message("Loading", path, err)) from err
+            try:
+                if load_optimizers:
+                    for optimizer, optimizer_state in zip(
+                        optimizers, checkpoint["optimizer_states"], strict=True
+                    ):
+                        set_optimizer_state_dict(model, optimizer, optimizer_state)
+                _sync_compute_weights(model)
+            except Exception as err:
+                error = err
+            self._raise_together(
+                f"loading checkpoint {path} (applying the loaded state)",
+                error,
+                CheckpointError,
+                consequence="the tensors were loaded but the optimizers may be half restored; "
+                "do not train on, load again",
+            )
+        if weights_only_resume:
+            checkpoint = self._weights_only_resume(checkpoint, path)
         return checkpoint
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        """Remove a checkpoint directory (rank 0 only; the IO knows the layout)."""
+        """Remove a checkpoint directory: rank 0 deletes, every rank learns the outcome.
+
+        ``ModelCheckpoint`` calls this on every rank (``save_top_k``, a replaced
+        ``last``); the IO knows the layout and refuses to delete anything that is not one
+        of its checkpoints. A refusal on rank 0 is raised on every rank, so no rank trains
+        on while another has stopped.
+
+        Raises:
+            CheckpointError: On every rank, if rank 0 could not remove it.
+        """
+        error: Exception | None = None
         if self.is_global_zero:
-            self.checkpoint_io.remove_checkpoint(filepath)
+            try:
+                self.checkpoint_io.remove_checkpoint(filepath)
+            except Exception as err:
+                error = err
+        self._raise_together(
+            f"removing checkpoint {filepath}",
+            error,
+            CheckpointError,
+            consequence="the checkpoint was not removed",
+        )
+
+    @contextlib.contextmanager
+    def _checkpoint_process_group(self, action: str) -> Generator[None, None, None]:
+        """Make sure every rank is in a process group for a checkpoint collective.
+
+        Inside a Trainer stage the group exists. After one, ``teardown`` has destroyed it
+        (see the module docstring) but prepared the rendezvous of the next group, so a
+        save after ``fit`` (``trainer.save_checkpoint``) joins a fresh group there and
+        destroys it again afterwards; without this, each rank would save alone, as if it
+        were the whole world, and the ranks would overwrite each other's checkpoint.
+
+        Raises:
+            CheckpointError: If there is no group and none can be re-created (no rendezvous
+                was prepared: this strategy never created the group).
+        """
+        if _distributed_is_initialized() or self.world_size <= 1:
+            yield
+            return
+        rendezvous = _take_pending_rendezvous(self.global_rank, self.world_size)
+        if rendezvous is None:
+            raise CheckpointError(
+                f"{_STRATEGY}: cannot {action}: the process group is not initialized and "
+                f"this strategy cannot re-create it (world size {self.world_size}). A "
+                "checkpoint is a collective of all ranks: call trainer.save_checkpoint / "
+                "load from every rank during or after a Trainer stage this strategy ran, or "
+                "initialize torch.distributed yourself first."
+            )
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        rendezvous.init_process_group(self._get_process_group_backend(), **kwargs)
+        _OWNERSHIP.default_group = True
+        try:
+            if self._device_mesh is not None and not _mesh_is_bound(self._device_mesh):
+                _rebind_mesh(self._device_mesh, self._mesh_groups())
+            yield
+        except BaseException:
+            self._failed = True  # keep the group: a peer may be gone (_destroy_process_group)
+            raise
+        finally:
+            self._destroy_process_group()
+
+    def _raise_together(
+        self,
+        action: str,
+        error: Exception | None,
+        error_type: type[CheckpointError],
+        *,
+        consequence: str,
+    ) -> None:
+        """Raise on every rank if rank-local work failed on any rank; else return.
+
+        One all-reduce of a per-rank error flag on the default group (whose timeout bounds
+        it), so a rank that failed alone never leaves its peers waiting in the next
+        collective. The failing rank raises its own error, the others name it.
+
+        Args:
+            action: What was being done, for the message (``"saving checkpoint <path>"``).
+            error: This rank's error, or ``None`` if its part succeeded.
+            error_type: The class to raise.
+            consequence: What state the failure leaves, for the message.
+
+        Raises:
+            CheckpointError: ``error_type``, on every rank, when any rank passed an error,
+                or when the all-reduce itself failed (a peer crashed or timed out).
+        """
+        then = consequence[:1].upper() + consequence[1:]
+        if not _distributed_is_initialized() or dist.get_world_size() == 1:
+            if error is not None:
+                raise error_type(
+                    f"{_STRATEGY}: {action} failed: {_describe(error)}. {then}."
+                ) from error
+            return
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        device = torch.device("cpu") if dist.get_backend() == "gloo" else self.root_device
+        flags = torch.zeros(world_size, dtype=torch.int32, device=device)
+        flags[rank] = int(error is not None)
+        try:
+            dist.all_reduce(flags)
+        except RuntimeError as err:  # gloo/NCCL failures and timeouts
+            raise error_type(
+                f"{_STRATEGY}: {action}: the ranks could not agree whether every rank "
+                f"succeeded ({_describe(err)}); another rank probably crashed or timed out "
+                "(check its log). "
+                + (f"This rank failed too: {_describe(error)}. " if error else "")
+                + f"{then}."
+            ) from (error or err)
+        failed = [r for r, flag in enumerate(flags.tolist()) if flag]
+        if not failed:
+            return
+        if error is not None:
+            others = [r for r in failed if r != rank]
+            also = f" (rank(s) {others} failed too)" if others else ""
+            raise error_type(
+                f"{_STRATEGY}: {action} failed on rank {rank}{also}: {_describe(error)}. "
+                f"Every rank raises; {consequence}."
+            ) from error
+        raise error_type(
+            f"{_STRATEGY}: {action} failed on rank(s) {failed}; see that rank's error for why. "
+            f"Rank {rank} raises too so that no rank waits in a collective; {consequence}."
+        )
+
+    def _weights_only_resume(self, checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
+        """Let Lightning restore a weights-only checkpoint for ``fit``: schedulers as configured.
+
+        Lightning refuses a checkpoint without ``lr_schedulers`` when fitting; the current
+        schedulers' own state makes its restore a no-op.
+        """
+        rank_zero_warn(
+            f"{_STRATEGY}: resuming fit from weights-only checkpoint {path} "
+            "(allow_weights_only_resume=True): model weights and the training position are "
+            "restored; optimizer state and LR schedulers start fresh."
+        )
+        checkpoint = dict(checkpoint)
+        checkpoint.setdefault(
+            "lr_schedulers", [config.scheduler.state_dict() for config in self.lr_scheduler_configs]
+        )
+        return checkpoint
 
     # ------------------------------------------------------------------ teardown
 
@@ -915,6 +1215,189 @@ def _default_checkpoint_io() -> CheckpointIO:
             "install the complete package."
         ) from err
     return MegatronFSDPCheckpointIO()
+
+
+# ---------------------------------------------------------------------- checkpoint helpers
+
+
+def _load_targets(model: nn.Module, optimizers: list[Optimizer]) -> dict[str, Any]:
+    """FQN-keyed state dicts of the live model (and ``optimizers``) for DCP to load into.
+
+    Rank-local. A fresh optimizer first gets all-zero state (``ensure_optimizer_state``),
+    equivalent to one that never stepped, so a load works before the first step.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    model_state = get_model_state_dict(model)
+    attach_uneven_dtensor_metadata(model, model_state, {})
+    state: dict[str, Any] = {"state_dict": model_state}
+    if optimizers:
+        for optimizer in optimizers:
+            ensure_optimizer_state(optimizer)
+        state["optimizer_states"] = [get_optimizer_state_dict(model, o) for o in optimizers]
+        for optimizer_state in state["optimizer_states"]:
+            attach_uneven_dtensor_metadata(model, {}, optimizer_state)
+    return state
+
+
+def _saved_optimizer_count(path: _PATH) -> int | None:
+    """How many optimizers' state the checkpoint at ``path`` holds; ``None`` if unreadable.
+
+    Filesystem work for rank 0 only: restores a checkpoint a crash left renamed aside
+    first, as the IO's load would. An unreadable checkpoint is the IO's to explain.
+    """
+    try:
+        recover_checkpoint(os.fspath(path))
+        return len(read_manifest(os.fspath(path)).optimizer_fingerprints)
+    except (CheckpointError, OSError, ValueError, TypeError):
+        return None
+
+
+def _describe(err: BaseException) -> str:
+    """``"<type>: <message>"``, without a final period (callers go on with their own)."""
+    return f"{type(err).__name__}: {str(err).rstrip().rstrip('.')}"
+
+
+def _dcp_exception_message(action: str, path: str, err: CheckpointException) -> str:
+    """Name the failing ranks and their errors from DCP's ``CheckpointException``."""
+    failures = getattr(err, "failures", None) or {}
+    details = []
+    for rank, failure in sorted(failures.items()):
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        details.append(f"rank {rank}: {_describe(cause)}")
+    listed = "; ".join(details) or str(err)
+    return (
+        f"{_STRATEGY}: {action} checkpoint {path} failed in torch.distributed.checkpoint on "
+        f"rank(s) {sorted(failures)}: {listed}"
+    )
+
+
+def _with_last_resolved(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    trainer: pl.Trainer | None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``function``'s arguments with ``ckpt_path="last"`` replaced by a complete checkpoint.
+
+    ``function`` is the Trainer stage (``_fit_impl``, ``_validate_impl``, ...); its
+    ``ckpt_path`` argument is found by name. Unchanged when it is not ``"last"`` or no
+    complete ``last*`` checkpoint exists (Lightning then warns and starts fresh).
+    """
+    if trainer is None:
+        return args, kwargs
+    try:
+        bound = inspect.signature(function).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    if bound.arguments.get("ckpt_path") != "last":
+        return args, kwargs
+    resolved = _latest_complete_last_checkpoint(trainer)
+    if resolved is None:
+        return args, kwargs
+    bound.arguments["ckpt_path"] = resolved
+    return bound.args, bound.kwargs
+
+
+def _latest_complete_last_checkpoint(trainer: pl.Trainer) -> str | None:
+    """The most recently written complete checkpoint Lightning's ``"last"`` could mean.
+
+    Candidates are Lightning's: the ``last*`` entries of every ``ModelCheckpoint``
+    directory and the ``OnExceptionCheckpoint`` paths. A checkpoint a crashed commit left
+    renamed aside (``.<name>.old-<token>``) is renamed back first. Rank-local filesystem
+    work, safe on every rank at once: a rank that loses a rename race finds the checkpoint
+    already restored.
+    """
+    candidates: set[Path] = set()
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint):
+            continue
+        dirpath = _checkpoint_dir(callback, trainer)
+        if dirpath is None or "://" in str(dirpath):  # remote: left to Lightning
+            continue
+        directory = Path(dirpath)
+        pattern = f"{callback.CHECKPOINT_NAME_LAST}*{callback.FILE_EXTENSION}"
+        with contextlib.suppress(OSError):
+            for sibling in list(directory.iterdir()):
+                hidden = parse_hidden_name(sibling.name)
+                if hidden is not None and hidden[1] == ASIDE and fnmatch(hidden[0], pattern):
+                    with contextlib.suppress(OSError):  # another rank restored it first
+                        if recover_checkpoint(directory / hidden[0]):
+                            rank_zero_warn(
+                                f"Restored {directory / hidden[0]}, which an interrupted "
+                                "save had renamed aside."
+                            )
+            candidates.update(
+                p
+                for p in directory.iterdir()
+                if not p.name.startswith(".") and fnmatch(p.name, pattern)
+            )
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, OnExceptionCheckpoint):
+            candidates.add(Path(callback.ckpt_path))
+    newest: tuple[tuple[int, str], Path] | None = None
+    for candidate in candidates:
+        try:
+            if not is_complete_checkpoint(candidate):
+                continue
+            key = ((candidate / MANIFEST_FILE).stat().st_mtime_ns, str(candidate))
+        except OSError:
+            continue
+        if newest is None or key > newest[0]:
+            newest = (key, candidate)
+    return None if newest is None else str(newest[1])
+
+
+def _checkpoint_dir(callback: ModelCheckpoint, trainer: pl.Trainer) -> _PATH | None:
+    """The directory ``callback`` saves to, resolved exactly as its ``"last"`` lookup does.
+
+    Before ``setup`` a ``ModelCheckpoint`` without ``dirpath`` has not resolved it yet;
+    Lightning's lookup calls the callback's private resolver, and so does this.
+    """
+    resolve = getattr(callback, "_ModelCheckpoint__resolve_ckpt_dir", None)
+    if callable(resolve):
+        with contextlib.suppress(Exception):
+            return resolve(trainer)
+    return callback.dirpath
+
+
+class _ResolvingLastLauncher(_Launcher):
+    """For processes created externally: run the stage here, ``ckpt_path="last"`` resolved."""
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    def launch(
+        self,
+        function: Callable[..., Any],
+        *args: Any,
+        trainer: pl.Trainer | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        args, kwargs = _with_last_resolved(function, args, kwargs, trainer)
+        return function(*args, **kwargs)
+
+    def kill(self, signum: Any) -> None:
+        """Nothing to kill: this launcher started no process."""
+
+
+class _ResolvingLastSubprocessScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher, with ``ckpt_path="last"`` resolved before it spawns."""
+
+    @override
+    def launch(
+        self,
+        function: Callable[..., Any],
+        *args: Any,
+        trainer: pl.Trainer | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        args, kwargs = _with_last_resolved(function, args, kwargs, trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 class _Rendezvous:
