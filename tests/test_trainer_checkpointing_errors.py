@@ -135,6 +135,8 @@ def _attempt(
         strategy=strategy,
         max_steps=max_steps,
         callbacks=[before, probe, *(callbacks or [])],
+        # No default ModelCheckpoint: it would write into the current directory.
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks or []),
     )
     try:
         trainer.fit(model, token_loader(world_size), ckpt_path=ckpt_path)
