@@ -62,6 +62,7 @@ import contextlib
 import inspect
 import math
 import os
+import re
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from datetime import timedelta
 from fnmatch import fnmatch
@@ -121,7 +122,9 @@ from typing_extensions import override
 from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
 from lightning_megatron_fsdp.manifest import (
     ASIDE,
+    DCP_METADATA_FILE,
     MANIFEST_FILE,
+    META_FILE,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointSaveError,
@@ -136,6 +139,7 @@ from lightning_megatron_fsdp.pretrained import (
     PretrainedWeights,
     apply_pretrained_weights,
     as_pretrained_weights,
+    load_full_weights,
 )
 from lightning_megatron_fsdp.sharding import shard_module
 from lightning_megatron_fsdp.uneven_dtensor import attach_uneven_dtensor_metadata
@@ -198,6 +202,10 @@ class MegatronFSDPStrategy(ParallelStrategy):
             :class:`~lightning_megatron_fsdp.precision.MegatronFSDPPrecision`).
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by device type when ``None``.
         timeout: Timeout of every collective of the process groups this strategy creates.
+        allow_weights_only_resume: Let ``fit(ckpt_path=...)`` resume from a checkpoint
+            without optimizer state (saved with ``weights_only=True``): weights and the
+            training position load, the optimizers start fresh. Off by default, so such a
+            resume is refused on every rank instead of silently changing the run.
         init_weights_from: Full (unsharded) weights to initialise the model with, right
             after sharding and before optimizers are created: a ``torch.save`` state dict
             (``.pt``/``.pth``/``.bin``), a Lightning ``.ckpt`` file (DDP, single device),
@@ -231,6 +239,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         init_weights_from: _PATH | PretrainedWeights | None = None,
+        allow_weights_only_resume: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -258,6 +267,12 @@ class MegatronFSDPStrategy(ParallelStrategy):
             raise TypeError(f"{_STRATEGY}: timeout must be a datetime.timedelta, got {timeout!r}.")
         self._mixed_precision_policy = mixed_precision_policy
         self._init_weights_from = as_pretrained_weights(init_weights_from)
+        if not isinstance(allow_weights_only_resume, bool):
+            raise TypeError(
+                f"{_STRATEGY}: allow_weights_only_resume must be a bool, got "
+                f"{allow_weights_only_resume!r}."
+            )
+        self.allow_weights_only_resume = allow_weights_only_resume
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._device_mesh: DeviceMesh | None = None
@@ -949,6 +964,10 @@ class MegatronFSDPStrategy(ParallelStrategy):
             assert model is not None
             optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
             fitting = bool(optimizers) and model.trainer.state.fn == TrainerFn.FITTING
+            if _is_foreign_lightning_dcp(path):
+                return self._load_foreign_checkpoint(
+                    path, optimizers if fitting else [], weights_only
+                )
             weights_only_resume = fitting and saved_optimizers == 0
             if weights_only_resume and not self.allow_weights_only_resume:
                 raise CheckpointMismatchError(
@@ -998,6 +1017,22 @@ class MegatronFSDPStrategy(ParallelStrategy):
         if weights_only_resume:
             checkpoint = self._weights_only_resume(checkpoint, path)
         return checkpoint
+
+    def _load_foreign_checkpoint(
+        self, path: str, optimizers: list[Optimizer], weights_only: bool | None
+    ) -> dict[str, Any]:
+        """Resume from another strategy's Lightning DCP checkpoint (``ModelParallelStrategy``).
+
+        Such a directory has DCP's ``.metadata`` and Lightning's ``meta.pt`` but no manifest
+        of ours. :func:`load_full_weights` reads every rank's own rows of the weights and,
+        when fitting, the optimizer state by FQN (it validates keys and shapes on every
+        rank first); ``meta.pt`` holds the loop, epoch, scheduler and callback state that
+        Lightning restores from the returned dict.
+        """
+        model = self.lightning_module
+        assert model is not None
+        load_full_weights(model, path, optimizers=optimizers, strict=model.strict_loading)
+        return torch.load(Path(path, META_FILE), map_location="cpu", weights_only=weights_only)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -1241,6 +1276,31 @@ def _load_targets(model: nn.Module, optimizers: list[Optimizer]) -> dict[str, An
         for optimizer_state in state["optimizer_states"]:
             attach_uneven_dtensor_metadata(model, {}, optimizer_state)
     return state
+
+
+def _is_foreign_lightning_dcp(path: str) -> bool:
+    """Whether ``path`` is a ``ModelParallelStrategy`` (FSDP2) checkpoint directory.
+
+    Recognised positively, never by what is missing: DCP's ``.metadata`` and Lightning's
+    ``meta.pt`` without our manifest, *and* Lightning's ``optimizer_<i>.`` keys, which our
+    format never writes (ours are ``optimizer_states.<i>.``). So a checkpoint of ours whose
+    manifest was lost or not yet copied still goes to our loader, which refuses it as
+    incomplete instead of loading it unchecked.
+    """
+    directory = Path(path)
+    if not (
+        (directory / DCP_METADATA_FILE).is_file()
+        and (directory / META_FILE).is_file()
+        and not (directory / MANIFEST_FILE).exists()
+    ):
+        return False
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(directory).read_metadata().state_dict_metadata
+    except Exception:
+        return False
+    return any(re.match(r"optimizer_\d+\.", key) for key in keys)
 
 
 def _saved_optimizer_count(path: _PATH) -> int | None:

@@ -455,6 +455,7 @@ class AtTrainStart(Callback):
             self.loaded_optimizers = loaded.optimizers
         self.params = param_shards(pl_module)
         self.optimizer = optimizer_shards(pl_module, trainer.optimizers[0])
+        self.epoch, self.global_step = trainer.current_epoch, trainer.global_step
 
 
 class _AtValidationStart(Callback):
@@ -599,6 +600,21 @@ def _megatron_from_fsdp2(rank: int, world_size: int, source: str, root: str) -> 
     }
 
 
+def _megatron_resumes_fsdp2(rank: int, world_size: int, source: str) -> dict[str, Any]:
+    """``trainer.fit(ckpt_path=<FSDP2 checkpoint>)``: weights, Adam state and loop position."""
+    model = PackedLit(seed=None)
+    start = AtTrainStart()
+    trainer = make_trainer(world_size, megatron_strategy(), max_epochs=2, callbacks=[start])
+    trainer.fit(model, train_loader(world_size), ckpt_path=source)
+    return {
+        "outputs": start.outputs,
+        "params": start.params,
+        "optimizer": start.optimizer,
+        "epoch": start.epoch,
+        "global_step": start.global_step,
+    }
+
+
 def _export_loads_back(
     rank: int, world_size: int, export: str, full: str, checkpoint: str
 ) -> dict[str, Any]:
@@ -672,6 +688,18 @@ def test_fsdp2_checkpoint_resumes_under_megatron_and_our_export_loads_back(
     for name, value in fsdp2["final"].items():
         np.testing.assert_allclose(final[name], value, rtol=0, atol=1e-6, err_msg=name)
     assert not np.array_equal(final["lm.embed.weight"], fsdp2["params"]["lm.embed.weight"])
+
+    # The same FSDP2 checkpoint through trainer.fit(ckpt_path=...): the loop position too.
+    resumed = run_distributed(
+        _megatron_resumes_fsdp2, 3, str(source), init_process_group=False, timeout=150
+    )
+    for result in resumed:
+        np.testing.assert_array_equal(result["outputs"], fsdp2["outputs"])
+        assert (result["epoch"], result["global_step"]) == (1, 2)
+    assert_same(assemble([r["params"] for r in resumed]), fsdp2["params"])
+    optimizer = assemble([r["optimizer"] for r in resumed])
+    for key, value in fsdp2["optimizer"].items():
+        np.testing.assert_array_equal(optimizer[key].astype(np.float32), value, err_msg=key)
 
     # Our checkpoint, exported, loads into a plain module, into FSDP2, and (weights and
     # Adam state, from safetensors) into a 2-rank Megatron-FSDP model; so does the
