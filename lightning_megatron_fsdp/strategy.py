@@ -1098,7 +1098,14 @@ class MegatronFSDPStrategy(ParallelStrategy):
             self._failed = True  # keep the group: a peer may be gone (_destroy_process_group)
             raise
         finally:
-            self._destroy_process_group()
+            # An async save still writes (and commits) over this group in the background:
+            # finish it, and drop the IO's groups, before the group goes away.
+            teardown_io = getattr(self._checkpoint_io, "teardown", None)
+            try:
+                if teardown_io is not None and not self._failed:
+                    teardown_io()
+            finally:
+                self._destroy_process_group()
 
     def _raise_together(
         self,

@@ -487,6 +487,37 @@ def test_materialised_state_behaves_like_a_fresh_optimizer(make_optimizer: objec
         torch.testing.assert_close(materialised, fresh, rtol=0, atol=0)
 
 
+def test_state_is_created_only_where_missing_and_gradients_survive() -> None:
+    """Partial state (a parameter that had no gradient yet) and mid-accumulation gradients:
+    only the missing state is created (zeroed), existing state does not advance, and every
+    gradient is back, unchanged, afterwards."""
+    torch.manual_seed(0)
+    used, unused = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam([*used.parameters(), *unused.parameters()], lr=0.1)
+    used(torch.ones(1, 3)).sum().backward()
+    optimizer.step()  # state for `used` only
+    before = {
+        id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in used.parameters()
+    }
+    used(torch.full((1, 3), 2.0)).sum().backward()  # a gradient mid-accumulation
+    grads = [p.grad.clone() for p in used.parameters()]
+    weights = [p.detach().clone() for p in (*used.parameters(), *unused.parameters())]
+
+    ensure_optimizer_state(optimizer)
+
+    for parameter, grad in zip(used.parameters(), grads, strict=True):
+        torch.testing.assert_close(parameter.grad, grad, rtol=0, atol=0)
+        for key, value in before[id(parameter)].items():
+            torch.testing.assert_close(optimizer.state[parameter][key], value, rtol=0, atol=0)
+    for parameter in unused.parameters():
+        assert parameter.grad is None
+        state = optimizer.state[parameter]
+        assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(not value.any() for value in state.values())
+    for parameter, weight in zip((*used.parameters(), *unused.parameters()), weights, strict=True):
+        torch.testing.assert_close(parameter.detach(), weight, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------
 # Bad input
 # ---------------------------------------------------------------------------------------

@@ -644,3 +644,42 @@ def test_two_optimizers_round_trip_by_fqn(tmp_path: Path) -> None:
         assert len(resumed["start"]["schedulers"]) == 2
         assert resumed["losses"] == reference["losses"][2:]  # training steps 3 and 4
         assert_same(resumed["final"], {k: reference[k] for k in resumed["final"]}, "end")
+
+
+def _async_stages(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Async saves in two Trainer stages (the background gloo group must be re-created after
+    teardown destroyed the first world), then ``trainer.save_checkpoint`` after ``fit``
+    (its background write must finish before the re-joined group is destroyed)."""
+    from lightning_megatron_fsdp import MegatronFSDPCheckpointIO
+
+    def strategy() -> MegatronFSDPStrategy:
+        return MegatronFSDPStrategy(
+            auto_wrap_policy={PackedBlock},
+            timeout=PROCESS_GROUP_TIMEOUT,
+            checkpoint_io=MegatronFSDPCheckpointIO(async_save=True),
+        )
+
+    pl.seed_everything(0, verbose=False)
+    model = CheckpointedLM()
+    first = make_trainer(
+        world_size, strategy=strategy(), max_steps=2, callbacks=[every_two_steps(Path(root))]
+    )
+    first.fit(model, token_loader(world_size, epochs_of_data=4))
+    second = make_trainer(
+        world_size, strategy=strategy(), max_steps=4, callbacks=[every_two_steps(Path(root))]
+    )
+    second.fit(model, token_loader(world_size, epochs_of_data=4), ckpt_path="last")
+    second.save_checkpoint(Path(root) / "after-fit.ckpt")
+    return {"weights": weights(model), "global_step": second.global_step}
+
+
+def test_async_saves_across_stages_and_after_fit(tmp_path: Path) -> None:
+    from lightning_megatron_fsdp import verify_checkpoint
+
+    results = run_distributed(_async_stages, 2, str(tmp_path), init_process_group=False)
+    assert [r["global_step"] for r in results] == [4, 4]
+    for path in (tmp_path / "run" / "last.ckpt", tmp_path / "after-fit.ckpt"):
+        assert verify_checkpoint(path) == [], path
+        assert read_manifest(path).global_step == 4, path
+    for directory in (tmp_path, tmp_path / "run"):  # no interrupted or leftover saves
+        assert not [p.name for p in directory.iterdir() if p.name.startswith(".")]
