@@ -1,0 +1,444 @@
+"""Benchmark 2: checkpoint save/load throughput against each rank's own ``torch.save``.
+
+Question: how close does a Megatron-FSDP checkpoint through ``MegatronFSDPCheckpointIO``
+get to the physical limit of the filesystem? The proxy for that limit: every rank
+``torch.save``\\ s the very same local tensors (its model shards and Adam state) into one
+file of its own on the same filesystem, ``fsync``\\ s it (DCP's writer fsyncs too), and
+``torch.load``\\ s it back. No format, no planning, no collective, no manifest, no hashing.
+
+Setup: a ~50 M parameter model (:class:`BenchLM`, fp32) with Adam state, sharded with
+Megatron-FSDP on 2 real ranks (gloo, CPU), about 600 MB of state in all. Ours is the path
+``MegatronFSDPStrategy`` takes: build the FQN state dicts, attach the chunk hooks, and
+``MegatronFSDPCheckpointIO.save_checkpoint`` (DCP files, ``meta.pt``, manifest, atomic
+rename); load builds targets, validates, ``dcp.load``\\ s in place and applies the optimizer
+state. Three plugin configurations: the default (sha256 of every file written on save and
+verified on load; ``atomic_load``, which reads into a CPU copy of the targets and copies it
+in once every rank has read everything), checksums off, and checksums off with
+``atomic_load=False``. All sides run in the same two processes, interleaved A B C D A B C D
+..., rotating the order every repeat; each time is the wall time from a barrier to a
+barrier (so the slowest rank's), median of the repeats. The baseline load only unpickles
+(it copies nothing into the model): the strictest baseline.
+
+Planning (DCP's ``set_up_planner`` through ``finish_plan``, the plan gather/scatter
+included) is timed inside the real saves by :class:`PlanTimingWriter`, a
+``FileSystemWriter`` whose first hook call starts the clock and whose ``write_data`` stops it.
+
+Targets (issue 6): save and load at most 1.2x the baseline; planning under 10% of a save.
+Page cache: loads read files the same repeat just wrote (warm cache) on both sides.
+Dropping caches would be a machine-wide action on a shared machine, and both sides read
+warm, so the ratio stays fair.
+
+Run: ``python -m benchmarks.bench_save_load [--quick] [--json PATH]`` from the repo root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron_fsdp.experimental import Flat, Placements, fully_shard_optimizer
+from megatron_fsdp.experimental.module import FsdpModule
+from torch import Tensor, nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from lightning_megatron_fsdp import (
+    MegatronFSDPCheckpointIO,
+    attach_uneven_dtensor_metadata,
+    enable_cpu_execution,
+    ensure_optimizer_state,
+    shard_module,
+)
+from tests.harness import run_distributed
+
+__all__ = [
+    "BenchLM",
+    "PlanTimingWriter",
+    "build_sharded",
+    "load_state",
+    "local_tensors",
+    "median",
+    "resident_bytes",
+    "save_state",
+    "timed",
+]
+
+MB = 1e6
+LABELS = {
+    "baseline": "torch.save/load per rank (baseline)",
+    "ours": "ours, default (sha256 on, atomic_load)",
+    "ours_nosha": "ours, checksums off (atomic_load)",
+    "ours_lean": "ours, checksums off, atomic_load=False",
+}
+WIDTH = 1024  # 50.4 M parameters; --quick uses 256 (3.2 M)
+QUICK_WIDTH = 256
+DEPTH = 8
+
+
+class BenchLM(nn.Module):
+    """A small decoder-shaped model: embedding, ``depth`` MLP blocks, tied output projection.
+
+    Parameters: ``16 w x w`` (embedding) + ``depth x (4 w^2 + 3 w)``; ``w = 1024`` gives
+    50.4 M. The output projection reuses the embedding matrix functionally (no second FQN),
+    so every parameter has exactly one name.
+
+    Args:
+        width: Hidden size ``w``.
+        depth: Number of blocks (each its own FSDP unit).
+    """
+
+    def __init__(self, width: int, depth: int = DEPTH) -> None:
+        super().__init__()
+        self.vocab = 16 * width
+        self.embed = nn.Embedding(self.vocab, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+            for _ in range(depth)
+        )
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Logits (batch, seq, vocab) for integer ``tokens`` (batch, seq)."""
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return x @ self.embed.weight.t()
+
+
+def build_sharded(width: int, world_size: int) -> tuple[BenchLM, torch.optim.Adam]:
+    """Build, shard (blocks, then the root) and give Adam state to a :class:`BenchLM`.
+
+    Call on every rank of an initialised process group; every rank builds the same values.
+
+    Returns:
+        The sharded model and its ``fully_shard_optimizer``-adapted Adam, state created.
+    """
+    enable_cpu_execution()
+    torch.manual_seed(0)
+    model = BenchLM(width)
+    mesh = init_device_mesh("cpu", (world_size,))
+    placements = Placements(dp_axes=[0], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()])
+    for block in model.blocks:
+        shard_module(block, mesh, placements)
+    shard_module(model, mesh, placements)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    fully_shard_optimizer(optimizer)
+    ensure_optimizer_state(optimizer)
+    return model, optimizer
+
+
+def save_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The checkpoint dict ``MegatronFSDPStrategy.save_checkpoint`` hands its IO."""
+    model_sd = get_model_state_dict(model)
+    optimizer_sd = get_optimizer_state_dict(model, optimizer)
+    attach_uneven_dtensor_metadata(model, model_sd, optimizer_sd)
+    return {"state_dict": model_sd, "optimizer_states": [optimizer_sd], "global_step": 1}
+
+
+def load_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, io: MegatronFSDPCheckpointIO, path: str
+) -> None:
+    """Load ``path`` in place, as ``MegatronFSDPStrategy.load_checkpoint`` does."""
+    model_sd = get_model_state_dict(model)
+    optimizer_sd = get_optimizer_state_dict(model, optimizer)
+    attach_uneven_dtensor_metadata(model, model_sd, optimizer_sd)
+    loaded = io.load_checkpoint(
+        path, state={"state_dict": model_sd, "optimizer_states": [optimizer_sd]}
+    )
+    set_optimizer_state_dict(model, optimizer, loaded["optimizer_states"][0])
+    for module in model.modules():
+        if isinstance(module, FsdpModule):
+            for group in module.parameter_groups:
+                group.sync_model_weight_from_main_weight()
+
+
+def local_tensors(checkpoint: dict[str, Any]) -> dict[str, Tensor]:
+    """This rank's local tensors of a checkpoint dict, flat-keyed: what the baseline writes.
+
+    DTensors contribute their local shard (a view into the packed buffer; ``torch.save``
+    writes each shared storage once), plain tensors themselves; each detached, so no
+    Python attribute (the chunk hooks) rides along into the pickle.
+    """
+    flat: dict[str, Tensor] = {}
+
+    def visit(prefix: str, value: Any) -> None:
+        if isinstance(value, DTensor):
+            flat[prefix] = value._local_tensor.detach()
+        elif isinstance(value, Tensor):
+            flat[prefix] = value.detach()
+        elif isinstance(value, dict):
+            for key, child in value.items():
+                visit(f"{prefix}.{key}" if prefix else str(key), child)
+        elif isinstance(value, (list, tuple)):
+            for index, child in enumerate(value):
+                visit(f"{prefix}.{index}", child)
+
+    visit("", {k: checkpoint[k] for k in ("state_dict", "optimizer_states")})
+    return flat
+
+
+def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's state: its local parameter shards plus its optimizer state.
+
+    Rank-local (no collective). Counts tensor elements, not the packing's padding.
+    """
+    tensors = list(local_tensors(save_state(model, optimizer)).values())
+    seen: set[tuple[int, int, int]] = set()
+    total = 0
+    for tensor in tensors:
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.numel())
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+class PlanTimingWriter(FileSystemWriter):
+    """``FileSystemWriter`` that times DCP's planning phase of the save it writes.
+
+    DCP calls ``storage_meta`` first (before ``set_up_planner``), then the planners' and
+    writer's local and global plan steps with a gather and scatter between them, then
+    ``finish_plan``, and only then ``write_data``. So ``write_data``'s start minus the first
+    ``storage_meta`` call is the whole planning phase, collectives included. One instance
+    per save (the IO's writer factory builds a fresh one).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, record: dict[str, float]) -> None:
+        super().__init__(path)
+        self._record = record
+
+    def storage_meta(self) -> Any:
+        self._record.setdefault("plan_start", time.perf_counter())
+        return super().storage_meta()
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
+        self._record["plan_end"] = time.perf_counter()
+        return super().write_data(plan, planner)
+
+
+def median(values: list[float]) -> float:
+    """Median of ``values``."""
+    return statistics.median(values)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds from a barrier before ``fn`` to a barrier after it: the slowest rank's time."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _baseline_save(tensors: dict[str, Tensor], path: Path) -> None:
+    with open(path, "wb") as file:
+        torch.save(tensors, file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _save_ours(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    io: MegatronFSDPCheckpointIO,
+    path: Path,
+    record: dict[str, float],
+) -> None:
+    """The strategy's save; records state-dict time and (through the writer) planning."""
+    start = time.perf_counter()
+    checkpoint = save_state(model, optimizer)
+    record["state_dict"] = time.perf_counter() - start
+    factory = functools.partial(PlanTimingWriter, record=record)
+    io.save_checkpoint(checkpoint, path, {"storage_writer_factory": factory})
+
+
+def _measure(
+    rank: int, world_size: int, width: int, directory: str, repeats: int
+) -> dict[str, Any]:
+    model, optimizer = build_sharded(width, world_size)
+    state = resident_bytes(model, optimizer)
+    baseline_tensors = local_tensors(save_state(model, optimizer))
+    root = Path(directory)
+    ios = {
+        "ours": MegatronFSDPCheckpointIO(),
+        "ours_nosha": MegatronFSDPCheckpointIO(write_checksums=False, verify_checksums=False),
+        "ours_lean": MegatronFSDPCheckpointIO(
+            write_checksums=False, verify_checksums=False, atomic_load=False
+        ),
+    }
+    sides = ["baseline", *ios]
+    saves: dict[str, list[float]] = {side: [] for side in sides}
+    loads: dict[str, list[float]] = {side: [] for side in sides}
+    plans: dict[str, list[float]] = {side: [] for side in ios}
+    state_dicts: dict[str, list[float]] = {side: [] for side in ios}
+    sizes: dict[str, int] = {}
+    for repeat in range(repeats):
+        # Rotate the order every repeat: no side always runs first after the deletions.
+        order = sides[repeat % len(sides) :] + sides[: repeat % len(sides)]
+        paths = {side: root / f"{side}-{repeat}" for side in ios}
+        paths["baseline"] = root / f"baseline-{repeat}-rank{rank}.pt"
+        for side in order:
+            if side == "baseline":
+                save = functools.partial(_baseline_save, baseline_tensors, paths[side])
+                saves[side].append(timed(save))
+                continue
+            record: dict[str, float] = {}
+            saves[side].append(
+                timed(
+                    functools.partial(_save_ours, model, optimizer, ios[side], paths[side], record)
+                )
+            )
+            parts = torch.tensor(
+                [record["plan_end"] - record["plan_start"], record["state_dict"]],
+                dtype=torch.float64,
+            )
+            dist.all_reduce(parts, op=dist.ReduceOp.MAX)
+            plans[side].append(parts[0].item())
+            state_dicts[side].append(parts[1].item())
+        for side in order:
+            if side == "baseline":
+                load = functools.partial(torch.load, paths[side], weights_only=True)
+            else:
+                load = functools.partial(load_state, model, optimizer, ios[side], str(paths[side]))
+            loads[side].append(timed(load))
+        if repeat == 0:
+            sizes["baseline"] = paths["baseline"].stat().st_size
+            for side in ios:
+                sizes[side] = sum(f.stat().st_size for f in paths[side].iterdir())
+        dist.barrier()
+        paths["baseline"].unlink()
+        if rank == 0:
+            for side in ios:
+                shutil.rmtree(paths[side])
+    # Per-rank baseline file sizes and state bytes: sum over ranks.
+    totals = torch.tensor([state, sizes["baseline"]], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return {
+        "world_size": world_size,
+        "parameters": sum(p.numel() for p in BenchLM(width).parameters()),
+        "state_bytes": totals[0].item(),
+        "bytes_on_disk": {
+            "baseline": totals[1].item(),
+            **{side: float(sizes[side]) for side in ios},
+        },
+        "save_s": saves,
+        "load_s": loads,
+        "plan_s": plans,
+        "state_dict_s": state_dicts,
+    }
+
+
+def run(*, quick: bool = False) -> dict[str, Any]:
+    """Measure at world size 2; return medians, ratios and target verdicts (rank 0's view)."""
+    width = QUICK_WIDTH if quick else WIDTH
+    repeats = 3 if quick else 7
+    with tempfile.TemporaryDirectory(prefix="bench_save_load-") as directory:
+        raw = run_distributed(_measure, 2, width, directory, repeats, timeout=1200)[0]
+    result: dict[str, Any] = {"raw": raw, "quick": quick, "repeats": repeats, "rows": []}
+    state_mb = raw["state_bytes"] / MB
+    base_save = median(raw["save_s"]["baseline"])
+    base_load = median(raw["load_s"]["baseline"])
+    for side in LABELS:
+        save = median(raw["save_s"][side])
+        load = median(raw["load_s"][side])
+        row = {
+            "side": side,
+            "save_s": save,
+            "load_s": load,
+            "save_mb_s": state_mb / save,
+            "load_mb_s": state_mb / load,
+            "save_ratio": save / base_save,
+            "load_ratio": load / base_load,
+            "disk_mb": raw["bytes_on_disk"][side] / MB,
+        }
+        if side != "baseline":
+            plan = median(raw["plan_s"][side])
+            row["plan_s"] = plan
+            row["plan_share"] = plan / save
+            row["state_dict_s"] = median(raw["state_dict_s"][side])
+            row["save_met"] = row["save_ratio"] <= 1.2
+            row["load_met"] = row["load_ratio"] <= 1.2
+            row["plan_met"] = row["plan_share"] < 0.10
+        result["rows"].append(row)
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """A Markdown table of ``run``'s result."""
+    raw = result["raw"]
+    lines = [
+        f"{raw['parameters'] / 1e6:.1f} M parameters (fp32) + Adam, world size "
+        f"{raw['world_size']}: {raw['state_bytes'] / MB:.0f} MB of state in all; "
+        f"median of {result['repeats']} interleaved repeats; MB/s = state MB / seconds; "
+        "ours includes building the state dicts (column 'state dicts s', part of 'save s').",
+        "",
+        "| side | save s | save MB/s | save / base | load s | load MB/s | load / base "
+        "| state dicts s | plan s | plan / save | on disk MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["rows"]:
+        plan = (
+            f"{row['state_dict_s']:.3f} | {row['plan_s']:.3f} | {row['plan_share']:.1%}"
+            if "plan_s" in row
+            else "- | - | -"
+        )
+        lines.append(
+            f"| {LABELS[row['side']]} | {row['save_s']:.3f} | {row['save_mb_s']:.0f} "
+            f"| {row['save_ratio']:.2f}x | {row['load_s']:.3f} | {row['load_mb_s']:.0f} "
+            f"| {row['load_ratio']:.2f}x | {plan} | {row['disk_mb']:.0f} |"
+        )
+    lines.append("")
+    for row in result["rows"][1:]:
+        verdict = ", ".join(
+            f"{name} {'met' if row[key] else 'NOT met'}"
+            for name, key in (("save <= 1.2x", "save_met"), ("load <= 1.2x", "load_met"))
+        )
+        plan = "met" if row["plan_met"] else "NOT met"
+        lines.append(f"- {LABELS[row['side']]}: {verdict}, planning < 10% of save {plan}.")
+    return "\n".join(lines)
+
+
+def bench_main(
+    doc: str,
+    run: Callable[..., dict[str, Any]],
+    format_table: Callable[[dict[str, Any]], str],
+    quick_help: str,
+    argv: list[str] | None = None,
+) -> int:
+    """The command line every benchmark shares: ``--quick``, ``--json PATH``, print the table."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--json", type=Path, help="also write the result here")
+    args = parser.parse_args(argv)
+    result = run(quick=args.quick)
+    print(format_table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark, print the table, optionally write the result as JSON."""
+    return bench_main(__doc__, run, format_table, "3.2 M parameters, 3 repeats", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
