@@ -33,7 +33,6 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp import (
     attach_uneven_dtensor_metadata,
@@ -63,7 +62,6 @@ from lightning_megatron_fsdp.manifest import (
     read_manifest,
     resolve_latest_checkpoint,
 )
-from lightning_megatron_fsdp.uneven_dtensor import CHUNK_ATTR
 from tests.harness import run_distributed
 from tests.models import (
     build_packed_lm,
@@ -75,6 +73,8 @@ from tests.models import (
     shard_packed_lm,
     sharded_adam,
 )
+from tests.shard_facts import assemble, assert_matches_full, assert_same_facts
+from tests.shard_facts import facts as shard_facts
 
 TIMEOUT = 120.0
 LR = 0.05
@@ -192,32 +192,10 @@ def _targets(
     return model, state
 
 
-def _facts(state: Any, prefix: str = "") -> dict[str, tuple[Any, ...]]:
-    """Every leaf of a nested state: ("shard", row offset, global shape, local copy) for a
-    DTensor, ("tensor", copy) for a plain tensor, ("value", v) otherwise. Picklable."""
-    if isinstance(state, Mapping):
-        items = state.items()
-    elif isinstance(state, (list, tuple)) and not all(isinstance(v, str) for v in state):
-        items = enumerate(state)
-    else:
-        items = None
-    if items is not None:
-        out: dict[str, tuple[Any, ...]] = {}
-        for key, value in items:
-            out.update(_facts(value, f"{prefix}{key}/"))
-        return out
-    key = prefix.rstrip("/")
-    if isinstance(state, DTensor):
-        local = state._local_tensor
-        chunk = getattr(local, CHUNK_ATTR)
-        return {key: ("shard", chunk.offsets[0], tuple(state.shape), local.detach().clone())}
-    if isinstance(state, torch.Tensor):
-        return {key: ("tensor", state.detach().clone())}
-    return {key: ("value", state)}
-
-
 def _tensor_facts(checkpoint: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
-    return _facts({k: checkpoint[k] for k in ("state_dict", "optimizer_states") if k in checkpoint})
+    return shard_facts(
+        {k: checkpoint[k] for k in ("state_dict", "optimizer_states") if k in checkpoint}
+    )
 
 
 def _wide_save(world_size: int, path: Path) -> int:
@@ -482,7 +460,7 @@ def _bad_inputs(rank: int, world_size: int, root: str) -> list[str]:
     assert torch.equal(model_state["extra.buffer"], torch.full((3,), 7.0))
     loaded_facts = _tensor_facts(state)
     expected = {k: v for k, v in saved.items() if k != "state_dict/head.bias"}
-    assert_facts_equal(
+    assert_same_facts(
         {k: v for k, v in loaded_facts.items() if k != "state_dict/extra.buffer"}, expected
     )
     _, state = _targets(world_size)
@@ -572,61 +550,6 @@ def assert_same(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) ->
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
 
 
-def assert_facts_equal(got: Mapping[str, tuple], want: Mapping[str, tuple]) -> None:
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
-    for key, fact in want.items():
-        other = got[key]
-        assert fact[0] == other[0], key
-        if fact[0] == "value":
-            assert other[1] == fact[1], key
-        else:
-            assert fact[1:-1] == other[1:-1], key
-            torch.testing.assert_close(other[-1], fact[-1], rtol=0, atol=0, msg=key)
-
-
-def assemble(per_rank: list[Mapping[str, tuple]]) -> dict[str, Any]:
-    """Full tensors from every rank's shards; each row must be covered exactly once."""
-    full: dict[str, Any] = {}
-    coverage: dict[str, torch.Tensor] = {}
-    for facts in per_rank:
-        for key, fact in facts.items():
-            if fact[0] == "shard":
-                _, offset, shape, local = fact
-                if key not in full:
-                    full[key] = torch.zeros(shape, dtype=local.dtype)
-                    coverage[key] = torch.zeros(shape[0], dtype=torch.int64)
-                full[key][offset : offset + local.shape[0]] = local
-                coverage[key][offset : offset + local.shape[0]] += 1
-            else:
-                value = fact[-1]
-                if key in full:  # replicated: every rank holds the same
-                    assert fact[0] != "tensor" or torch.equal(full[key], value), key
-                    assert fact[0] != "value" or full[key] == value, key
-                full[key] = value
-    for key, rows in coverage.items():
-        assert bool((rows == 1).all()), f"{key}: rows covered {rows.tolist()}"
-    return full
-
-
-def assert_matches_full(full: Mapping[str, Any], per_rank: list[Mapping[str, tuple]]) -> None:
-    """Every rank's loaded shard equals the reference rows; every row was checked once."""
-    seen: dict[str, torch.Tensor] = {}
-    for facts in per_rank:
-        assert facts.keys() == full.keys(), sorted(set(facts) ^ set(full))
-        for key, fact in facts.items():
-            if fact[0] == "shard":
-                _, offset, shape, local = fact
-                reference = full[key][offset : offset + local.shape[0]]
-                torch.testing.assert_close(local, reference, rtol=0, atol=0, msg=key)
-                rows = seen.setdefault(key, torch.zeros(shape[0], dtype=torch.int64))
-                rows[offset : offset + local.shape[0]] += 1
-            elif fact[0] == "tensor":
-                torch.testing.assert_close(fact[1], full[key], rtol=0, atol=0, msg=key)
-            else:
-                assert fact[1] == full[key], key
-    assert seen and all(bool((rows == 1).all()) for rows in seen.values())
-
-
 def assert_same_save(sync: Path, asynchronous: Path, world_size: int) -> None:
     """Byte for byte: every shard file and meta.pt. DCP's .metadata differs only in its
     StorageMeta (the directory it was written to and a random save id), and the manifests
@@ -700,7 +623,7 @@ def saved_at_4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _check_round_trip(root: Path, world_size: int, results: list[dict]) -> None:
     for rank, facts in enumerate(results):
-        assert_facts_equal(facts["loaded"], facts["saved"])
+        assert_same_facts(facts["loaded"], facts["saved"])
         assert_same(facts["target_model"], facts["model"])  # loaded in place into the model
         assert facts["rest"] == {
             "global_step": 7,

@@ -52,12 +52,7 @@ from tests.harness import run_distributed
 from tests.scripts.fault_injection import (
     Fault,
     arm_commit_fault,
-    assemble,
-    assert_matches_full,
-    assert_same_facts,
     checkpoint_dict,
-    differing,
-    facts,
     init_group,
     live_state,
     reader_factory,
@@ -67,6 +62,7 @@ from tests.scripts.fault_injection import (
     trained,
     writer_factory,
 )
+from tests.shard_facts import assemble, assert_matches_full, assert_same_facts, differing, facts
 
 TIMEOUT = 90.0
 

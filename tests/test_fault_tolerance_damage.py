@@ -38,14 +38,13 @@ from lightning_megatron_fsdp.export import verify_checkpoint
 from tests.harness import run_distributed
 from tests.scripts.fault_injection import (
     checkpoint_dict,
-    differing,
-    facts,
     init_group,
     live_state,
     step,
     target_state,
     trained,
 )
+from tests.shard_facts import differing, facts
 
 TIMEOUT = 90.0
 SOAK_CYCLES = 20
@@ -132,6 +131,7 @@ DAMAGE: list[tuple[str, Callable[[Path, Path], None], str]] = [
 
 def _flip_bit(path: Path, local: Any) -> int:
     """Flip one bit inside ``local``'s bytes in rank 0's shard file; return the element."""
+    local = local.numpy()
     file = path / "__0_0.distcp"
     data = bytearray(file.read_bytes())
     needle = local.tobytes()

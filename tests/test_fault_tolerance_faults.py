@@ -40,8 +40,6 @@ from tests.scripts.fault_injection import (
     Fault,
     arm_commit_fault,
     checkpoint_dict,
-    differing,
-    facts,
     file_size_limit,
     init_group,
     live_state,
@@ -51,6 +49,7 @@ from tests.scripts.fault_injection import (
     trained,
     writer_factory,
 )
+from tests.shard_facts import differing, facts
 
 TIMEOUT = 90.0
 

@@ -32,7 +32,8 @@ from lightning_megatron_fsdp.export import verify_checkpoint
 from lightning_megatron_fsdp.manifest import parse_hidden_name, read_manifest
 from tests.harness import run_distributed
 from tests.models import VOCAB, PackedBlock, build_packed_lm, lm_loss
-from tests.scripts.fault_injection import PG_TIMEOUT, Fault, FaultyWriter, assert_same_facts
+from tests.scripts.fault_injection import PG_TIMEOUT, Fault, FaultyWriter
+from tests.shard_facts import assert_same_facts
 
 TIMEOUT = 120.0
 EPOCHS = 3
@@ -76,7 +77,7 @@ class _LM(pl.LightningModule):
 
 def _local(value: Any) -> tuple[str, Any]:
     local = getattr(value, "_local_tensor", value)
-    return ("tensor", local.detach().clone().numpy())
+    return ("tensor", local.detach().clone())
 
 
 class _KillOnSave:

@@ -28,7 +28,8 @@ and a load: ``read:metadata``, ``read:plan``, ``read:global-plan*``, ``read:befo
 ``read:after`` (this rank's data read into the load's buffers).
 
 The module also holds what every test rank does: build and train the tiny model, build
-Lightning's checkpoint dict, snapshot a state as picklable "facts", compare them.
+Lightning's checkpoint dict (the picklable "facts" and their checks are in
+``tests/shard_facts.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -55,7 +55,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 import lightning_megatron_fsdp.checkpoint_io as checkpoint_io
 from lightning_megatron_fsdp import (
@@ -63,7 +62,6 @@ from lightning_megatron_fsdp import (
     enable_cpu_execution,
     ensure_optimizer_state,
 )
-from lightning_megatron_fsdp.uneven_dtensor import CHUNK_ATTR
 from tests.models import (
     build_packed_lm,
     dp_mesh,
@@ -80,13 +78,8 @@ __all__ = [
     "FaultyReader",
     "FaultyWriter",
     "arm_commit_fault",
-    "assemble",
-    "assert_matches_full",
-    "assert_same_facts",
     "checkpoint_dict",
     "die",
-    "differing",
-    "facts",
     "file_size_limit",
     "init_group",
     "live_state",
@@ -309,128 +302,3 @@ def resume_optimizer(
 ) -> None:
     """Apply loaded optimizer hyper-parameters, as the strategy does after a load."""
     set_optimizer_state_dict(model, optimizer, loaded["optimizer_states"][0])
-
-
-# ---------------------------------------------------------------------------- facts
-
-
-def facts(state: Any, prefix: str = "") -> dict[str, tuple[Any, ...]]:
-    """Every leaf of a state as picklable facts, keyed by its ``/``-joined path.
-
-    A DTensor becomes ``("shard", row offset, global shape, local values)`` (the offset
-    from the chunk ``uneven_dtensor`` attached, ``-1`` if none), a tensor
-    ``("tensor", values)``, anything else ``("value", value)``; values are numpy copies,
-    which survive the rank process (tensors would travel as shared-memory handles).
-    """
-    if isinstance(state, Mapping):
-        items: Any = state.items()
-    elif isinstance(state, list) and not all(isinstance(v, str) for v in state):
-        items = enumerate(state)
-    else:
-        items = None
-    if items is not None:
-        out: dict[str, tuple[Any, ...]] = {}
-        for key, value in items:
-            out.update(facts(value, f"{prefix}{key}/"))
-        return out
-    key = prefix.rstrip("/")
-    if isinstance(state, DTensor):
-        local = state._local_tensor
-        chunk = vars(local).get(CHUNK_ATTR)
-        offset = int(chunk.offsets[0]) if chunk is not None else -1
-        return {key: ("shard", offset, tuple(state.shape), _numpy(local))}
-    if isinstance(state, torch.Tensor):
-        return {key: ("tensor", _numpy(state))}
-    return {key: ("value", state)}
-
-
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().to("cpu", copy=True).numpy()
-
-
-def _bits(array: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
-    return (array.dtype.str, array.shape, np.ascontiguousarray(array).tobytes())
-
-
-def assert_same_facts(
-    got: Mapping[str, tuple[Any, ...]], want: Mapping[str, tuple[Any, ...]], what: str = ""
-) -> None:
-    """Bit for bit (dtype, shape, bytes), every key; values by equality.
-
-    Raises:
-        AssertionError: Naming ``what`` and the first differing key.
-    """
-    assert got.keys() == want.keys(), f"{what}: keys differ: {sorted(set(got) ^ set(want))}"
-    for key, fact in want.items():
-        other = got[key]
-        assert other[0] == fact[0], f"{what} {key}: {other[0]} vs {fact[0]}"
-        if fact[0] == "value":
-            assert other[1] == fact[1], f"{what} {key}: {other[1]!r} != {fact[1]!r}"
-            continue
-        assert other[1:-1] == fact[1:-1], f"{what} {key}: {other[1:-1]} != {fact[1:-1]}"
-        assert _bits(other[-1]) == _bits(fact[-1]), f"{what} {key}: values differ"
-
-
-def differing(got: Mapping[str, tuple[Any, ...]], want: Mapping[str, tuple[Any, ...]]) -> list:
-    """Keys whose facts differ (rank-side check that returns instead of raising)."""
-    keys = sorted(set(got) | set(want))
-    return [
-        k
-        for k in keys
-        if k not in got
-        or k not in want
-        or got[k][0] != want[k][0]
-        or (got[k][0] == "value" and got[k][1] != want[k][1])
-        or (got[k][0] != "value" and _bits(got[k][-1]) != _bits(want[k][-1]))
-    ]
-
-
-def assemble(per_rank: list[Mapping[str, tuple[Any, ...]]]) -> dict[str, Any]:
-    """Full arrays from every rank's shard facts; each row must be covered exactly once.
-
-    Raises:
-        AssertionError: If a row is covered twice or never, or replicated values differ.
-    """
-    full: dict[str, Any] = {}
-    coverage: dict[str, np.ndarray] = {}
-    for rank_facts in per_rank:
-        for key, fact in rank_facts.items():
-            if fact[0] == "shard":
-                _, offset, shape, local = fact
-                assert offset >= 0, f"{key}: no chunk attached"
-                if key not in full:
-                    full[key] = np.zeros(shape, dtype=local.dtype)
-                    coverage[key] = np.zeros(shape[0], dtype=np.int64)
-                full[key][offset : offset + local.shape[0]] = local
-                coverage[key][offset : offset + local.shape[0]] += 1
-            elif key in full:
-                same = (
-                    _bits(full[key]) == _bits(fact[1])
-                    if fact[0] == "tensor"
-                    else full[key] == fact[1]
-                )
-                assert same, f"{key}: replicated value differs between ranks"
-            else:
-                full[key] = fact[1]
-    for key, rows in coverage.items():
-        assert (rows == 1).all(), f"{key}: rows covered {rows.tolist()}"
-    return full
-
-
-def assert_matches_full(full: Mapping[str, Any], per_rank: list[Mapping[str, tuple]]) -> None:
-    """Every rank's facts equal the rows of ``full`` (bit for bit); every row checked once."""
-    seen: dict[str, np.ndarray] = {}
-    for rank_facts in per_rank:
-        assert rank_facts.keys() == full.keys(), sorted(set(rank_facts) ^ set(full))
-        for key, fact in rank_facts.items():
-            if fact[0] == "shard":
-                _, offset, shape, local = fact
-                reference = full[key][offset : offset + local.shape[0]]
-                assert _bits(local) == _bits(reference), f"{key}: rows differ"
-                rows = seen.setdefault(key, np.zeros(shape[0], dtype=np.int64))
-                rows[offset : offset + local.shape[0]] += 1
-            elif fact[0] == "tensor":
-                assert _bits(fact[1]) == _bits(full[key]), key
-            else:
-                assert fact[1] == full[key], key
-    assert seen and all((rows == 1).all() for rows in seen.values())
