@@ -32,7 +32,12 @@ from lightning_megatron_fsdp.pretrained import (
     PretrainedWeights,
     load_full_weights,
 )
-from lightning_megatron_fsdp.sharding import shard_module
+from lightning_megatron_fsdp.sharding import (
+    fsdp_placements,
+    hsdp_placements,
+    shard_module,
+    sharding_scope,
+)
 from lightning_megatron_fsdp.strategy import MegatronFSDPStrategy
 from lightning_megatron_fsdp.uneven_dtensor import (
     attach_uneven_dtensor_metadata,
@@ -62,6 +67,8 @@ __all__ = [
     "cpu_execution_enabled",
     "enable_cpu_execution",
     "ensure_optimizer_state",
+    "fsdp_placements",
+    "hsdp_placements",
     "inspect_checkpoint",
     "interrupted_saves",
     "is_complete_checkpoint",
@@ -70,5 +77,6 @@ __all__ = [
     "resolve_latest_checkpoint",
     "shard_module",
     "sharded_grad_norm",
+    "sharding_scope",
     "verify_checkpoint",
 ]

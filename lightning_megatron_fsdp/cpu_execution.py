@@ -1,25 +1,40 @@
 """Run Megatron-FSDP's experimental path on CPU, for tests and laptop debugging.
 
-Problem: ``megatron_fsdp.experimental.module.FsdpContext`` creates two
-``torch.cuda.Stream`` objects, and ``FsdpModule`` brackets every unshard, reshard
-and gradient reduction in ``torch.cuda.stream(...)``, stream waits, events and NVTX
-ranges. On a CPU-only build each of those raises, so forward never starts, although
-everything underneath (``DBuffer``, gloo collectives, DCP) works on CPU.
+Problem: ``megatron_fsdp.experimental`` schedules its communication on CUDA streams.
+``FsdpContext`` creates two ``torch.cuda.Stream`` objects, ``FsdpModule`` brackets every
+unshard, reshard and gradient reduction in ``torch.cuda.stream(...)``, stream waits, events
+and NVTX ranges, and from 0.7 on ``FsdpParameterGroup`` does the same and each ``DBuffer``
+records the stream that allocated it. On a CPU-only build each of those raises (or, for
+the allocation stream, records ``None`` that a later assertion rejects), so forward never
+starts, although everything underneath (``DBuffer``, gloo collectives, DCP) works on CPU.
 
-Fix: :func:`enable_cpu_execution` points the ``torch`` name inside
-``megatron_fsdp.experimental.module`` at a thin proxy. Every attribute forwards to the
-real ``torch`` except ``torch.cuda``, which forwards to the real ``torch.cuda`` too,
-unless the call concerns a non-CUDA device or one of our stand-in streams:
+Fix: :func:`enable_cpu_execution` applies a few patches, all in this module, each naming
+the upstream line it stands in for:
 
-* ``cuda.device(d)`` / ``cuda.Stream()``: for a non-CUDA ``d`` the stream is a
-  :class:`SyncStream`, whose waits and events are no-ops because CPU kernels run
-  synchronously, in program order, on the calling thread.
-* ``cuda.current_stream(d)`` / ``cuda.stream(s)``: a :class:`SyncStream` for a CPU
-  device, a ``nullcontext`` for a :class:`SyncStream`.
-* ``cuda.nvtx``: the real ranges when torch was built with CUDA, no-ops otherwise.
+* ``module.torch`` (module.py: ``FsdpContext.__init__`` streams, the hooks'
+  ``torch.cuda.stream``/``nvtx``) and, on 0.7, ``parameter_group.torch``
+  (parameter_group.py: ``torch.cuda.stream(allgather_stream)`` in ``__init__``,
+  ``torch.cuda.current_stream`` in ``sync_model_weight_from_main_weight`` and
+  ``reduce_partial_gradients``) point at a thin proxy of ``torch``. Every attribute
+  forwards to the real ``torch`` except ``torch.cuda``, which forwards to the real
+  ``torch.cuda`` too unless the call concerns a non-CUDA device or one of our streams:
 
-So CUDA modules keep real streams and ordering bit for bit (the proxy only forwards),
-and CPU modules run megatron-fsdp's own code, unmodified, in program order.
+  - ``cuda.device(d)`` / ``cuda.Stream(d)``: for a non-CUDA ``d`` the stream is a
+    :class:`SyncStream`, whose waits and events are no-ops because CPU kernels run
+    synchronously, in program order, on the calling thread.
+  - ``cuda.current_stream(d)`` / ``cuda.stream(s)``: a :class:`SyncStream` for a CPU
+    device, a ``nullcontext`` for a :class:`SyncStream`.
+  - ``cuda.nvtx``: the real ranges when torch was built with CUDA, no-ops otherwise.
+
+* On 0.7, ``DBuffer.__init__`` (dbuffer.py: ``self.allocation_stream = ... if
+  self.local_buffer.is_cuda else None``) is wrapped so a non-CUDA buffer records the
+  :class:`SyncStream` of its device; ``sync_model_weight_from_main_weight`` asserts it is
+  not ``None`` and ``reduce_partial_gradients`` that it equals the current stream.
+
+So CUDA modules keep real streams and ordering bit for bit (the proxy only forwards, and
+the ``DBuffer`` wrapper leaves CUDA buffers alone), and CPU modules run megatron-fsdp's
+own code, unmodified, in program order. ``tests/test_cpu_execution.py`` fails if an
+upstream name patched here disappears.
 
 Alternatives rejected:
     * Patching ``torch.cuda.Stream`` and friends globally: would change every other
@@ -27,8 +42,7 @@ Alternatives rejected:
     * Re-implementing ``FsdpModule``'s forward/backward hooks without streams: a
       second copy of the scheduling logic, which would drift from the real one and
       test our copy instead of megatron-fsdp.
-    * A ``FsdpContext`` subclass: ``FsdpModule._lazy_init_context`` constructs the
-      class by name inside the module, and the hook bodies still call
+    * A ``FsdpContext`` subclass: the hook bodies and the parameter groups still call
       ``torch.cuda.stream`` and ``torch.cuda.nvtx`` directly.
 """
 
@@ -100,6 +114,14 @@ class SyncStream:
     def query(self) -> bool:
         """Return ``True``; nothing is pending."""
         return True
+
+    def __eq__(self, other: object) -> bool:
+        # One synchronous stream per device: megatron-fsdp 0.7 asserts that a buffer's
+        # allocation stream *is equal to* the current stream before reusing it.
+        return isinstance(other, SyncStream) and other.device == self.device
+
+    def __hash__(self) -> int:
+        return hash(("SyncStream", self.device))
 
     def __repr__(self) -> str:
         return f"SyncStream(device={self.device})"
@@ -185,6 +207,13 @@ class _TorchProxy(types.ModuleType):
         return getattr(torch, name)
 
 
+def _patched_modules() -> list[types.ModuleType]:
+    """The upstream modules whose ``torch`` name the proxy replaces (see module docstring)."""
+    from megatron_fsdp.experimental import module, parameter_group
+
+    return [module, parameter_group]
+
+
 def cpu_execution_enabled() -> bool:
     """Return whether :func:`enable_cpu_execution` has been applied in this process."""
     from megatron_fsdp.experimental import module
@@ -192,24 +221,49 @@ def cpu_execution_enabled() -> bool:
     return isinstance(module.torch, _TorchProxy)
 
 
+def _record_sync_allocation_stream(init: Any) -> Any:
+    """Wrap 0.7's ``DBuffer.__init__``: a non-CUDA buffer records its :class:`SyncStream`."""
+
+    def init_recording_stream(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if self.allocation_stream is None and not self.local_buffer.is_cuda:
+            self.allocation_stream = SyncStream(self.local_buffer.device)
+
+    init_recording_stream._lmf_original = init  # type: ignore[attr-defined]
+    return init_recording_stream
+
+
 def enable_cpu_execution() -> None:
     """Let megatron-fsdp's experimental ``fully_shard`` path run forward, backward and
     optimizer steps on CPU tensors with a gloo process group.
 
-    Idempotent and thread-safe; call it any time before the first forward. Modules
-    whose parameters live on CUDA are unaffected: every CUDA call still reaches the
-    real ``torch.cuda`` (see the module docstring for the exact forwarding rules).
-    ``MegatronFSDPStrategy`` calls this for you when the accelerator is CPU.
+    Idempotent and thread-safe; call it any time before sharding.
+    Modules whose parameters live on CUDA are unaffected: every CUDA call still reaches
+    the real ``torch.cuda`` (see the module docstring for the exact forwarding rules).
+    ``MegatronFSDPStrategy`` and :func:`~lightning_megatron_fsdp.shard_module` call this
+    for you when the device is not CUDA.
+
+    Raises:
+        RuntimeError: If another patch already replaced ``torch`` in megatron-fsdp.
     """
-    from megatron_fsdp.experimental import module
+    from megatron_fsdp.experimental.dbuffer import DBuffer
 
     with _LOCK:
-        if isinstance(module.torch, _TorchProxy):
+        modules = _patched_modules()
+        if all(isinstance(m.torch, _TorchProxy) for m in modules):
             return
-        if module.torch is not torch:
-            raise RuntimeError(
-                "enable_cpu_execution: megatron_fsdp.experimental.module.torch was replaced "
-                f"by {module.torch!r}, not by this adapter; refusing to stack another proxy "
-                "on it. Remove the other patch, or call enable_cpu_execution() first."
-            )
-        module.torch = _TorchProxy()
+        for upstream in modules:
+            if upstream.torch is not torch and not isinstance(upstream.torch, _TorchProxy):
+                raise RuntimeError(
+                    f"enable_cpu_execution: {upstream.__name__}.torch was replaced by "
+                    f"{upstream.torch!r}, not by this adapter; refusing to stack another proxy "
+                    "on it. Remove the other patch, or call enable_cpu_execution() first."
+                )
+        proxy = _TorchProxy()
+        for upstream in modules:
+            upstream.torch = proxy
+        # 0.7 only: 0.6.1's DBuffer has no allocation stream.
+        if "allocation_stream" in getattr(DBuffer, "__annotations__", {}) and not hasattr(
+            DBuffer.__init__, "_lmf_original"
+        ):
+            DBuffer.__init__ = _record_sync_allocation_stream(DBuffer.__init__)

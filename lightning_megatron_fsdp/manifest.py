@@ -31,6 +31,7 @@ exporter and the CLI read checkpoints through it too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import hashlib
@@ -39,7 +40,7 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +70,15 @@ __all__ = [
     "hidden_path",
     "interrupted_saves",
     "is_complete_checkpoint",
+    "latest_complete_checkpoint",
+    "matching_checkpoints",
     "mesh_info",
     "model_fingerprint",
     "optimizer_fingerprint",
     "parse_hidden_name",
     "read_manifest",
     "recover_checkpoint",
+    "recover_matching",
     "remove_tree",
     "resolve_latest_checkpoint",
     "sha256_file",
@@ -617,6 +621,75 @@ def interrupted_saves(dirpath: str | os.PathLike[str]) -> list[Path]:
     )
 
 
+def recover_matching(dirpath: str | os.PathLike[str], pattern: str) -> list[Path]:
+    """Restore every checkpoint matching ``pattern`` that a crash left renamed aside.
+
+    Safe on several ranks at once: a rank that loses a rename race finds the checkpoint
+    already restored.
+
+    Returns:
+        The checkpoints restored by this call.
+    """
+    dirpath = Path(dirpath)
+    restored: list[Path] = []
+    with contextlib.suppress(OSError):
+        for sibling in list(dirpath.iterdir()):
+            hidden = parse_hidden_name(sibling.name)
+            if hidden is None or hidden[1] != ASIDE or not fnmatch.fnmatch(hidden[0], pattern):
+                continue
+            with contextlib.suppress(OSError):  # another rank restored it first
+                if recover_checkpoint(dirpath / hidden[0]):
+                    restored.append(dirpath / hidden[0])
+    return restored
+
+
+def matching_checkpoints(dirpath: str | os.PathLike[str], pattern: str) -> list[Path]:
+    """Entries of ``dirpath`` whose name matches ``pattern``, hidden ones never."""
+    dirpath = Path(dirpath)
+    try:
+        return [
+            p
+            for p in dirpath.iterdir()
+            if not p.name.startswith(".") and fnmatch.fnmatch(p.name, pattern)
+        ]
+    except OSError:
+        return []
+
+
+def latest_complete_checkpoint(
+    candidates: Iterable[str | os.PathLike[str]], *, by: str = "step"
+) -> Path | None:
+    """The newest complete checkpoint among ``candidates``; incomplete ones never.
+
+    Args:
+        candidates: Checkpoint paths (missing or incomplete ones are skipped).
+        by: ``"step"``: highest manifest ``global_step``, then latest manifest mtime;
+            ``"written"``: latest manifest mtime only (Lightning's ``"last"`` rule: a run
+            restarted from scratch into the same directory is newer than an older run's
+            higher step).
+
+    Returns:
+        The checkpoint's path, or ``None`` if none is complete.
+
+    Raises:
+        ValueError: For another ``by``.
+    """
+    if by not in ("step", "written"):
+        raise ValueError(f"latest_complete_checkpoint: by must be 'step' or 'written', got {by!r}.")
+    newest: tuple[tuple[int, ...], Path] | None = None
+    for candidate in {Path(c) for c in candidates}:
+        try:
+            if not is_complete_checkpoint(candidate):
+                continue
+            mtime = (candidate / MANIFEST_FILE).stat().st_mtime_ns
+            key = (*_recency(candidate)[:1], mtime) if by == "step" else (mtime,)
+        except (OSError, CheckpointError):
+            continue
+        if newest is None or (key, str(candidate)) > (newest[0], str(newest[1])):
+            newest = (key, candidate)
+    return None if newest is None else newest[1]
+
+
 def resolve_latest_checkpoint(
     dirpath: str | os.PathLike[str], pattern: str = "last*", *, recover: bool = True
 ) -> Path | None:
@@ -630,8 +703,7 @@ def resolve_latest_checkpoint(
         dirpath: Directory holding checkpoints.
         pattern: ``fnmatch`` pattern for checkpoint names, Lightning's ``last*`` by default.
         recover: First restore any matching checkpoint that a crash left renamed aside
-            (see :func:`recover_checkpoint`). Filesystem work: with ``recover=True`` call
-            this on one rank and broadcast the result.
+            (see :func:`recover_checkpoint`).
 
     Returns:
         The checkpoint's path, or ``None`` if there is none.
@@ -640,17 +712,8 @@ def resolve_latest_checkpoint(
     if not dirpath.is_dir():
         return None
     if recover:
-        for sibling in list(dirpath.iterdir()):
-            hidden = parse_hidden_name(sibling.name)
-            if hidden is not None and hidden[1] == ASIDE and fnmatch.fnmatch(hidden[0], pattern):
-                recover_checkpoint(dirpath / hidden[0])
-    candidates = [
-        p
-        for p in dirpath.iterdir()
-        if not p.name.startswith(".") and fnmatch.fnmatch(p.name, pattern)
-    ]
-    complete = [p for p in candidates if is_complete_checkpoint(p)]
-    return max(complete, key=_recency) if complete else None
+        recover_matching(dirpath, pattern)
+    return latest_complete_checkpoint(matching_checkpoints(dirpath, pattern), by="step")
 
 
 def remove_tree(path: Path) -> None:

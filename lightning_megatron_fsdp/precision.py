@@ -56,11 +56,12 @@ from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
 from lightning.fabric.utilities.types import Steppable
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities.core.apply_func import apply_to_collection
-from megatron_fsdp import MixedPrecisionPolicy
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from lightning_megatron_fsdp._megatron import MixedPrecisionPolicy
 
 __all__ = [
     "SUPPORTED_PRECISIONS",
@@ -190,7 +191,7 @@ class MegatronFSDPPrecision(Precision):
         Raises:
             TypeError: For ``torch.optim.LBFGS``, which re-evaluates its closure.
         """
-        _reject_closure_optimizer(optimizer)
+        reject_closure_optimizer(optimizer)
         closure_result = self._wrap_closure(model, optimizer, closure)
         step_output = optimizer.step(**kwargs)
         return closure_result if step_output is None else step_output
@@ -204,7 +205,35 @@ class MegatronFSDPPrecision(Precision):
         clip_sharded_grad_value_(self.main_params(optimizer), clip_val)
 
 
-def _reject_closure_optimizer(optimizer: Any) -> None:
+def to_megatron_precision(plugin: Precision | None, where: str) -> MegatronFSDPPrecision | None:
+    """Translate Lightning's precision plugins into :class:`MegatronFSDPPrecision`.
+
+    Raises:
+        ValueError: For precision flags Megatron-FSDP cannot honour (``16-mixed``, ``64-true``).
+        TypeError: For other precision plugins.
+    """
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
+
+    if plugin is None or isinstance(plugin, MegatronFSDPPrecision):
+        return plugin
+    if type(plugin) is Precision:
+        return MegatronFSDPPrecision("32-true")
+    if type(plugin) is HalfPrecision:
+        return MegatronFSDPPrecision(plugin.precision)
+    if type(plugin) is MixedPrecision:
+        return MegatronFSDPPrecision(plugin.precision, device_type=plugin.device)
+    if type(plugin) is DoublePrecision:
+        raise ValueError(
+            f"{where}: precision='64-true' is not supported (Megatron-FSDP's main weights "
+            "are fp32). Use '32-true', 'bf16-true', '16-true' or 'bf16-mixed'."
+        )
+    raise TypeError(
+        f"{where} needs a MegatronFSDPPrecision plugin (or Trainer(precision=...) with "
+        f"'32-true', 'bf16-true', '16-true' or 'bf16-mixed'), got {type(plugin).__name__}."
+    )
+
+
+def reject_closure_optimizer(optimizer: Any) -> None:
     """Raise for optimizers that need ``step(closure)`` to re-run forward and backward."""
     inner = getattr(optimizer, "_optimizer", optimizer)
     if isinstance(inner, torch.optim.LBFGS):

@@ -64,7 +64,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron_fsdp.experimental.module import FsdpModule
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     _get_fqns,
@@ -75,6 +74,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_megatron_fsdp import _megatron
 from lightning_megatron_fsdp.manifest import (
     DCP_METADATA_FILE,
     MANIFEST_FILE,
@@ -313,7 +313,7 @@ def load_full_weights(
         add_prefix=add_prefix,
         weights_only=weights_only,
     )
-    if not any(isinstance(m, FsdpModule) for m in model.modules()):
+    if not _megatron.fsdp_modules(model):
         raise ValueError(
             f"load_full_weights: {type(model).__name__} is not sharded by Megatron-FSDP. "
             "Shard it first (shard_module or MegatronFSDPStrategy); for a plain module use "
@@ -367,7 +367,7 @@ def load_full_weights(
             reader.close()
     for optimizer, state in zip(optimizers, plan.optimizer_states, strict=True):
         set_optimizer_state_dict(model, optimizer, state)
-    _sync_compute_weights(model)
+    _megatron.sync_compute_weights(model)
     return FullWeightsLoad(
         source=path,
         kind=reader.kind,
@@ -663,14 +663,6 @@ def _like(current: Any, loaded: Any) -> Any:
     if isinstance(current, tuple) and isinstance(loaded, list):
         return tuple(loaded)
     return loaded
-
-
-def _sync_compute_weights(model: nn.Module) -> None:
-    """Refresh every unit's compute weights (bf16 under mixed precision) from main weights."""
-    for module in model.modules():
-        if isinstance(module, FsdpModule):
-            for group in module.parameter_groups:
-                group.sync_model_weight_from_main_weight()
 
 
 # ---------------------------------------------------------------------- sources

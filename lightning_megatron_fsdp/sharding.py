@@ -1,85 +1,211 @@
-"""``fully_shard`` that keeps tied parameters tied.
+"""Which modules become Megatron-FSDP units, and sharding them without losing anything.
 
-Problem: megatron-fsdp 0.6's ``fully_shard`` collects owned parameters by walking each
-submodule's ``named_parameters(recurse=False)``, so a parameter tied under two FQNs (an
-embedding shared with an output head) is packed twice. The two copies get independent
-main weights (the tie silently breaks), and the module's gradient-ready count expects two
-parameters while autograd reports one, so ``post_backward`` never fires: gradients are
-never reduced and the module stays unsharded after backward.
+Problem: megatron-fsdp's ``fully_shard`` shards one module in place and leaves the rest to
+the caller: units must be sharded bottom-up (children before parents), on 0.7 inside one
+sharding context; meta-device modules must be materialised first; under bf16/fp16 compute
+the fp32 main weights should start from the exact fp32 initialisation, not its rounding;
+0.6.1 breaks tied parameters; and a parameter no unit owns would silently train without
+gradient reduction.
 
-Fix: before ``fully_shard``, detach every alias FQN of a parameter (keeping the first FQN
-in ``named_parameters`` order as canonical), shard, then re-install the alias pointing at
-the canonical FQN's parameter object, and have the group install the same object under
-the alias whenever it switches between sharded and unsharded parameters. Both FQNs then
-name one packed buffer entry, one gradient, one optimizer state.
+How: :func:`shard_module` is ``fully_shard`` that keeps ties on both versions and shares
+one context per :func:`sharding_scope`. :func:`plan_units` chooses the units of a model:
+the policy's, bottom-up, then the *outermost* modules that own parameters, so that every
+top-level submodule (``self.model``, ``self.head``) is a unit of its own and can be called
+directly anywhere (hooks, callbacks, after ``fit``, ``generate()``), not only through the
+root's forward. :func:`shard_unit` materialises, casts and shards one unit; the checks
+name the first offending parameter or module.
 
-Alternatives rejected:
-    * Untying before sharding and re-tying gradients by hand: two main weights that must
-      be kept equal, and twice the optimizer state.
-    * Forbidding tied weights: GPT-style models tie the embedding and the head.
+Alternatives rejected (for top-level units):
+    * The LightningModule as the one root unit over every remaining parameter: its
+      forward hooks are the only ones that unshard root-level parameters (embedding, final
+      norm, head), so ``self.model(x)`` in a hook fails with mixed DTensor/Tensor inputs.
+    * Unsharding a unit's parameters from hooks on every submodule: a second scheduler
+      beside megatron-fsdp's, and a backward through part of a unit never reduces its
+      gradients.
 
-A tie must live inside one FSDP unit: if the alias's module sits in a different unit than
-the canonical parameter (for example the embedding wrapped separately from a tied head),
-each unit would unshard it at a different time. :func:`shard_module` raises for that.
+The LightningModule is itself a unit only when it owns parameters directly (or holds
+children tied to each other), and then owns only those. This module depends on torch and
+megatron-fsdp (through :mod:`~lightning_megatron_fsdp._megatron`), never on Lightning.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import inspect
+import math
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
-from megatron_fsdp import MixedPrecisionPolicy
-from megatron_fsdp.experimental import Placements, fully_shard
-from megatron_fsdp.experimental.module import FsdpModule
-from megatron_fsdp.experimental.parameter_group import (
-    FsdpParameterGroup,
-    get_containing_parameter_group,
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp._megatron import (
+    FsdpModule,
+    MixedPrecisionPolicy,
+    Placements,
+    ShardingContext,
+    fsdp_placements,
+    hsdp_placements,
 )
-from torch import nn
-from torch.distributed import DeviceMesh
+from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
 
-__all__ = ["shard_module"]
+__all__ = [
+    "AutoWrapPolicy",
+    "check_fully_sharded",
+    "check_no_foreign_sharding",
+    "check_optimizer_parameters",
+    "fsdp_placements",
+    "hsdp_placements",
+    "plan_units",
+    "shard_module",
+    "shard_unit",
+    "sharding_scope",
+    "validate_auto_wrap_policy",
+]
 
-# Per-group {alias FQN relative to the owning module: canonical parameter name}.
-_ALIASES_ATTR = "_lmf_tied_aliases"
-_original_set_module_parameters = FsdpParameterGroup._set_module_parameters
-
-
-def _set_module_parameters_with_aliases(
-    self: FsdpParameterGroup, parameters: tuple[nn.Parameter, ...]
-) -> None:
-    """Install ``parameters`` under their names, then under every tied alias."""
-    _original_set_module_parameters(self, parameters)
-    aliases: dict[str, str] = getattr(self, _ALIASES_ATTR, {})
-    if not aliases:
-        return
-    by_name = dict(zip(self.parameter_names, parameters, strict=True))
-    for alias, canonical in aliases.items():
-        owner, leaf = _owner(self.owning_module, alias)
-        owner._parameters[leaf] = by_name[canonical]
+#: A set of module classes, or a callable ``policy(module) -> bool`` or torch-FSDP style
+#: ``policy(module, recurse, nonwrapped_numel) -> bool`` (``ModuleWrapPolicy``,
+#: ``functools.partial(size_based_auto_wrap_policy, ...)``).
+AutoWrapPolicy = set[type[nn.Module]] | Callable[..., bool]
 
 
-def _install_alias_support() -> None:
-    """Route ``FsdpParameterGroup``'s parameter switching through the alias-aware version.
+# ---------------------------------------------------------------------- scope
 
-    Idempotent. Groups without aliases behave exactly as before (the original runs first
-    and the alias loop is empty), so the patch is safe for groups sharded elsewhere.
+
+class _Scope(threading.local):
+    """The open :func:`sharding_scope` of this thread, if any."""
+
+    context: ShardingContext | None = None
+    open: bool = False
+
+
+_SCOPE = _Scope()
+
+
+@contextlib.contextmanager
+def sharding_scope() -> Iterator[None]:
+    """Shard several units together: every :func:`shard_module` inside shares one context.
+
+    megatron-fsdp >= 0.7 requires a parent and its child units to be sharded in one
+    ``fully_shard_context``, finalised before any forward; on 0.6.1 this builds each
+    root's context when the scope closes, so calling a child unit before its root cannot
+    split the tree. Shard bottom-up inside it::
+
+        with sharding_scope():
+            for block in model.blocks:
+                shard_module(block, mesh)
+            shard_module(model, mesh)
+
+    A single :func:`shard_module` call outside a scope gets a scope of its own.
+
+    Raises:
+        RuntimeError: If a scope is already open in this thread (scopes do not nest).
     """
-    if FsdpParameterGroup._set_module_parameters is not _set_module_parameters_with_aliases:
-        FsdpParameterGroup._set_module_parameters = _set_module_parameters_with_aliases
+    if _SCOPE.open:
+        raise RuntimeError(
+            "sharding_scope: a scope is already open in this thread; shard every unit of "
+            "one model inside a single scope (scopes do not nest)."
+        )
+    _SCOPE.open, _SCOPE.context = True, None
+    try:
+        yield
+    except BaseException:
+        if _SCOPE.context is not None:
+            _SCOPE.context.abandon()
+        raise
+    else:
+        if _SCOPE.context is not None:
+            _SCOPE.context.close()
+    finally:
+        _SCOPE.open, _SCOPE.context = False, None
 
 
-def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
-    module_name, _, leaf = fqn.rpartition(".")
-    return (root.get_submodule(module_name) if module_name else root), leaf
+def _device_of(module: nn.Module) -> torch.device:
+    for tensor in module.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def shard_module(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    placements: Placements | None = None,
+    *,
+    mixed_precision_policy: MixedPrecisionPolicy | None = None,
+) -> None:
+    """Apply megatron-fsdp's ``fully_shard`` to ``module`` in place, keeping ties.
+
+    Owns every parameter of ``module`` that no child unit owns. A parameter registered
+    under several names (a tied embedding and head) stays one parameter with one main
+    weight and one optimizer state, on megatron-fsdp 0.6.1 as on 0.7. On a non-CUDA
+    device the CPU adapter is enabled first.
+
+    Args:
+        module: Module whose parameters not yet owned by a child unit get sharded.
+        mesh: Data-parallel device mesh (1-D FSDP or 2-D ``(replicate, shard)`` HSDP).
+        placements: Megatron-FSDP placements; by default :func:`fsdp_placements` on a
+            1-D mesh and :func:`hsdp_placements` on a 2-D one.
+        mixed_precision_policy: Main weight / gradient dtypes; megatron-fsdp's default
+            (fp32 main weights) when ``None``.
+
+    Raises:
+        ValueError: If ``module`` is already sharded, a parameter of this unit is tied
+            to one owned by another unit, or (megatron-fsdp >= 0.7) ``module`` contains
+            a unit sharded outside the current :func:`sharding_scope`.
+    """
+    if isinstance(module, FsdpModule):
+        raise ValueError(
+            f"shard_module: {type(module).__name__} is already sharded by Megatron-FSDP; "
+            "shard each module once."
+        )
+    for fqn, parameter in _unit_parameters(module):
+        if _megatron.group_of(parameter) is not None:
+            raise ValueError(
+                f"shard_module: parameter {fqn!r} of {type(module).__name__} is tied to a "
+                "parameter already sharded in another FSDP unit. A tie must live in one "
+                "unit: shard the modules that share it together (for a tied embedding and "
+                "head, leave both to their common parent)."
+            )
+    device = _device_of(module)
+    if device.type != "cuda":
+        enable_cpu_execution()
+    if placements is None:
+        placements = hsdp_placements() if mesh.ndim == 2 else fsdp_placements()
+    if _SCOPE.open:
+        if _SCOPE.context is None:
+            _SCOPE.context = ShardingContext(device, eager_roots=True)
+        _check_same_context(module, _SCOPE.context)
+        _SCOPE.context.shard(module, mesh, placements, mixed_precision_policy)
+        return
+    context = ShardingContext(device, eager_roots=False)
+    try:
+        _check_same_context(module, context)
+        context.shard(module, mesh, placements, mixed_precision_policy)
+    except BaseException:
+        context.abandon()
+        raise
+    context.close()
+
+
+def _check_same_context(module: nn.Module, context: ShardingContext) -> None:
+    """Raise (0.7) if ``module`` contains a unit sharded in another context."""
+    for name, child in module.named_modules():
+        if child is not module and isinstance(child, FsdpModule) and not context.owns(child):
+            raise ValueError(
+                f"shard_module: {type(module).__name__} contains the unit {name!r}, sharded "
+                "in another sharding scope. megatron-fsdp >= 0.7 needs a parent and its "
+                "child units sharded in one context: shard bottom-up inside one "
+                "`with sharding_scope(): ...` block."
+            )
 
 
 def _unit_parameters(root: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]:
-    """Yield the parameters ``fully_shard(root)`` would own: not inside a child FSDP unit.
+    """Every (name, parameter) ``fully_shard(root)`` would own: not inside a child unit.
 
-    Every name is yielded, duplicates included: a Parameter registered twice on one module
-    (``self.b = self.a``) is a tie too, and ``named_parameters``'s default de-duplication
-    would hide the second name, leaving it pointing at the unsharded Parameter whose storage
-    megatron-fsdp releases after each forward.
+    Duplicates included: a Parameter registered twice (``self.b = self.a``) is a tie too.
     """
     for name, parameter in root.named_parameters(recurse=False, remove_duplicate=False):
         yield f"{prefix}{name}", parameter
@@ -88,62 +214,302 @@ def _unit_parameters(root: nn.Module, prefix: str = "") -> Iterator[tuple[str, n
             yield from _unit_parameters(child, f"{prefix}{child_name}.")
 
 
-def shard_module(
+# ---------------------------------------------------------------------- choosing units
+
+
+def validate_auto_wrap_policy(policy: Any, where: str) -> AutoWrapPolicy | None:
+    """Return ``policy`` in canonical form (a set of classes, or a callable).
+
+    Raises:
+        TypeError: If it is neither, naming ``where`` (the option's owner).
+    """
+    if policy is None or (callable(policy) and not isinstance(policy, type)):
+        return policy
+    if isinstance(policy, set | frozenset | list | tuple) and policy:
+        bad = [p for p in policy if not (isinstance(p, type) and issubclass(p, nn.Module))]
+        if not bad:
+            return set(policy)
+        raise TypeError(
+            f"{where}: auto_wrap_policy must contain nn.Module subclasses only; got "
+            f"{', '.join(repr(b) for b in bad)}. Pass the classes themselves, e.g. "
+            "{TransformerBlock}."
+        )
+    raise TypeError(
+        f"{where}: auto_wrap_policy must be a non-empty set of nn.Module subclasses or a "
+        f"callable policy(module) -> bool, got {policy!r} ({type(policy).__name__}). For "
+        "example auto_wrap_policy={TransformerBlock}."
+    )
+
+
+def _policy_accepts_module_only(policy: Callable[..., bool]) -> bool:
+    """Whether ``policy`` can be called as ``policy(module)`` (else torch FSDP's signature)."""
+    try:
+        inspect.signature(policy).bind(None)
+    except (TypeError, ValueError):  # ValueError: builtins without a signature
+        return False
+    return True
+
+
+def _policy_units(root: nn.Module, policy: AutoWrapPolicy | None) -> list[nn.Module]:
+    """Modules the policy makes units, in post-order; never ``root``, never sharded ones."""
+    if policy is None:
+        return []
+    if isinstance(policy, set):
+        classes = tuple(policy)
+
+        def wants(module: nn.Module, numel: int) -> bool:
+            return isinstance(module, classes)
+
+    elif _policy_accepts_module_only(policy):
+
+        def wants(module: nn.Module, numel: int) -> bool:
+            return bool(policy(module))
+
+    else:
+
+        def wants(module: nn.Module, numel: int) -> bool:
+            return bool(policy(module=module, recurse=False, nonwrapped_numel=numel))
+
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> int:
+        if isinstance(module, FsdpModule):
+            return 0
+        numel = sum(p.numel() for p in module.parameters(recurse=False))
+        numel += sum(visit(child) for child in module.children())
+        if module is not root and numel > 0 and wants(module, numel):
+            units.append(module)
+            return 0
+        return numel
+
+    visit(root)
+    return units
+
+
+def _unowned(module: nn.Module) -> set[int]:
+    """Ids of the parameters ``fully_shard(module)`` would own, once its policy units are."""
+    return {id(p) for _, p in _unit_parameters(module)}
+
+
+def plan_units(root: nn.Module, policy: AutoWrapPolicy | None) -> Iterator[nn.Module]:
+    """Yield the modules to shard, bottom-up: policy units, top-level units, then ``root``.
+
+    Lazily: each later choice depends on what the earlier units own, so shard each
+    yielded module before asking for the next. Top-level units are the direct children
+    of ``root`` that still own parameters, unless they share a tied parameter with
+    ``root`` itself or another child (a tie must live in one unit); ``root`` comes last,
+    and only if it still owns parameters (its own, or such tied children's).
+    """
+    yield from _policy_units(root, policy)
+    children = [(n, c) for n, c in root.named_children() if not isinstance(c, FsdpModule)]
+    owned = {name: _unowned(child) for name, child in children}
+    own = {id(p) for p in root.parameters(recurse=False)}
+    for name, child in children:
+        others = set(own)
+        for other, ids in owned.items():
+            if other != name:
+                others |= ids
+        if owned[name] and not owned[name] & others:
+            yield child
+    if _unowned(root):
+        yield root
+
+
+# ---------------------------------------------------------------------- one unit
+
+
+def _unit_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """Yield ``(prefix, module)`` for ``module`` and descendants outside child units."""
+    yield prefix, module
+    for name, child in module.named_children():
+        if not isinstance(child, FsdpModule):
+            yield from _unit_modules(child, f"{prefix}{name}.")
+
+
+def _materialize(modules: list[tuple[str, nn.Module]], device: torch.device, where: str) -> None:
+    """Replace meta tensors of ``modules`` by real ones and re-initialise them.
+
+    One new tensor per meta parameter object, installed under every name that shared it,
+    so ties survive (``to_empty`` per module would split them).
+
+    Raises:
+        TypeError: If a module with meta tensors has no ``reset_parameters`` (checked
+            before anything is materialised).
+    """
+    pending: list[tuple[str, nn.Module]] = []
+    for prefix, module in modules:
+        tensors = [*module._parameters.values(), *module._buffers.values()]
+        if any(t is not None and t.is_meta for t in tensors):
+            if not callable(getattr(module, "reset_parameters", None)):
+                raise TypeError(
+                    f"{where}: module {prefix.rstrip('.') or '<root>'!r} "
+                    f"({type(module).__name__}) has parameters or buffers on the meta device "
+                    "but no reset_parameters() to initialise them. Implement "
+                    "reset_parameters(), or build this module outside "
+                    "trainer.init_module(empty_init=True)."
+                )
+            pending.append((prefix, module))
+    replacements: dict[int, nn.Parameter] = {}
+    for _, module in pending:
+        for name, parameter in module._parameters.items():
+            if parameter is None or not parameter.is_meta:
+                continue
+            new = replacements.get(id(parameter))
+            if new is None:
+                new = nn.Parameter(
+                    torch.empty_like(parameter, device=device),
+                    requires_grad=parameter.requires_grad,
+                )
+                replacements[id(parameter)] = new
+            module._parameters[name] = new
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
+    with torch.no_grad():
+        for _, module in pending:
+            module.reset_parameters()
+
+
+def shard_unit(
     module: nn.Module,
     mesh: DeviceMesh,
     placements: Placements,
     *,
+    device: torch.device,
+    compute_dtype: torch.dtype | None = None,
     mixed_precision_policy: MixedPrecisionPolicy | None = None,
+    where: str = "shard_unit",
 ) -> None:
-    """Apply megatron-fsdp's ``fully_shard`` to ``module`` in place, keeping ties.
+    """Materialise, move, cast and shard one unit (inside the caller's scope).
+
+    Meta tensors are materialised (``reset_parameters``, ties preserved), buffers moved to
+    ``device``; with ``compute_dtype`` floating parameters and buffers are cast to it, and
+    the main weights are then overwritten with the exact pre-cast values, so fp32 main
+    weights start from the fp32 initialisation rather than its bf16 rounding.
 
     Args:
-        module: Module whose parameters not yet owned by a child unit get sharded.
-        mesh: Data-parallel device mesh.
-        placements: Megatron-FSDP parameter, gradient and optimizer placements.
-        mixed_precision_policy: Main weight / gradient dtypes; megatron-fsdp's default
-            (fp32 main weights) when ``None``.
+        module: A module not yet sharded.
+        mesh: Data-parallel mesh.
+        placements: Megatron-FSDP placements for ``mesh``.
+        device: Where the unit's tensors go.
+        compute_dtype: Cast to this dtype before sharding (the ``-true`` precisions).
+        mixed_precision_policy: Main weight / gradient dtypes.
+        where: Names the caller in errors.
 
     Raises:
-        ValueError: If ``module`` is already sharded, or a parameter of this unit is tied
-            to one owned by another FSDP unit.
+        ValueError: If ``module`` is already sharded or a tie crosses unit boundaries.
+        TypeError: If a meta-device module has no ``reset_parameters``.
     """
-    if isinstance(module, FsdpModule):
-        raise ValueError(
-            f"shard_module: {type(module).__name__} is already sharded by Megatron-FSDP; "
-            "shard each module once."
-        )
-    canonical_by_param: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for fqn, parameter in _unit_parameters(module):
-        if get_containing_parameter_group(parameter) is not None:
-            raise ValueError(
-                f"shard_module: parameter {fqn!r} of {type(module).__name__} is tied to a "
-                "parameter already sharded in another FSDP unit. A tie must live in one "
-                "unit: shard the modules that share it together (for a tied embedding and "
-                "head, leave both to the root)."
-            )
-        canonical = canonical_by_param.setdefault(id(parameter), fqn)
-        if canonical != fqn:
-            aliases[fqn] = canonical
-    if aliases:
-        _install_alias_support()
-    for alias in aliases:
-        owner, leaf = _owner(module, alias)
-        del owner._parameters[leaf]
-    try:
-        fully_shard(module, mesh, placements, mixed_precision_policy=mixed_precision_policy)
-    except BaseException:
-        by_name = dict(_unit_parameters(module))
-        for alias, canonical in aliases.items():
-            owner, leaf = _owner(module, alias)
-            owner._parameters[leaf] = by_name[canonical]
-        raise
-    if not aliases:
-        return
+    modules = list(_unit_modules(module))
+    _materialize(modules, device, where)
+    originals: dict[int, Tensor] = {}
+    for _, owner in modules:
+        for name, buffer in owner._buffers.items():
+            if buffer is not None:
+                moved = buffer.to(device)
+                if compute_dtype is not None and moved.is_floating_point():
+                    moved = moved.to(compute_dtype)
+                owner._buffers[name] = moved
+        if compute_dtype is None:
+            continue
+        for parameter in owner._parameters.values():
+            if parameter is None or not parameter.is_floating_point():
+                continue
+            if parameter.dtype != compute_dtype:
+                originals[id(parameter)] = parameter.detach()
+                parameter.data = parameter.data.to(compute_dtype)
+    shard_module(module, mesh, placements, mixed_precision_policy=mixed_precision_policy)
+    if originals:
+        _restore_main_weights(module, originals)
+
+
+def _restore_main_weights(module: nn.Module, originals: Mapping[int, Tensor]) -> None:
+    """Overwrite main weights (cast up from the compute dtype) with the exact originals.
+
+    ``originals`` maps ``id`` of the unsharded parameter objects (their storage was
+    swapped, their identity kept) to their values before the cast. Copies only this rank's
+    rows: a rank owns whole dim-0 rows, starting at ``buffer.offset`` within the flat
+    layout, so no collective is needed.
+    """
     assert isinstance(module, FsdpModule)
     for group in module.parameter_groups:
-        group_aliases = {a: c for a, c in aliases.items() if c in group.parameter_names}
-        if group_aliases:
-            setattr(group, _ALIASES_ATTR, group_aliases)
-            group._switch_to_sharded_parameters()
+        main = group.main_weight
+        restored = False
+        for entry in _megatron.entries(group):
+            original = originals.get(id(entry.unsharded))
+            local = main.get_local_tensor(entry.index)
+            if original is None or local.shape[0] == 0:
+                continue
+            shape = main.layout.tensor_shapes[entry.index]
+            start = main.layout.tensor_to_offset[entry.index]
+            first_row = (max(main.offset, start) - start) // math.prod(shape[1:])
+            rows = original.reshape(shape)[first_row : first_row + local.shape[0]]
+            local.copy_(rows.to(device=local.device, dtype=local.dtype))
+            restored = True
+        if restored:
+            group.sync_model_weight_from_main_weight()
+
+
+# ---------------------------------------------------------------------- checks
+
+
+def check_no_foreign_sharding(model: nn.Module, where: str) -> None:
+    """Raise if another data-parallel wrapper owns part of ``model``.
+
+    Raises:
+        TypeError: For torch FSDP, FSDP2 (``fully_shard``) or DDP modules, naming the first.
+    """
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrappers = (
+        (FullyShardedDataParallel, "torch FSDP (FullyShardedDataParallel)"),
+        (FSDPModule, "torch FSDP2 (torch.distributed.fsdp.fully_shard)"),
+        (DistributedDataParallel, "DistributedDataParallel"),
+    )
+    for name, module in model.named_modules():
+        for cls, what in wrappers:
+            if isinstance(module, cls):
+                raise TypeError(
+                    f"{where}: module {name or '<root>'!r} ({type(module).__name__}) is "
+                    f"already wrapped by {what}. Megatron-FSDP must own every parameter "
+                    "itself: remove that wrapping (e.g. from configure_model) and let the "
+                    "strategy shard the module (auto_wrap_policy), or shard it with "
+                    "lightning_megatron_fsdp.shard_module / strategy.shard()."
+                )
+
+
+def check_fully_sharded(model: nn.Module, where: str) -> None:
+    """Every parameter must be a resting Megatron-FSDP sharded parameter.
+
+    Raises:
+        RuntimeError: Naming the first parameter that is not (it would never be reduced).
+    """
+    for name, parameter in model.named_parameters():
+        if not _megatron.is_sharded_parameter(parameter):
+            raise RuntimeError(
+                f"{where}: parameter {name!r} is not a Megatron-FSDP sharded parameter "
+                "after setup (it would be trained without gradient reduction). Expected a "
+                "unit to own it; was it added after sharding?"
+            )
+
+
+def check_optimizer_parameters(
+    optimizer: torch.optim.Optimizer, model: nn.Module, index: int, where: str
+) -> None:
+    """Raise unless every parameter ``optimizer`` holds is a live sharded one of ``model``.
+
+    Raises:
+        ValueError: Naming the optimizer and parameter.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if _megatron.is_sharded_parameter(parameter):
+                continue
+            what = names.get(id(parameter), f"<unnamed {tuple(parameter.shape)} tensor>")
+            raise ValueError(
+                f"{where}: optimizer {index} holds parameter {what!r}, which is not one of the "
+                "model's Megatron-FSDP sharded parameters (it was probably captured before "
+                "sharding). Create optimizers in configure_optimizers() from self.parameters()."
+            )

@@ -40,9 +40,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from megatron_fsdp.experimental.dbuffer import DBuffer
-from megatron_fsdp.experimental.layout import non_leading_numel
-from megatron_fsdp.experimental.parameter_group import get_containing_parameter_group
 from torch import nn
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -52,6 +49,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.distributed.tensor import DTensor
+
+from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp._megatron import DBuffer
 
 __all__ = ["attach_uneven_dtensor_metadata", "chunk_metadata_by_fqn"]
 
@@ -90,7 +90,7 @@ def _dbuffer_chunk_metadata(buffer: DBuffer, index: int) -> ChunkStorageMetadata
     """
     layout = buffer.layout
     shape = layout.tensor_shapes[index]
-    row_size = non_leading_numel(shape)
+    row_size = shape[1:].numel()  # DBuffer refuses 0-D tensors, so dim 0 exists
     tensor_start = layout.tensor_to_offset[index]
     tensor_end = tensor_start + shape.numel()
     owned_start = min(max(buffer.offset, tensor_start), tensor_end)
@@ -155,12 +155,12 @@ def chunk_metadata_by_fqn(model: nn.Module) -> dict[str, ChunkStorageMetadata]:
     # whole walk stays linear in the number of parameters.
     indices: dict[int, dict[int, int]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
-        group = get_containing_parameter_group(parameter)
+        group = _megatron.group_of(parameter)
         if group is None:
             continue
         group_indices = indices.get(id(group))
         if group_indices is None:
-            group_indices = {id(p): i for i, p in enumerate(group.sharded_parameters)}
+            group_indices = {id(e.sharded): e.index for e in _megatron.entries(group)}
             indices[id(group)] = group_indices
         index = group_indices.get(id(parameter))
         if index is None:

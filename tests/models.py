@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import torch
 from megatron_fsdp import MixedPrecisionPolicy
-from megatron_fsdp.experimental import Flat, Placements, fully_shard_optimizer
-from megatron_fsdp.experimental.module import FsdpModule
+from megatron_fsdp.experimental import Placements, fully_shard_optimizer
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron_fsdp import shard_module
+from lightning_megatron_fsdp import fsdp_placements as _fsdp_placements
+from lightning_megatron_fsdp import shard_module, sharding_scope
+from lightning_megatron_fsdp._megatron import FsdpModule
 
 __all__ = [
     "FFN",
@@ -151,8 +152,8 @@ def dp_mesh(world_size: int) -> DeviceMesh:
 
 
 def fsdp_placements() -> Placements:
-    """Plain FSDP: parameters, gradients and optimizer state all ``Flat`` on one axis."""
-    return Placements(dp_axes=[0], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()])
+    """Plain FSDP: parameters, gradients and optimizer state all sharded on one axis."""
+    return _fsdp_placements()
 
 
 def bf16_policy() -> MixedPrecisionPolicy:
@@ -179,9 +180,12 @@ def shard_packed_lm(
     Returns:
         ``model``, sharded in place.
     """
-    for block in model.blocks:
-        shard_module(block, mesh, fsdp_placements(), mixed_precision_policy=mixed_precision_policy)
-    shard_module(model, mesh, fsdp_placements(), mixed_precision_policy=mixed_precision_policy)
+    with sharding_scope():
+        for block in model.blocks:
+            shard_module(
+                block, mesh, fsdp_placements(), mixed_precision_policy=mixed_precision_policy
+            )
+        shard_module(model, mesh, fsdp_placements(), mixed_precision_policy=mixed_precision_policy)
     return model
 
 
@@ -209,9 +213,9 @@ def fsdp_modules(model: nn.Module) -> list[FsdpModule]:
 
 def sync_compute_weights(model: nn.Module) -> None:
     """Refresh every group's compute weights from its main weights (after a load)."""
-    for module in fsdp_modules(model):
-        for group in module.parameter_groups:
-            group.sync_model_weight_from_main_weight()
+    from lightning_megatron_fsdp import _megatron
+
+    _megatron.sync_compute_weights(model)
 
 
 def local_shards(model: nn.Module) -> dict[str, torch.Tensor]:

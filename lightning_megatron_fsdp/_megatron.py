@@ -1,0 +1,528 @@
+"""Every access to megatron-fsdp's experimental internals, for 0.6.1 and 0.7.
+
+Problem: ``megatron_fsdp.experimental`` is a moving API. Between 0.6.1 and the 0.7 release
+candidate ``fully_shard`` moved inside ``fully_shard_context``, the DBuffer placements
+became torch's (``Shard(0)``, ``Partial("avg")``), a parameter group's
+``sharded_parameters``/``unsharded_parameters``/``parameter_names`` became
+``fsdp_parameters`` (``FsdpParameter(fqns, sharded, unsharded)``), ties became upstream's
+job, ``microbatch`` takes a context instead of a module, and ``FsdpContext.root_module``
+gave way to ``FsdpModule.is_root()``.
+
+How: the rest of the package never imports a private megatron-fsdp name; it calls the
+functions here, which pick a path by *feature detection* (``hasattr`` on the class or
+module that changed), never by version string, so a patch release that backports a
+feature takes the right path. Each private access names the upstream line it relies on,
+and ``tests/test_megatron_compat.py`` fails when one of them disappears.
+
+The execution-on-CPU patches live in :mod:`~lightning_megatron_fsdp.cpu_execution`, not here:
+they replace names inside upstream modules, a different kind of debt.
+
+Alternatives rejected:
+    * Version-string switches (``megatron_fsdp.__version__ >= "0.7"``): wrong for release
+      candidates and backports, and they hide which feature each branch needs.
+    * Pinning one version: users upgrade megatron-fsdp with their CUDA stack, and the
+      0.7 line is where upstream fixes (ties, prefetch across roots) land.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron_fsdp import MixedPrecisionPolicy
+from megatron_fsdp import experimental as _experimental
+from megatron_fsdp.experimental import Placements, fully_shard_optimizer
+from megatron_fsdp.experimental import fully_shard as _upstream_fully_shard
+from megatron_fsdp.experimental.dbuffer import DBuffer
+from megatron_fsdp.experimental.module import FsdpContext, FsdpModule
+from megatron_fsdp.experimental.parameter_group import (
+    FsdpParameterGroup,
+    get_containing_parameter_group,
+)
+from torch import nn
+
+__all__ = [
+    "HAS_SHARDING_CONTEXT",
+    "UPSTREAM_TIES",
+    "DBuffer",
+    "FsdpModule",
+    "FsdpParameterGroup",
+    "MixedPrecisionPolicy",
+    "Placements",
+    "ShardedEntry",
+    "ShardingContext",
+    "entries",
+    "fsdp_modules",
+    "fsdp_placements",
+    "fully_shard",
+    "fully_shard_optimizer",
+    "group_of",
+    "hsdp_placements",
+    "is_sharded_parameter",
+    "join_gradient_reduction",
+    "microbatch",
+    "owning_module",
+    "parameter_groups",
+    "root_modules",
+    "sync_compute_weights",
+    "user_class",
+]
+
+#: megatron-fsdp >= 0.7: ``fully_shard`` must run inside ``fully_shard_context``, whose
+#: ``FsdpContext`` is shared by every module sharded in it and finalised on exit.
+HAS_SHARDING_CONTEXT = hasattr(_experimental, "fully_shard_context")
+
+#: megatron-fsdp >= 0.7 packs a parameter registered under several FQNs once
+#: (``FsdpParameter.fqns``, parameter_group.py) and installs it under every FQN
+#: (``FsdpParameterGroup._set_module_parameter``). 0.6.1 packs it twice, so
+#: :func:`fully_shard` applies our tie support there.
+UPSTREAM_TIES = hasattr(FsdpParameterGroup, "_set_module_parameter")
+
+# 0.6.1 exports its own DBuffer placements; 0.7 uses torch's DTensor placements.
+_HAS_OWN_PLACEMENTS = hasattr(_experimental, "Flat")
+
+
+# ---------------------------------------------------------------------- placements
+
+
+def fsdp_placements() -> Placements:
+    """Placements for plain FSDP on a 1-D mesh: parameters, gradients and state sharded."""
+    if _HAS_OWN_PLACEMENTS:
+        flat = _experimental.Flat
+        return Placements(dp_axes=[0], parameter=[flat()], gradient=[flat()], optimizer=[flat()])
+    from torch.distributed.tensor import Shard
+
+    return Placements(dp_axes=[0], parameter=[Shard(0)], gradient=[Shard(0)], optimizer=[Shard(0)])
+
+
+def hsdp_placements() -> Placements:
+    """Placements for HSDP on a 2-D ``(dp_replicate, dp_shard)`` mesh.
+
+    Parameters and optimizer state are replicated across rows and sharded within a row.
+    Gradients rest ``Partial`` (average) across rows between micro-batches: each backward
+    reduce-scatters within the row, and only the last micro-batch of an accumulation
+    window all-reduces across rows (megatron-fsdp's ``reduce_partial_gradients``).
+    """
+    if _HAS_OWN_PLACEMENTS:
+        flat, partial = _experimental.Flat, _experimental.Partial
+        replicate = _experimental.Replicate
+        return Placements(
+            dp_axes=[0, 1],
+            parameter=[replicate(), flat()],
+            gradient=[partial(dist.ReduceOp.AVG), flat()],
+            optimizer=[replicate(), flat()],
+        )
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    # Partial("avg"), the string: 0.7's DBuffer maps reduce_op names to torch ops and
+    # does not accept a ReduceOp object (dbuffer.py, ``_get_reduce_op``).
+    return Placements(
+        dp_axes=[0, 1],
+        parameter=[Replicate(), Shard(0)],
+        gradient=[Partial("avg"), Shard(0)],
+        optimizer=[Replicate(), Shard(0)],
+    )
+
+
+# ---------------------------------------------------------------------- parameter groups
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardedEntry:
+    """One physical parameter of a parameter group, as both versions can describe it.
+
+    Attributes:
+        index: Its logical tensor index in the group's buffers (``main_weight`` etc.).
+        fqns: Every name it is registered under, relative to the group's owning module;
+            the canonical (first) name first. Tied parameters have several.
+        sharded: The resting ``Shard(0)`` DTensor parameter (the optimizer's).
+        unsharded: The compute parameter installed during forward and backward.
+    """
+
+    index: int
+    fqns: tuple[str, ...]
+    sharded: nn.Parameter
+    unsharded: nn.Parameter
+
+    def __post_init__(self) -> None:
+        if self.index < 0 or not self.fqns:
+            raise AssertionError(f"ShardedEntry: bad index {self.index} or no FQN {self.fqns}.")
+
+
+# Our 0.6.1 tie support: per group, {alias FQN: canonical FQN}, relative to the owning module.
+_ALIASES_ATTR = "_lmf_tied_aliases"
+
+
+def group_of(parameter: torch.Tensor) -> FsdpParameterGroup | None:
+    """The parameter group that owns ``parameter`` (sharded or unsharded), if any."""
+    return get_containing_parameter_group(parameter)  # type: ignore[arg-type]
+
+
+def entries(group: FsdpParameterGroup) -> tuple[ShardedEntry, ...]:
+    """Every physical parameter of ``group``, in buffer order."""
+    if hasattr(group, "fsdp_parameters"):  # 0.7, parameter_group.py ``FsdpParameter``
+        return tuple(
+            ShardedEntry(index, tuple(p.fqns), p.sharded, p.unsharded)
+            for index, p in enumerate(group.fsdp_parameters)
+        )
+    aliases: dict[str, str] = getattr(group, _ALIASES_ATTR, {})
+    return tuple(
+        ShardedEntry(
+            index,
+            (name, *(alias for alias, canonical in aliases.items() if canonical == name)),
+            sharded,
+            unsharded,
+        )
+        for index, (name, sharded, unsharded) in enumerate(
+            zip(
+                group.parameter_names,
+                group.sharded_parameters,
+                group.unsharded_parameters,
+                strict=True,
+            )
+        )
+    )
+
+
+def owning_module(group: FsdpParameterGroup) -> nn.Module:
+    """The FSDP unit that owns ``group`` (0.7 keeps only a weak reference to it).
+
+    Raises:
+        RuntimeError: If the module was garbage-collected while the group lives on.
+    """
+    module = group.owning_module if hasattr(group, "owning_module") else group._owning_module()
+    if module is None:
+        raise RuntimeError("Megatron-FSDP parameter group outlived its owning module.")
+    return module
+
+
+def is_sharded_parameter(parameter: torch.Tensor) -> bool:
+    """Whether ``parameter`` is a live, resting sharded parameter of some FSDP unit."""
+    group = group_of(parameter)
+    return group is not None and any(parameter is e.sharded for e in entries(group))
+
+
+def fsdp_modules(model: nn.Module | None) -> list[FsdpModule]:
+    """Every FSDP unit in ``model``, in ``modules()`` order."""
+    if model is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, FsdpModule)]
+
+
+def parameter_groups(model: nn.Module | None) -> list[FsdpParameterGroup]:
+    """Every parameter group of every FSDP unit in ``model``."""
+    return [group for module in fsdp_modules(model) for group in module.parameter_groups]
+
+
+def root_modules(model: nn.Module) -> list[FsdpModule]:
+    """The outermost FSDP units in ``model`` (no FSDP ancestor inside ``model``)."""
+    roots: list[FsdpModule] = []
+
+    def visit(module: nn.Module) -> None:
+        if isinstance(module, FsdpModule):
+            roots.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return roots
+
+
+def sync_compute_weights(model: nn.Module) -> None:
+    """Refresh every unit's compute weights from its main weights (after a load)."""
+    for group in parameter_groups(model):
+        group.sync_model_weight_from_main_weight()
+
+
+# ---------------------------------------------------------------------- sharding
+
+
+_FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+_FSDP_CLASSES_LOCK = threading.Lock()
+
+
+def user_class(module: nn.Module) -> type[nn.Module]:
+    """The class ``module`` had before sharding (its own class when not sharded)."""
+    cls = type(module)
+    if isinstance(module, FsdpModule):
+        for base in cls.__mro__[1:]:
+            if base is not FsdpModule and issubclass(base, nn.Module):
+                return base
+    return cls
+
+
+def _shared_fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """One FSDP class per user class, named like it.
+
+    Upstream's ``_attach_mixin`` (fully_shard.py) builds a new ``ExperimentalFsdp<Name>``
+    class for every module instance, so ``torch.compile`` of N identical layers guards on
+    N classes and recompiles for each, and model summaries and profiler traces show the
+    generated name. The class body is empty in both versions, so one shared class with
+    the same bases behaves identically.
+    """
+    with _FSDP_CLASSES_LOCK:
+        shared = _FSDP_CLASSES.get(cls)
+        if shared is None:
+            shared = type(cls.__name__, (FsdpModule, cls), {"__qualname__": cls.__qualname__})
+            _FSDP_CLASSES[cls] = shared
+        return shared
+
+
+class ShardingContext:
+    """One megatron-fsdp sharding context: every unit sharded through it shares it.
+
+    On megatron-fsdp >= 0.7, ``fully_shard`` must run inside ``fully_shard_context``,
+    whose ``FsdpContext`` (streams, cross-root prefetch order) is finalised when the
+    context closes; a parent cannot contain a child sharded in another context, and no
+    unit may run forward before finalisation. ``fully_shard_context`` refuses non-CUDA
+    devices, so on CPU this builds the ``FsdpContext`` itself and sets upstream's
+    context variable (fully_shard.py ``_FSDP_CONTEXT``), exactly as
+    ``fully_shard_context`` does; the CPU adapter gives it synchronous streams.
+
+    On 0.6.1 there is no such context: each root builds its own lazily on its first
+    forward. :meth:`close` builds it eagerly for every root instead
+    (module.py ``FsdpModule._lazy_init_context``), so a child unit called directly
+    before its root's first forward cannot claim a context of its own.
+
+    Args:
+        device: The device the units' parameters live on.
+        eager_roots: On 0.6.1, build the roots' contexts in :meth:`close` (a scope that
+            holds a whole model); leave them lazy for a lone unit that a later parent may
+            still contain.
+    """
+
+    def __init__(self, device: torch.device, *, eager_roots: bool) -> None:
+        self.device = torch.device(device)
+        self._eager_roots = eager_roots
+        self._modules: list[nn.Module] = []
+        self._closed = False
+        self._exit: contextlib.ExitStack | None = None
+        self._context: FsdpContext | None = None
+        self._on_cpu = False
+        if not HAS_SHARDING_CONTEXT:
+            return
+        self._exit = contextlib.ExitStack()
+        if self.device.type == "cuda":
+            self._context = self._exit.enter_context(_experimental.fully_shard_context(self.device))
+            return
+        # The package re-exports the function under the module's name: import the module.
+        fully_shard_py = importlib.import_module("megatron_fsdp.experimental.fully_shard")
+        context_var = fully_shard_py._FSDP_CONTEXT
+        if context_var.get() is not None:
+            raise RuntimeError(
+                "megatron-fsdp: a sharding context is already open in this thread; "
+                "close it before opening another (contexts do not nest)."
+            )
+        self._context = FsdpContext(device=self.device)
+        self._on_cpu = True
+        self._exit.callback(context_var.reset, context_var.set(self._context))
+
+    def owns(self, module: FsdpModule) -> bool:
+        """Whether ``module`` may be a child of a unit sharded here (always on 0.6.1)."""
+        return self._context is None or module.context is self._context
+
+    def shard(
+        self,
+        module: nn.Module,
+        mesh: Any,
+        placements: Placements,
+        mixed_precision_policy: MixedPrecisionPolicy | None,
+    ) -> None:
+        """Apply ``fully_shard`` to ``module`` in this context (see :func:`fully_shard`)."""
+        if self._closed:
+            raise RuntimeError("ShardingContext: shard() after close().")
+        fully_shard(module, mesh, placements, mixed_precision_policy)
+        self._modules.append(module)
+
+    def close(self) -> None:
+        """Finalise: from here on the sharded units may run forward. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._exit is not None:
+            self._exit.close()  # on CUDA, fully_shard_context finalises on a clean exit
+            if self._on_cpu:
+                assert self._context is not None
+                self._context.finalize()
+            return
+        if not self._eager_roots:
+            return
+        inner: set[int] = set()
+        for module in self._modules:
+            inner.update(id(m) for m in fsdp_modules(module) if m is not module)
+        for module in self._modules:
+            if id(module) not in inner and module._context is None:
+                module._lazy_init_context()  # 0.6.1 module.py
+
+    def abandon(self) -> None:
+        """Drop the context without finalising it (sharding failed part-way)."""
+        if self._closed or self._exit is None:
+            self._closed = True
+            return
+        self._closed = True
+        if self._on_cpu:
+            self._exit.close()
+            return
+        # fully_shard_context finalises on a clean exit only: leave it with an error.
+        error = RuntimeError("sharding abandoned")
+        self._exit.__exit__(type(error), error, None)
+
+
+def fully_shard(
+    module: nn.Module,
+    mesh: Any,
+    placements: Placements,
+    mixed_precision_policy: MixedPrecisionPolicy | None = None,
+) -> None:
+    """Upstream ``fully_shard``, with ties kept on 0.6.1 and one class per user class.
+
+    Must run inside a :class:`ShardingContext` on megatron-fsdp >= 0.7.
+
+    Raises:
+        ValueError: If ``module`` is already sharded (upstream's check).
+    """
+    original_cls = type(module)
+    aliases = {} if UPSTREAM_TIES else _detach_aliases(module)
+    try:
+        _upstream_fully_shard(
+            module, mesh, placements, mixed_precision_policy=mixed_precision_policy
+        )
+    except BaseException:
+        _reattach_aliases(module, aliases)
+        raise
+    module.__class__ = _shared_fsdp_class(original_cls)
+    if aliases:
+        _install_aliases(module, aliases)
+
+
+# ---------------------------------------------------------------------- 0.6.1 ties
+
+
+def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    module_name, _, leaf = fqn.rpartition(".")
+    return (root.get_submodule(module_name) if module_name else root), leaf
+
+
+def _unit_parameters(root: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]:
+    """Every (name, parameter) ``fully_shard(root)`` would own, duplicates included."""
+    for name, parameter in root.named_parameters(recurse=False, remove_duplicate=False):
+        yield f"{prefix}{name}", parameter
+    for child_name, child in root.named_children():
+        if not isinstance(child, FsdpModule):
+            yield from _unit_parameters(child, f"{prefix}{child_name}.")
+
+
+def _detach_aliases(module: nn.Module) -> dict[str, str]:
+    """Remove every alias FQN of a tied parameter before 0.6.1's ``fully_shard``.
+
+    0.6.1 collects owned parameters with ``named_parameters(recurse=False)`` per submodule
+    (fully_shard.py ``_collect_owned_parameters``), so a parameter under two FQNs is
+    packed twice: two main weights (the tie silently breaks), and the gradient-ready count
+    waits for two parameters while autograd reports one, so ``post_backward`` never fires.
+    Detaching the aliases leaves one FQN per parameter (the first in ``named_parameters``
+    order); :func:`_install_aliases` puts them back as views of the one buffer entry.
+    """
+    canonical_by_param: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for fqn, parameter in _unit_parameters(module):
+        canonical = canonical_by_param.setdefault(id(parameter), fqn)
+        if canonical != fqn:
+            aliases[fqn] = canonical
+    for alias in aliases:
+        owner, leaf = _owner(module, alias)
+        del owner._parameters[leaf]
+    return aliases
+
+
+def _reattach_aliases(module: nn.Module, aliases: dict[str, str]) -> None:
+    by_name = dict(_unit_parameters(module))
+    for alias, canonical in aliases.items():
+        owner, leaf = _owner(module, alias)
+        owner._parameters[leaf] = by_name[canonical]
+
+
+_original_set_module_parameters = getattr(FsdpParameterGroup, "_set_module_parameters", None)
+
+
+def _set_module_parameters_with_aliases(
+    self: FsdpParameterGroup, parameters: tuple[nn.Parameter, ...]
+) -> None:
+    """0.6.1 parameter_group.py ``_set_module_parameters``, then every tied alias."""
+    assert _original_set_module_parameters is not None
+    _original_set_module_parameters(self, parameters)
+    aliases: dict[str, str] = getattr(self, _ALIASES_ATTR, {})
+    if not aliases:
+        return
+    by_name = dict(zip(self.parameter_names, parameters, strict=True))
+    for alias, canonical in aliases.items():
+        owner, leaf = _owner(self.owning_module, alias)
+        owner._parameters[leaf] = by_name[canonical]
+
+
+def _install_aliases(module: nn.Module, aliases: dict[str, str]) -> None:
+    """Record each group's aliases and route 0.6.1's parameter switching through them.
+
+    The class-level patch is idempotent, and a group without aliases behaves exactly as
+    before (the original runs, the alias loop is empty).
+    """
+    if FsdpParameterGroup._set_module_parameters is not _set_module_parameters_with_aliases:
+        FsdpParameterGroup._set_module_parameters = _set_module_parameters_with_aliases
+    assert isinstance(module, FsdpModule)
+    for group in module.parameter_groups:
+        group_aliases = {a: c for a, c in aliases.items() if c in group.parameter_names}
+        if group_aliases:
+            setattr(group, _ALIASES_ATTR, group_aliases)
+            group._switch_to_sharded_parameters()
+
+
+# ---------------------------------------------------------------------- steps
+
+
+def _contexts(model: nn.Module) -> list[FsdpContext]:
+    """The distinct ``FsdpContext`` objects of ``model``'s units (initialised ones)."""
+    seen: dict[int, FsdpContext] = {}
+    for module in fsdp_modules(model):
+        context = module._context
+        if context is not None:
+            seen.setdefault(id(context), context)
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def microbatch(model: nn.Module, is_last: bool) -> Iterator[None]:
+    """Mark the forwards and backwards inside as (not) the last accumulation micro-batch.
+
+    0.6.1's ``microbatch`` takes a module tree; 0.7's takes one context. Every context of
+    ``model`` is marked either way.
+    """
+    if not HAS_SHARDING_CONTEXT:
+        with _experimental.microbatch(model, is_last=is_last):
+            yield
+        return
+    with contextlib.ExitStack() as stack:
+        for context in _contexts(model):
+            stack.enter_context(_experimental.microbatch(context, is_last))
+        yield
+
+
+def join_gradient_reduction(model: nn.Module) -> None:
+    """Make the current stream wait for every pending gradient reduce-scatter.
+
+    A root's final backward callback does this, but a backward started inside the root's
+    own forward (Lightning's manual optimisation) never registers it.
+    """
+    for context in _contexts(model):
+        context.current_stream().wait_stream(context.reduce_scatter_stream)
+
+
+def iter_sharded(model: nn.Module) -> Iterable[ShardedEntry]:
+    """Every physical sharded parameter of ``model``, group by group."""
+    for group in parameter_groups(model):
+        yield from entries(group)

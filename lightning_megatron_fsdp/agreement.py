@@ -1,0 +1,250 @@
+"""Ranks agree on an outcome, then raise together: the one mechanism for rank-local failures.
+
+Problem: much of a save or load is rank-local (building targets, checking files, reading
+one's own rows) and can fail on one rank only. If that rank raises alone, its peers wait
+in the next collective until the process-group timeout, then die with a backend error
+that names nothing. If a peer is already dead, a collective fails with a raw gloo/NCCL
+message.
+
+How: after rank-local work every rank calls :meth:`Ranks.agree` with what it found (a list
+of :class:`Problem`, empty on success). One ``all_gather_object`` on the group (bounded by
+its timeout) collects them; if any rank found one, every rank raises the *same* error: a
+one-line summary first (how many problems, of which kinds, the first one), then every
+problem, marked with the ranks that saw it when not all did. A collective that fails
+(a peer died or timed out) becomes the caller's error class too, saying so.
+
+Alternatives rejected:
+    * An all-reduce of a per-rank error flag: cheaper, but the survivors can only say
+      "rank 1 failed", never why, and problems cannot be merged across ranks.
+    * Raising on the failing rank and letting the others time out: minutes of idle
+      accelerators and an error that blames the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_megatron_fsdp.manifest import CheckpointError
+
+__all__ = ["PeerLostError", "Problem", "Ranks", "describe", "peer_failures_explained"]
+
+LOST_PEER_HINT = (
+    "a collective with the other ranks failed; another rank probably crashed or timed out "
+    "(check its log)"
+)
+
+
+class PeerLostError(CheckpointError):
+    """A collective failed: a peer died, hung past the group's timeout, or the network broke."""
+
+
+# Substrings of the RuntimeErrors gloo and NCCL raise when a peer is gone or late (older
+# torch raises plain RuntimeError for some of them instead of ``DistError``).
+_BACKEND_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "timed out")
+
+
+def _is_backend_failure(err: BaseException) -> bool:
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(marker in text for marker in _BACKEND_MARKERS)
+
+
+@contextlib.contextmanager
+def peer_failures_explained(what: str) -> Iterator[None]:
+    """Turn a collective's raw backend failure inside the block into a clear error.
+
+    A rank whose peer crashed (or raised and left) sees gloo's "Connection closed by peer"
+    or a timeout deep inside megatron-fsdp's all-gather; this says what that means.
+
+    Args:
+        what: What was running, e.g. ``"MegatronFSDPStrategy: training_step"``.
+
+    Raises:
+        RuntimeError: Chained from the backend error, naming ``what`` and the likely cause.
+    """
+    try:
+        yield
+    except RuntimeError as err:
+        if not _is_backend_failure(err):
+            raise
+        raise RuntimeError(
+            f"{what} failed in a collective with the other ranks: {LOST_PEER_HINT}, and "
+            f"this rank stops too instead of waiting. Backend error: {describe(err)}."
+        ) from err
+
+
+def describe(err: BaseException) -> str:
+    """``"<type>: <message>"``, without a final period (callers go on with their own)."""
+    return f"{type(err).__name__}: {str(err).rstrip().rstrip('.')}"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Problem:
+    """One thing a rank found wrong.
+
+    Attributes:
+        kind: How fundamental it is; the lowest kind found picks the error class.
+        text: One line naming the file, key or FQN, what was found and what was expected.
+        category: Short label counted in the summary line (``"shape"``, ``"missing"``).
+    """
+
+    kind: int
+    text: str
+    category: str = "problem"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str) or not self.text:
+            raise ValueError(f"Problem: text must be a non-empty string, got {self.text!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """The ranks of one collective operation, or the one-process identity without a group."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup | None = None) -> Ranks:
+        """The ranks of ``group`` (the default group when ``None``), or of this process alone."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(None, 0, 1)
+        group = group if group is not None else dist.group.WORLD
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank.
+
+        Raises:
+            PeerLostError: If the collective failed (within the group's timeout).
+        """
+        if self.group is None or self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(gathered, obj, group=self.group)
+        except RuntimeError as err:  # gloo/NCCL errors and timeouts are RuntimeErrors
+            raise PeerLostError(f"{LOST_PEER_HINT}: {describe(err)}") from err
+        return gathered
+
+    def broadcast_from_first(self, obj: Any) -> Any:
+        """Rank 0's ``obj``.
+
+        Raises:
+            PeerLostError: If the collective failed (within the group's timeout).
+        """
+        if self.group is None or self.world_size == 1:
+            return obj
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, group=self.group, group_src=0)
+        except RuntimeError as err:
+            raise PeerLostError(f"{LOST_PEER_HINT}: {describe(err)}") from err
+        return box[0]
+
+    def agree(
+        self,
+        problems: Sequence[Problem],
+        *,
+        heading: str,
+        errors: Mapping[int, type[Exception]] | type[Exception],
+        advice: str = "",
+    ) -> None:
+        """Return if no rank found a problem; else raise the same error on every rank.
+
+        Args:
+            problems: What this rank found (empty: its part succeeded).
+            heading: What was being done, e.g. ``"Cannot load checkpoint /ckpt/last.ckpt"``;
+                ``{ranks}`` in it becomes the list of ranks that found a problem.
+            errors: The error class to raise, or one per problem kind (the lowest kind
+                found picks it; a missing kind falls back to the lowest mapped one).
+            advice: What to do (and what state the failure leaves), appended last.
+
+        Raises:
+            Exception: The chosen class, on every rank, when any rank found a problem or
+                the collective itself failed (then naming this rank's own problems).
+        """
+        fallback = errors if isinstance(errors, type) else errors[min(errors)]
+        try:
+            gathered = self.all_gather(list(problems))
+        except PeerLostError as err:
+            own = "; ".join(p.text for p in problems)
+            raise fallback(
+                f"{heading.replace(' {ranks}', '')}: the ranks could not agree whether every "
+                f"rank succeeded ({err})."
+                + (f" This rank found: {own}." if own else "")
+                + (f" {advice}" if advice else "")
+            ) from err
+        ranks_by_problem: dict[Problem, list[int]] = {}
+        for rank, rank_problems in enumerate(gathered):
+            for problem in rank_problems:
+                ranks_by_problem.setdefault(problem, []).append(rank)
+        if not ranks_by_problem:
+            return
+        ordered = sorted(ranks_by_problem)
+        kind = ordered[0].kind
+        cls = errors if isinstance(errors, type) else errors.get(kind, fallback)
+        raise cls(self._message(heading, ordered, ranks_by_problem, advice))
+
+    def raise_together(
+        self,
+        action: str,
+        error: BaseException | None,
+        error_type: type[Exception],
+        *,
+        consequence: str,
+    ) -> None:
+        """:meth:`agree` on one rank-local exception: raise on every rank if any rank failed.
+
+        Args:
+            action: What was being done, e.g. ``"saving checkpoint /ckpt (attaching metadata)"``.
+            error: This rank's exception, or ``None`` if its part succeeded.
+            error_type: The class to raise (chained from ``error`` on the failing rank).
+            consequence: What state the failure leaves, for the message.
+
+        Raises:
+            Exception: ``error_type`` on every rank when any rank passed an error or the
+                ranks could not agree.
+        """
+        problems = [] if error is None else [Problem(0, f"rank {self.rank}: {describe(error)}")]
+        try:
+            self.agree(
+                problems,
+                heading=f"{action} failed on rank(s) {{ranks}}",
+                errors=error_type,
+                advice=f"Every rank raises, so that none waits in a collective; {consequence}.",
+            )
+        except error_type as raised:
+            raise raised from error
+
+    def _message(
+        self,
+        heading: str,
+        ordered: list[Problem],
+        ranks_by_problem: Mapping[Problem, list[int]],
+        advice: str,
+    ) -> str:
+        """Summary line first, then one line per problem, then the advice."""
+        failed = sorted({r for ranks in ranks_by_problem.values() for r in ranks})
+        heading = heading.replace("{ranks}", str(failed))
+        counts = Counter(p.category for p in ordered)
+        kinds = ", ".join(f"{n} {category}" for category, n in counts.items())
+        count = f"{len(ordered)} problems ({kinds}); first: " if len(ordered) > 1 else ""
+        summary = f"{heading}: {count}{ordered[0].text}"
+        lines = [summary]
+        if len(ordered) > 1 or len(ranks_by_problem[ordered[0]]) != self.world_size:
+            for problem in ordered:
+                ranks = ranks_by_problem[problem]
+                where = "" if len(ranks) == self.world_size else f" [rank(s) {ranks}]"
+                lines.append(f"  - {problem.text}{where}")
+        if advice:
+            lines.append(advice)
+        return "\n".join(lines)

@@ -1,0 +1,171 @@
+"""Lightning launchers that resolve ``ckpt_path="last"`` to a *complete* checkpoint.
+
+Problem: Lightning resolves ``"last"`` before the strategy sees the run (in the Trainer's
+checkpoint connector, before ``connect`` and ``setup_environment``): it takes the most
+recently modified ``last*`` entry of each ``ModelCheckpoint`` directory. That may be a
+damaged directory, and after a crash between the two renames of an overwrite (see
+``docs/DESIGN.md``) there is no ``last*`` entry at all, so training would silently start
+from scratch.
+
+How: the one strategy hook that runs earlier is the launcher's ``launch``, which receives
+the Trainer and the stage's arguments. These launchers first restore checkpoints a crash
+left renamed aside, then replace ``"last"`` by the most recently written complete ``last*``
+checkpoint (manifest mtime, Lightning's "most recent" rule), and leave ``"last"`` to
+Lightning when there is none. Every rank does this before any process group exists
+(recovery is idempotent across ranks); the strategy's load then uses rank 0's choice.
+
+Alternatives rejected:
+    * Resolving in the strategy's ``load_checkpoint``: it is never called when Lightning
+      finds no ``last*`` entry, which is exactly the crash case.
+    * Patching ``ModelCheckpoint._find_last_checkpoints``: the user's callback would no
+      longer be the unchanged Lightning callback.
+    * Ordering by ``global_step`` (as ``resolve_latest_checkpoint`` does): a run restarted
+      from scratch into the same directory writes ``last-v1.ckpt``, and Lightning's
+      ``"last"`` means that newer run, not the older run's higher step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_megatron_fsdp.manifest import (
+    latest_complete_checkpoint,
+    matching_checkpoints,
+    recover_matching,
+)
+
+__all__ = ["resolving_last_launcher"]
+
+
+def resolving_last_launcher(inner: _Launcher | None) -> _Launcher | None:
+    """Wrap Lightning's launcher so ``ckpt_path="last"`` means a complete checkpoint.
+
+    Args:
+        inner: The launcher Lightning configured: ``None`` when processes are created
+            externally (torchrun, SLURM, ...), else its script launcher.
+
+    Returns:
+        The wrapping launcher, or ``inner`` itself for a launcher this does not know.
+    """
+    if inner is None:
+        return _ResolvingLastLauncher()
+    if type(inner) is _SubprocessScriptLauncher:
+        return _ResolvingLastSubprocessScriptLauncher(
+            inner.cluster_environment, inner.num_processes, inner.num_nodes
+        )
+    return inner
+
+
+def _with_last_resolved(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    trainer: pl.Trainer | None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``function``'s arguments with ``ckpt_path="last"`` replaced by a complete checkpoint.
+
+    ``function`` is the Trainer stage (``_fit_impl``, ``_validate_impl``, ...); its
+    ``ckpt_path`` argument is found by name. Unchanged when it is not ``"last"`` or no
+    complete ``last*`` checkpoint exists (Lightning then warns and starts fresh).
+    """
+    if trainer is None:
+        return args, kwargs
+    try:
+        bound = inspect.signature(function).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    if bound.arguments.get("ckpt_path") != "last":
+        return args, kwargs
+    resolved = _latest_complete_last_checkpoint(trainer)
+    if resolved is None:
+        return args, kwargs
+    bound.arguments["ckpt_path"] = str(resolved)
+    return bound.args, bound.kwargs
+
+
+def _latest_complete_last_checkpoint(trainer: pl.Trainer) -> Path | None:
+    """The most recently written complete checkpoint Lightning's ``"last"`` could mean.
+
+    Candidates are Lightning's: the ``last*`` entries of every ``ModelCheckpoint``
+    directory and the ``OnExceptionCheckpoint`` paths.
+    """
+    candidates: list[Path] = []
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint):
+            continue
+        dirpath = _checkpoint_dir(callback, trainer)
+        if dirpath is None or "://" in str(dirpath):  # remote: left to Lightning
+            continue
+        pattern = f"{callback.CHECKPOINT_NAME_LAST}*{callback.FILE_EXTENSION}"
+        for restored in recover_matching(dirpath, pattern):
+            rank_zero_warn(f"Restored {restored}, which an interrupted save had renamed aside.")
+        candidates.extend(matching_checkpoints(dirpath, pattern))
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, OnExceptionCheckpoint):
+            candidates.append(Path(callback.ckpt_path))
+    return latest_complete_checkpoint(candidates, by="written")
+
+
+def _checkpoint_dir(callback: ModelCheckpoint, trainer: pl.Trainer) -> _PATH | None:
+    """The directory ``callback`` saves to, resolved exactly as its ``"last"`` lookup does.
+
+    Before ``setup`` a ``ModelCheckpoint`` without ``dirpath`` has not resolved it yet;
+    Lightning's lookup calls the callback's private resolver (callbacks/model_checkpoint.py
+    ``__resolve_ckpt_dir``), and so does this.
+    """
+    resolve = getattr(callback, "_ModelCheckpoint__resolve_ckpt_dir", None)
+    if callable(resolve):
+        with contextlib.suppress(Exception):
+            return resolve(trainer)
+    return callback.dirpath
+
+
+class _ResolvingLastLauncher(_Launcher):
+    """For processes created externally: run the stage here, ``ckpt_path="last"`` resolved."""
+
+    @property
+    @override
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    @override
+    def launch(
+        self,
+        function: Callable[..., Any],
+        *args: Any,
+        trainer: pl.Trainer | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        args, kwargs = _with_last_resolved(function, args, kwargs, trainer)
+        return function(*args, **kwargs)
+
+    @override
+    def kill(self, signum: Any) -> None:
+        """Nothing to kill: this launcher started no process."""
+
+
+class _ResolvingLastSubprocessScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher, with ``ckpt_path="last"`` resolved before it spawns."""
+
+    @override
+    def launch(
+        self,
+        function: Callable[..., Any],
+        *args: Any,
+        trainer: pl.Trainer | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        args, kwargs = _with_last_resolved(function, args, kwargs, trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)

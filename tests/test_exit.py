@@ -1,0 +1,97 @@
+"""Every process of a finished run exits 0: no abort at interpreter exit.
+
+A scheduler marks a job whose process exits 134 ("terminate called without an active
+exception") as failed although its results were written. Each rank here is its own OS
+process, launched as torchrun would (so each rank's exit code and stderr are seen; under
+Lightning's own launcher rank 1's exit code never reaches anyone), running a 2-rank fit
+with periodic async checkpoints, a forward after ``fit`` and a save after ``fit``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.harness import free_port
+
+SCRIPT = Path(__file__).parent / "scripts" / "exit_clean.py"
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = 20
+WORLD_SIZE = 2
+
+
+def launch_ranks(script: Path, out: Path, world_size: int, timeout: float) -> list[tuple[int, str]]:
+    """Run ``script out`` as ``world_size`` torchrun-style ranks; each rank's (rc, output)."""
+    port = free_port()
+    processes = []
+    for rank in range(world_size):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "GROUP_RANK": "0",
+            "NODE_RANK": "0",
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "TORCHELASTIC_RUN_ID": "exit-test",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(out)],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    results = []
+    try:
+        for process in processes:
+            output, _ = process.communicate(timeout=timeout)
+            results.append((process.returncode, output))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return results
+
+
+def test_fit_with_async_checkpoints_exits_cleanly_every_time(tmp_path: Path) -> None:
+    """20 runs x 2 ranks: every process exits 0, finishes its work, and never aborts."""
+    failures = []
+    for run in range(RUNS):
+        out = tmp_path / f"run{run}"
+        for rank, (code, output) in enumerate(launch_ranks(SCRIPT, out, WORLD_SIZE, 120)):
+            aborted = "terminate called" in output
+            finished = f"finished rank {rank}" in output
+            if code != 0 or aborted or not finished:
+                tail = "\n".join(output.splitlines()[-8:])
+                failures.append(f"run {run} rank {rank}: exit code {code}\n{tail}")
+        assert (out / "after_fit.ckpt" / "manifest.json").is_file()
+    assert not failures, f"{len(failures)} of {RUNS * WORLD_SIZE} processes failed:\n" + (
+        "\n".join(failures)
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover - a diagnostic loop: python -m tests.test_exit N
+    count = int(sys.argv[1]) if len(sys.argv) > 1 else RUNS
+    import tempfile
+
+    bad = 0
+    for run in range(count):
+        with tempfile.TemporaryDirectory() as directory:
+            for rank, (code, output) in enumerate(
+                launch_ranks(SCRIPT, Path(directory), WORLD_SIZE, 120)
+            ):
+                if code != 0 or "terminate called" in output:
+                    bad += 1
+                    print(f"run {run} rank {rank}: rc={code}", output.splitlines()[-3:])
+    print(f"bad={bad} of {count * WORLD_SIZE}")
