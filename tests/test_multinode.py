@@ -1,0 +1,152 @@
+"""Multi-node launches, simulated on one machine: two single-process "nodes", then one node.
+
+Each "node" has its own local rank 0 (``LOCAL_RANK`` differs from ``RANK`` on node 1),
+which is what breaks code that confuses the two: the commit of a checkpoint is rank 0's
+alone, and the recovery of a ``last`` checkpoint a crash left renamed aside runs on every
+rank before the process group exists. Two launchers are simulated:
+
+* torchrun: two real ``torch.distributed.run --nnodes 2 --nproc-per-node 1 --node-rank r``
+  agents on loopback (``TorchElasticEnvironment``);
+* SLURM: the variables ``srun --nodes 2 --ntasks-per-node 1`` sets (``SLURMEnvironment``).
+
+Then the run resumes from ``ckpt_path="last"`` on one node with two processes (torchrun
+``--standalone``), after its ``last`` was renamed aside as a crash between the two renames of
+an overwrite would leave it, and must continue from the saved weights bit-exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "multinode_fit.py"
+TIMEOUT = 180
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_", "GROUP_", "LOCAL_", "NODE_"))
+        and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    )
+    env.update(extra)
+    return env
+
+
+def _wait(processes: list[subprocess.Popen[str]]) -> None:
+    outputs = []
+    try:
+        for process in processes:
+            output, _ = process.communicate(timeout=TIMEOUT)
+            outputs.append((process.returncode, output))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    failed = [(code, out) for code, out in outputs if code != 0]
+    assert not failed, "\n\n".join(f"exit code {c}:\n{o[-3000:]}" for c, o in failed)
+
+
+def _popen(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _fit_torchrun_two_nodes(out: Path) -> None:
+    port = str(free_port())
+    _wait(
+        [
+            _popen(
+                [
+                    sys.executable, "-m", "torch.distributed.run",
+                    "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+                    "--master-addr", "127.0.0.1", "--master-port", port,
+                    str(SCRIPT), str(out), "2", "1", "4",
+                ],
+                _env(),
+            )
+            for node in range(2)
+        ]
+    )  # fmt: skip
+
+
+def _fit_slurm_two_nodes(out: Path) -> None:
+    port = str(free_port())
+    _wait(
+        [
+            _popen(
+                [sys.executable, str(SCRIPT), str(out), "2", "1", "4"],
+                _env(
+                    SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="1", SLURM_NNODES="2",
+                    SLURM_PROCID=str(node), SLURM_LOCALID="0", SLURM_NODEID=str(node),
+                    SLURM_NODELIST="127.0.0.1", SLURM_JOB_ID="4242", SLURM_JOB_NAME="train",
+                    MASTER_PORT=port,
+                ),
+            )
+            for node in range(2)
+        ]
+    )  # fmt: skip
+
+
+def _resume_one_node(out: Path) -> None:
+    _wait(
+        [
+            _popen(
+                [
+                    sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "2", str(SCRIPT), str(out), "1", "2", "6", "last",
+                ],
+                _env(),
+            )
+        ]
+    )  # fmt: skip
+
+
+def _reports(out: Path, tag: str) -> list[dict]:
+    return [json.loads((out / f"{tag}-rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize(
+    ("launcher", "environment"),
+    [("torchrun", "TorchElasticEnvironment"), ("slurm", "SLURMEnvironment")],
+)
+def test_two_nodes_then_resume_on_one(launcher: str, environment: str, tmp_path: Path) -> None:
+    """Rank-0-only commit and every-rank recovery are right when local rank 0 != rank 0."""
+    (_fit_torchrun_two_nodes if launcher == "torchrun" else _fit_slurm_two_nodes)(tmp_path)
+    fit = _reports(tmp_path, "fit")
+    assert [(r["global_rank"], r["local_rank"], r["node_rank"]) for r in fit] == [
+        (0, 0, 0),
+        (1, 0, 1),
+    ]
+    assert {r["environment"] for r in fit} == {environment}
+    assert all(r["world_size"] == 2 and r["global_step"] == 4 for r in fit)
+    checkpoints = tmp_path / "checkpoints"
+    names = sorted(p.name for p in checkpoints.iterdir())
+    assert names == ["epoch=0-step=4.ckpt", "last.ckpt"], names  # one commit each, no leftovers
+
+    # A crash between the two renames of an overwrite leaves ``last`` renamed aside.
+    last = checkpoints / "last.ckpt"
+    shutil.move(last, checkpoints / ".last.ckpt.old-0123456789abcdef")
+    _resume_one_node(tmp_path)
+    resumed = _reports(tmp_path, "resume")
+    assert last.is_dir()  # restored before Lightning looked for "last"
+    for before, after in zip(fit, resumed, strict=True):
+        assert after["environment"] == "TorchElasticEnvironment"
+        assert (after["local_rank"], after["node_rank"]) == (after["global_rank"], 0)
+        assert after["probes"]["start"] == before["probes"]["end"]  # bit-exact weights
+        assert after["global_step"] == 6
