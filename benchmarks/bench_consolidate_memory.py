@@ -1,5 +1,8 @@
 """Benchmark: peak memory of ``consolidate_checkpoint`` against the largest tensor.
 
+``export_lightning_checkpoint`` (``.ckpt`` rows; ``+optim`` with the Adam state) streams
+through the same writer and is measured the same way.
+
 ``consolidate_checkpoint`` promises to stream: allocate one full tensor, fill it from its
 chunks, write it, drop it. So its peak resident memory above the interpreter baseline
 should be about the largest tensor (twice that when ``--dtype`` casts, for the cast copy),
@@ -48,6 +51,7 @@ import json, sys, time
 from pathlib import Path
 import torch
 from lightning_megatron_fsdp.export import consolidate_checkpoint
+from lightning_megatron_fsdp.lightning_checkpoint import export_lightning_checkpoint
 
 def rss(field):
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -56,10 +60,14 @@ def rss(field):
     raise RuntimeError(field)
 
 checkpoint, output, dtype = sys.argv[1], sys.argv[2], (sys.argv[3] or None)
+optimizer = dtype == "+optim"
 Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
 baseline = rss("VmRSS")
 start = time.perf_counter()
-consolidate_checkpoint(checkpoint, output, dtype)
+if output.endswith(".ckpt"):
+    export_lightning_checkpoint(checkpoint, output, optimizer=optimizer)
+else:
+    consolidate_checkpoint(checkpoint, output, dtype)
 seconds = time.perf_counter() - start
 print(json.dumps({"baseline": baseline, "peak": rss("VmHWM"), "seconds": seconds}))
 """
@@ -100,34 +108,41 @@ def main() -> None:
         checkpoint = Path(tmp) / "checkpoint"
         run_distributed(_save, 2, str(checkpoint), timeout=600)
         rows = []
-        for suffix in (".safetensors", ".pt"):
-            for dtype in ("", "bf16"):
-                output = Path(tmp) / f"model{dtype}{suffix}"
-                start = time.perf_counter()
-                result = subprocess.run(
-                    [sys.executable, "-c", _CHILD, str(checkpoint), str(output), dtype],
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                    env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        cases = [
+            (".safetensors", ""),
+            (".safetensors", "bf16"),
+            (".pt", ""),
+            (".pt", "bf16"),
+            (".ckpt", ""),
+            (".ckpt", "+optim"),  # export_lightning_checkpoint(optimizer=True), no cast
+        ]
+        for suffix, dtype in cases:
+            output = Path(tmp) / f"model{dtype}{suffix}"
+            start = time.perf_counter()
+            result = subprocess.run(
+                [sys.executable, "-c", _CHILD, str(checkpoint), str(output), dtype],
+                capture_output=True,
+                text=True,
+                check=False,
+                env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            )
+            if result.returncode != 0:
+                sys.exit(f"export failed:\n{result.stderr}")
+            measured = json.loads(result.stdout.strip().splitlines()[-1])
+            extra = measured["peak"] - measured["baseline"]
+            rows.append(
+                (
+                    suffix,
+                    dtype or "saved",
+                    measured["baseline"] / MIB,
+                    measured["peak"] / MIB,
+                    extra / MIB,
+                    extra / largest,
+                    measured["seconds"],
+                    time.perf_counter() - start,
                 )
-                if result.returncode != 0:
-                    sys.exit(f"export failed:\n{result.stderr}")
-                measured = json.loads(result.stdout.strip().splitlines()[-1])
-                extra = measured["peak"] - measured["baseline"]
-                rows.append(
-                    (
-                        suffix,
-                        dtype or "saved",
-                        measured["baseline"] / MIB,
-                        measured["peak"] / MIB,
-                        extra / MIB,
-                        extra / largest,
-                        measured["seconds"],
-                        time.perf_counter() - start,
-                    )
-                )
-                output.unlink()
+            )
+            output.unlink()
     print(f"model tensors: {total / MIB:.0f} MiB, largest tensor: {largest / MIB:.0f} MiB (fp32)")
     print("target: peak - baseline <= 2.0 x largest tensor\n")
     header = (

@@ -716,9 +716,10 @@ METHODS = {
         "repeats."
     ),
     "bench_consolidate_memory": (
-        "Existing benchmark (unchanged): 2 ranks save a 160 MiB model (largest tensor 64 MiB) "
-        "with Adam; each export runs in a fresh interpreter that resets its `VmHWM` right "
-        "before `consolidate_checkpoint` and reports peak minus its post-import baseline."
+        "2 ranks save a 160 MiB model (largest tensor 64 MiB) with Adam; each export runs in "
+        "a fresh interpreter that resets its `VmHWM` right before `consolidate_checkpoint` "
+        "(`.safetensors`, `.pt`) or `export_lightning_checkpoint` (`.ckpt`; `+optim` with "
+        "the 320 MiB of Adam state) and reports peak minus its post-import baseline."
     ),
     "bench_strategy_overhead": (
         "World size 2, per-rank batch 32, Adam. `Trainer.fit` with "

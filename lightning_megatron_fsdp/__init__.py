@@ -20,6 +20,10 @@ from lightning_megatron_fsdp.export import (
     inspect_checkpoint,
     verify_checkpoint,
 )
+from lightning_megatron_fsdp.lightning_checkpoint import (
+    export_lightning_checkpoint,
+    load_lightning_module,
+)
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
 from lightning_megatron_fsdp.precision import (
     MegatronFSDPPrecision,
@@ -67,12 +71,14 @@ __all__ = [
     "cpu_execution_enabled",
     "enable_cpu_execution",
     "ensure_optimizer_state",
+    "export_lightning_checkpoint",
     "fsdp_placements",
     "hsdp_placements",
     "inspect_checkpoint",
     "interrupted_saves",
     "is_complete_checkpoint",
     "load_full_weights",
+    "load_lightning_module",
     "read_manifest",
     "resolve_latest_checkpoint",
     "shard_module",

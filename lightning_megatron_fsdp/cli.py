@@ -3,13 +3,24 @@
 Subcommands (each runs in one process, without a GPU or a process group)::
 
     lightning-megatron-fsdp consolidate CHECKPOINT_DIR OUTPUT [--dtype bf16|fp16|fp32]
-                                        [--optimizer] [--overwrite] [--skip-checksums]
+                                        [--optimizer | --strip-prefix PREFIX]
+                                        [--overwrite] [--skip-checksums]
+    lightning-megatron-fsdp export-lightning CHECKPOINT_DIR OUTPUT.ckpt
+                                        [--dtype bf16|fp16|fp32] [--optimizer]
+                                        [--overwrite] [--skip-checksums]
     lightning-megatron-fsdp inspect CHECKPOINT_DIR [--json] [--verify] [--skip-checksums]
 
-``consolidate`` writes ``OUTPUT`` as safetensors or ``torch.save`` by its suffix
-(:func:`~lightning_megatron_fsdp.export.consolidate_checkpoint`). ``inspect`` prints each
-tensor's global shape, dtype and chunk count and the Lightning metadata; ``--verify``
-also checks completeness, sizes and sha256 checksums against the manifest.
+``consolidate`` writes the bare weights to ``OUTPUT`` as safetensors or ``torch.save`` by
+its suffix (:func:`~lightning_megatron_fsdp.export.consolidate_checkpoint`);
+``--strip-prefix model.`` keeps only the inner module's weights, under its own names
+(for its ``load_state_dict`` or Hugging Face ``from_pretrained``). ``export-lightning``
+writes a single-file Lightning checkpoint for ``Model.load_from_checkpoint``
+(:func:`~lightning_megatron_fsdp.lightning_checkpoint.export_lightning_checkpoint`).
+Two commands rather than a ``--format`` option of ``consolidate``: their outputs serve
+different loaders and take different options (a prefix makes no sense for a Lightning
+checkpoint, hyper-parameters none for safetensors). ``inspect`` prints each tensor's
+global shape, dtype and chunk count and the Lightning metadata; ``--verify`` also checks
+completeness, sizes and sha256 checksums against the manifest.
 
 Exit status: 0 on success, 1 when the checkpoint or output is rejected (or ``--verify``
 finds problems), 2 for a command-line usage error. Errors go to stderr.
@@ -20,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from typing import Any, TextIO
 
 from lightning_megatron_fsdp.export import (
@@ -28,6 +40,7 @@ from lightning_megatron_fsdp.export import (
     inspect_checkpoint,
     verify_checkpoint,
 )
+from lightning_megatron_fsdp.lightning_checkpoint import export_lightning_checkpoint
 from lightning_megatron_fsdp.manifest import CheckpointError
 
 __all__ = ["build_parser", "main"]
@@ -53,24 +66,41 @@ def build_parser() -> argparse.ArgumentParser:
             "model.load_state_dict into the unsharded model."
         ),
     )
-    consolidate.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
-    consolidate.add_argument("output", metavar="OUTPUT")
-    consolidate.add_argument(
-        "--dtype",
-        choices=["bf16", "fp16", "fp32"],
-        help="cast floating-point model tensors (optimizer state keeps its dtype)",
-    )
-    consolidate.add_argument(
+    _add_paths_and_dtype(consolidate)
+    what = consolidate.add_mutually_exclusive_group()
+    what.add_argument(
         "--optimizer",
         action="store_true",
         help="also export optimizer state, under keys 'optimizer_states.<i>.'",
     )
-    consolidate.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
-    consolidate.add_argument(
-        "--skip-checksums",
-        action="store_true",
-        help="do not compare sha256 checksums first (sizes and completeness are still checked)",
+    what.add_argument(
+        "--strip-prefix",
+        metavar="PREFIX",
+        help=(
+            "export only the model entries under PREFIX (e.g. 'model.'), without it: the "
+            "state dict of the module the LightningModule holds there"
+        ),
     )
+    _add_output_options(consolidate)
+
+    lightning = commands.add_parser(
+        "export-lightning",
+        help="write a single-file Lightning checkpoint for Model.load_from_checkpoint",
+        description=(
+            "Write the checkpoint as one torch.save file in Lightning's format: the "
+            "LightningModule's state_dict with full tensors, hyper-parameters, epoch, "
+            "global step, versions and the rest of the training state, streaming one "
+            "tensor at a time. Model.load_from_checkpoint(OUTPUT) then loads it in one "
+            "process, without a GPU."
+        ),
+    )
+    _add_paths_and_dtype(lightning)
+    lightning.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="also write optimizer state (torch's format: a DDP or single-device run can resume)",
+    )
+    _add_output_options(lightning)
 
     inspect = commands.add_parser(
         "inspect",
@@ -93,6 +123,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --verify: check sizes and completeness but not sha256",
     )
     return parser
+
+
+def _add_paths_and_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    parser.add_argument("output", metavar="OUTPUT")
+    parser.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        help="cast floating-point model tensors (optimizer state keeps its dtype)",
+    )
+
+
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
+    parser.add_argument(
+        "--skip-checksums",
+        action="store_true",
+        help="do not compare sha256 checksums first (sizes and completeness are still checked)",
+    )
 
 
 def _format_bytes(size: int) -> str:
@@ -181,15 +230,36 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        status = _export(args)
+    for warning in caught:
+        if issubclass(warning.category, UserWarning):
+            print(f"{PROG}: note: {warning.message}", file=sys.stderr)
+    return status
+
+
+def _export(args: argparse.Namespace) -> int:
     try:
-        output = consolidate_checkpoint(
-            args.checkpoint,
-            args.output,
-            args.dtype,
-            include_optimizer=args.optimizer,
-            overwrite=args.overwrite,
-            verify_checksums=not args.skip_checksums,
-        )
+        if args.command == "export-lightning":
+            output = export_lightning_checkpoint(
+                args.checkpoint,
+                args.output,
+                optimizer=args.optimizer,
+                dtype=args.dtype,
+                overwrite=args.overwrite,
+                verify_checksums=not args.skip_checksums,
+            )
+        else:
+            output = consolidate_checkpoint(
+                args.checkpoint,
+                args.output,
+                args.dtype,
+                include_optimizer=args.optimizer,
+                strip_prefix=args.strip_prefix,
+                overwrite=args.overwrite,
+                verify_checksums=not args.skip_checksums,
+            )
     except (CheckpointError, OSError, ValueError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 1
@@ -207,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         The exit status (0 success, 1 rejected input or failed verification).
     """
     args = build_parser().parse_args(argv)
-    if args.command == "consolidate":
+    if args.command in ("consolidate", "export-lightning"):
         return _consolidate(args)
     return _inspect(args)
 

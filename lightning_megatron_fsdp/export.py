@@ -37,7 +37,12 @@ Output formats, chosen by the output suffix:
   are patched, so ``unzip -t`` and ``zipfile`` accept the file, not only ``torch.load``.
 
 Output keys are the model's FQNs (the ``state_dict.`` DCP prefix stripped), so
-``model.load_state_dict(torch.load(path))`` works on the unsharded ``LightningModule``.
+``model.load_state_dict(torch.load(path))`` works on the unsharded ``LightningModule``;
+with ``strip_prefix="model."`` they are those of the module it holds as ``self.model``
+(for its own ``load_state_dict`` or Hugging Face ``from_pretrained``), the other entries
+left out. A single-file Lightning checkpoint for ``load_from_checkpoint`` is written by
+:mod:`lightning_megatron_fsdp.lightning_checkpoint` through the same ``torch.save``
+writer.
 A tied parameter appears under each of its FQNs, as in a plain ``state_dict()``, as
 separate copies of equal value. Optimizer state is exported only on request, under its
 DCP key (``optimizer_states.<i>.state.<fqn>.<name>``; see :data:`OPTIMIZER_PREFIX`);
@@ -69,7 +74,7 @@ import uuid
 import warnings
 import zipfile
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -717,13 +722,15 @@ class _StreamingReader(FileSystemReader):
         return True
 
 
-def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+def _parse_dtype(
+    dtype: torch.dtype | str | None, who: str = "consolidate_checkpoint"
+) -> torch.dtype | None:
     if dtype is None or dtype in _DTYPE_ALIASES.values():
         return dtype  # type: ignore[return-value]
     if isinstance(dtype, str) and dtype.lower() in _DTYPE_ALIASES:
         return _DTYPE_ALIASES[dtype.lower()]
     raise ValueError(
-        f"consolidate_checkpoint: dtype={dtype!r} is not supported; expected None (keep the "
+        f"{who}: dtype={dtype!r} is not supported; expected None (keep the "
         f"saved dtypes), torch.float32/bfloat16/float16, or one of {sorted(_DTYPE_ALIASES)}."
     )
 
@@ -741,41 +748,122 @@ def _output_format(output: Path) -> str:
     )
 
 
-def _check_output(output: Path, checkpoint: Path, *, overwrite: bool) -> None:
+def _check_output(
+    output: Path, checkpoint: Path, *, overwrite: bool, who: str = "consolidate_checkpoint"
+) -> None:
     """Refuse outputs we must not write, before anything is read or written."""
     if output.is_dir():
-        raise IsADirectoryError(
-            f"consolidate_checkpoint: output {output} is a directory; expected a file path."
-        )
+        raise IsADirectoryError(f"{who}: output {output} is a directory; expected a file path.")
     if output.exists() and not overwrite:
         raise FileExistsError(
-            f"consolidate_checkpoint: output {output} already exists; nothing was written. "
+            f"{who}: output {output} already exists; nothing was written. "
             "Pass overwrite=True (--overwrite) to replace it, or choose another path."
         )
     if not output.parent.is_dir():
         raise FileNotFoundError(
-            f"consolidate_checkpoint: the output's directory {output.parent} does not exist; "
-            "create it first."
+            f"{who}: the output's directory {output.parent} does not exist; create it first."
         )
     if checkpoint.is_dir() and output.parent.resolve() == checkpoint.resolve():
         raise ValueError(
-            f"consolidate_checkpoint: output {output} lies inside the checkpoint directory; a "
+            f"{who}: output {output} lies inside the checkpoint directory; a "
             "new file there would make the checkpoint fail verification. Write it elsewhere."
         )
 
 
+def _refuse_problems(checked: _Checked, checkpoint: Path, who: str) -> None:
+    """Raise one error listing every problem :func:`_check` found, if any.
+
+    Raises:
+        NotACheckpointError: Without a readable manifest.
+        CheckpointCorruptedError: For a damaged checkpoint.
+    """
+    if not checked.problems:
+        return
+    listing = "\n".join(f"  - {problem}" for problem in checked.problems)
+    inside = _checkpoints_inside(checkpoint)
+    hint = (
+        f"{checkpoint} is a directory of checkpoints ({_summarise('pass one of them', inside)})"
+        if inside and checked.manifest is None
+        else f"Point at a complete checkpoint directory (one that has {MANIFEST_FILE}), or "
+        f"run `lightning-megatron-fsdp inspect --verify {checkpoint}` for details"
+    )
+    error = NotACheckpointError if checked.manifest is None else CheckpointCorruptedError
+    raise error(
+        f"{who}: {checkpoint} is not a complete, intact "
+        f"lightning-megatron-fsdp checkpoint ({len(checked.problems)} problems):\n"
+        f"{listing}\nNothing was written. {hint}."
+    )
+
+
+def _checkpoints_inside(path: Path) -> list[str]:
+    """Complete checkpoints directly inside ``path`` (by name), if ``path`` is not one.
+
+    A user who points at ``ModelCheckpoint``'s ``dirpath`` instead of one checkpoint in
+    it gets their names in the error.
+    """
+    if not path.is_dir() or (path / MANIFEST_FILE).exists():
+        return []
+    with os.scandir(path) as children:
+        names = [c.name for c in children if c.is_dir() and not c.name.startswith(".")]
+    return sorted(name for name in names if (path / name / MANIFEST_FILE).is_file())
+
+
+def _write_atomically(
+    output: Path, write: Callable[[Path], None], *, overwrite: bool, who: str
+) -> None:
+    """Run ``write(temporary)`` on a hidden file next to ``output``, fsync it, rename it
+    into place; remove it on any error, so ``output`` is either complete or untouched.
+
+    Args:
+        output: The final path.
+        write: Creates and writes the temporary file it is given.
+        overwrite: Replace an ``output`` that appeared meanwhile.
+        who: The public function, for error messages.
+    """
+    temporary = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        write(temporary)
+        with temporary.open("rb") as stream:
+            os.fsync(stream.fileno())
+        if output.exists() and not overwrite:
+            raise FileExistsError(
+                f"{who}: output {output} appeared while exporting; nothing "
+                "was written. Pass overwrite=True (--overwrite) to replace it."
+            )
+        os.replace(temporary, output)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+
+
 def _select_entries(
-    checked: _Checked, dtype: torch.dtype | None, *, include_optimizer: bool, path: Path
+    checked: _Checked,
+    dtype: torch.dtype | None,
+    *,
+    include_optimizer: bool,
+    path: Path,
+    strip_prefix: str | None = None,
+    who: str = "consolidate_checkpoint",
 ) -> list[_Entry]:
-    """The entries to export, in state-dict order, with their output names and dtypes."""
+    """The entries to export, in state-dict order, with their output names and dtypes.
+
+    With ``strip_prefix``, only model entries under it are exported, renamed without it;
+    a warning lists the others.
+    """
     metadata = checked.metadata
     if metadata is None:
         raise AssertionError("_select_entries: a checked checkpoint has parsed metadata.")
     entries = []
+    outside: list[str] = []
     for key in _ordered_keys(metadata, checked.manifest):
         md = metadata.state_dict_metadata[key]
         if key.startswith(MODEL_PREFIX):
             name = key[len(MODEL_PREFIX) :]
+            if strip_prefix is not None:
+                if not name.startswith(strip_prefix):
+                    outside.append(name)
+                    continue
+                name = name[len(strip_prefix) :]
             cast = dtype
         elif include_optimizer and key.startswith(OPTIMIZER_PREFIX):
             # Optimizer state keeps its saved dtype: rounding Adam's moments or step count
@@ -789,6 +877,22 @@ def _select_entries(
             entries.append(_Entry(key, name, md, out))
         else:
             entries.append(_Entry(key, name, md, None))
+    if strip_prefix is not None and not any(e.key.startswith(MODEL_PREFIX) for e in entries):
+        heads = sorted({name.partition(".")[0] + "." for name in outside})
+        raise ValueError(
+            f"{who}: strip_prefix={strip_prefix!r} matches no model key of {path}; its keys "
+            f"start with {heads[:5]}. Pass the attribute path of the inner module, e.g. "
+            f"{heads[0] if heads else 'model.'!r}."
+        )
+    if outside:
+        shown = ", ".join(repr(name) for name in outside[:_MAX_EXAMPLES])
+        more = f" and {len(outside) - _MAX_EXAMPLES} more" if len(outside) > _MAX_EXAMPLES else ""
+        warnings.warn(
+            f"{who}: {len(outside)} model entries of {path} lie outside strip_prefix="
+            f"{strip_prefix!r} and are left out: {shown}{more}.",
+            UserWarning,
+            stacklevel=3,
+        )
     if not any(e.key.startswith(MODEL_PREFIX) for e in entries):
         raise NotACheckpointError(
             f"{path / DCP_METADATA_FILE}: no model tensors (keys starting with "
@@ -798,13 +902,13 @@ def _select_entries(
         raise ValueError(
             f"{path / DCP_METADATA_FILE}: no optimizer state (keys starting with "
             f"{OPTIMIZER_PREFIX!r}); the checkpoint was saved weights-only. Export without "
-            "include_optimizer (--optimizer)."
+            "optimizer state (drop --optimizer)."
         )
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
         clash = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(
-            f"consolidate_checkpoint: output keys {clash[:3]} would appear twice (a model "
+            f"{who}: output keys {clash[:3]} would appear twice (a model "
             f"FQN starting with {OPTIMIZER_PREFIX!r}); export without include_optimizer."
         )
     return entries
@@ -911,36 +1015,46 @@ def _write_safetensors(
         _write_tensor(stream, _load_tensor(reader, entry), entry.dtype)
 
 
-def _write_torch(
-    path: Path, entries: list[_Entry], reader: _StreamingReader, objects: dict[str, Any]
-) -> None:
-    """Write ``entries`` to ``path`` as a ``torch.save`` file, one tensor in memory at a time.
+_Place = tuple[Any, ...]
+"""Where a tensor sits in a nested checkpoint tree: the keys (dict) and indices (list)
+from the root, e.g. ``("state_dict", "embed.weight")``."""
 
-    ``torch.save`` under ``skip_data`` writes the pickle and reserves each tensor's record
-    from fake tensors (no memory). ``torch.load(map_location="meta")`` of that skeleton
-    reports each storage's byte offset, where the real bytes are then written. The zip
-    CRC-32 that ``skip_data`` leaves at zero is computed while writing and patched in.
+
+def _at(tree: Any, place: _Place) -> Any:
+    for key in place:
+        tree = tree[key]
+    return tree
+
+
+def _write_torch(
+    path: Path, tree: dict[str, Any], places: list[tuple[_Entry, _Place]], reader: _StreamingReader
+) -> None:
+    """Write ``tree`` to ``path`` as a ``torch.save`` file, one tensor in memory at a time.
+
+    ``tree`` is any picklable nest of dicts and lists; at each place of ``places`` it will
+    hold that entry's full tensor (whatever is there now is replaced). ``torch.save``
+    under ``skip_data`` writes the pickle and reserves each tensor's record from fake
+    tensors (no memory). ``torch.load(map_location="meta")`` of that skeleton reports each
+    storage's byte offset, where the real bytes are then written. The zip CRC-32 that
+    ``skip_data`` leaves at zero is computed while writing and patched in.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    skeleton: dict[str, Any] = {}
     with FakeTensorMode():
-        for entry in entries:
-            if entry.dtype is None:
-                skeleton[entry.name] = objects[entry.name]
-            else:
-                skeleton[entry.name] = torch.empty(entry.shape, dtype=entry.dtype)
+        for entry, place in places:
+            assert entry.dtype is not None
+            _at(tree, place[:-1])[place[-1]] = torch.empty(entry.shape, dtype=entry.dtype)
     with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(skeleton, path)
-    del skeleton
+        torch.save(tree, path)
+    for _, place in places:  # drop the fakes: the caller's tree holds no tensor of ours
+        _at(tree, place[:-1])[place[-1]] = None
     # Our own file, whose objects came out of the checkpoint already unpickled.
     placed = torch.load(path, map_location="meta", weights_only=False)
     crc_by_offset: dict[int, int] = {}
     with path.open("r+b") as stream:
-        for entry in entries:
-            if entry.dtype is None:
-                continue
-            meta_tensor = placed[entry.name]
+        for entry, place in places:
+            assert entry.dtype is not None
+            meta_tensor = _at(placed, place)
             storage = meta_tensor.untyped_storage()
             offset = getattr(storage, "_checkpoint_offset", None)
             if offset is None or storage.nbytes() != entry.nbytes:
@@ -1000,6 +1114,7 @@ def consolidate_checkpoint(
     dtype: torch.dtype | str | None = None,
     *,
     include_optimizer: bool = False,
+    strip_prefix: str | None = None,
     overwrite: bool = False,
     verify_checksums: bool = True,
 ) -> Path:
@@ -1014,7 +1129,15 @@ def consolidate_checkpoint(
 
     The output's keys are the model FQNs, so ``model.load_state_dict(torch.load(path))``
     (or ``safetensors.torch.load_file``) loads it into the unsharded model; see the module
-    docstring for tied weights and the optimizer layout.
+    docstring for tied weights and the optimizer layout. With ``strip_prefix="model."``
+    the keys are those of the module the LightningModule holds as ``self.model``, so its
+    own ``load_state_dict``, or Hugging Face ``from_pretrained`` of a directory holding the
+    file as ``model.safetensors`` next to the model's ``config.json``, takes it as is. A
+    tied parameter is written under each of its FQNs, as that module's ``state_dict()``
+    has it; the checkpoint does not record ties, so none is dropped (Hugging Face
+    ``save_pretrained`` writes a tie once, and ``from_pretrained`` accepts both forms).
+    For a Lightning ``load_from_checkpoint`` file, see
+    :func:`~lightning_megatron_fsdp.export_lightning_checkpoint`.
 
     Args:
         checkpoint_dir: A checkpoint directory written by ``MegatronFSDPCheckpointIO``.
@@ -1024,6 +1147,10 @@ def consolidate_checkpoint(
             ``"bf16"``, ``"fp16"``, ``"fp32"``); ``None`` keeps the saved dtypes.
             Integer tensors and optimizer state are never cast.
         include_optimizer: Also export optimizer state under ``optimizer_states.<i>.``.
+        strip_prefix: Export only the model entries whose FQN starts with this prefix
+            (ending in ``"."``, e.g. ``"model."``), without it; a ``UserWarning`` lists
+            the entries left out. Not with ``include_optimizer``: optimizer state is keyed
+            by the LightningModule's FQNs.
         overwrite: Replace an existing ``output_path``.
         verify_checksums: Check every file's sha256 against the manifest first. On by
             default although it reads the checkpoint twice: a flipped bit inside a shard
@@ -1044,26 +1171,24 @@ def consolidate_checkpoint(
         FileNotFoundError: If the output's directory does not exist.
         IsADirectoryError: If ``output_path`` is a directory.
         ValueError: For an unsupported suffix or ``dtype``, an output inside the
-            checkpoint, or an entry the output format cannot hold.
+            checkpoint, an entry the output format cannot hold, or a ``strip_prefix``
+            that is malformed, matches no model key, or comes with ``include_optimizer``.
     """
+    who = "consolidate_checkpoint"
     checkpoint = Path(checkpoint_dir)
     output = Path(output_path)
     out_dtype = _parse_dtype(dtype)
     output_format = _output_format(output)
+    _check_strip_prefix(strip_prefix, include_optimizer=include_optimizer)
     _check_output(output, checkpoint, overwrite=overwrite)
     checked = _check(checkpoint, checksums=verify_checksums)
-    if checked.problems:
-        listing = "\n".join(f"  - {problem}" for problem in checked.problems)
-        error = NotACheckpointError if checked.manifest is None else CheckpointCorruptedError
-        raise error(
-            f"consolidate_checkpoint: {checkpoint} is not a complete, intact "
-            f"lightning-megatron-fsdp checkpoint ({len(checked.problems)} problems):\n"
-            f"{listing}\nNothing was written. Point at a complete checkpoint directory (one "
-            f"that has {MANIFEST_FILE}), or run `lightning-megatron-fsdp inspect --verify "
-            f"{checkpoint}` for details."
-        )
+    _refuse_problems(checked, checkpoint, who)
     entries = _select_entries(
-        checked, out_dtype, include_optimizer=include_optimizer, path=checkpoint
+        checked,
+        out_dtype,
+        include_optimizer=include_optimizer,
+        path=checkpoint,
+        strip_prefix=strip_prefix,
     )
     assert checked.metadata is not None  # _select_entries checked it
     reader = _StreamingReader(checkpoint, checked.metadata)
@@ -1072,28 +1197,49 @@ def consolidate_checkpoint(
         for entry in entries:
             if entry.dtype is None and entry.key.startswith(MODEL_PREFIX):
                 raise ValueError(
-                    f"consolidate_checkpoint: model entry {entry.key!r} is a "
+                    f"{who}: model entry {entry.key!r} is a "
                     f"{type(objects[entry.name]).__name__}, not a tensor; safetensors holds "
                     "only tensors. Export to .pt instead."
                 )
-    temporary = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:12]}"
-    try:
+
+    def write(temporary: Path) -> None:
         if output_format == "safetensors":
             with temporary.open("xb") as stream:
                 _write_safetensors(stream, entries, reader, objects)
-                stream.flush()
-                os.fsync(stream.fileno())
         else:
-            _write_torch(temporary, entries, reader, objects)
-            with temporary.open("rb") as stream:
-                os.fsync(stream.fileno())
-        if output.exists() and not overwrite:
-            raise FileExistsError(
-                f"consolidate_checkpoint: output {output} appeared while exporting; nothing "
-                "was written. Pass overwrite=True (--overwrite) to replace it."
-            )
-        os.replace(temporary, output)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            temporary.unlink()
+            tree = {e.name: objects.get(e.name) for e in entries}
+            places = [(e, (e.name,)) for e in entries if e.dtype is not None]
+            _write_torch(temporary, tree, places, reader)
+
+    _write_atomically(output, write, overwrite=overwrite, who=who)
     return output
+
+
+def _check_strip_prefix(strip_prefix: str | None, *, include_optimizer: bool) -> None:
+    """Refuse a malformed ``strip_prefix``, before anything is read.
+
+    Raises:
+        TypeError: If it is not a str.
+        ValueError: If it is empty, does not end in ``"."``, or comes with optimizer state.
+    """
+    if strip_prefix is None:
+        return
+    if not isinstance(strip_prefix, str):
+        raise TypeError(
+            f"consolidate_checkpoint: strip_prefix must be a str such as 'model.', got "
+            f"{strip_prefix!r}."
+        )
+    if not strip_prefix.endswith(".") or not strip_prefix.strip("."):
+        example = strip_prefix.rstrip(".") + "." if strip_prefix.strip(".") else "model."
+        raise ValueError(
+            f"consolidate_checkpoint: strip_prefix={strip_prefix!r} must be a module path "
+            f"ending in '.', e.g. {example!r}; otherwise the stripped keys would start "
+            "inside a name."
+        )
+    if include_optimizer:
+        raise ValueError(
+            f"consolidate_checkpoint: strip_prefix={strip_prefix!r} with include_optimizer: "
+            "optimizer state is keyed by the LightningModule's parameter names, which the "
+            "stripped file no longer has. Export the weights with strip_prefix and the "
+            "optimizer state without it (or use export_lightning_checkpoint)."
+        )

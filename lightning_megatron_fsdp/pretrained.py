@@ -75,6 +75,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp.export import _checkpoints_inside
 from lightning_megatron_fsdp.manifest import (
     DCP_METADATA_FILE,
     MANIFEST_FILE,
@@ -109,20 +110,39 @@ _MAX_LISTED = 20
 # with the same model (fit, then test) does not overwrite trained weights.
 _APPLIED_ATTR = "_lmf_pretrained_applied"
 
-_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+# safetensors dtype code -> torch dtype name. Codes torch has no dtype for (F6_*), or whose
+# shape means something else in torch (F4: torch packs two values per element), are absent:
+# a tensor of such a dtype is refused when, and only when, the model needs it.
+_SAFETENSORS_DTYPE_NAMES: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "C64": "complex64",
 }
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    code: getattr(torch, name)
+    for code, name in _SAFETENSORS_DTYPE_NAMES.items()
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+# Read by every safetensors release we support; others are probed before the first read.
+_SAFETENSORS_BASIC = frozenset(
+    ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
+)
 
 # Problem kinds, most fundamental first: every rank raises the class of the lowest kind.
 _UNREADABLE, _MISMATCH = 0, 1
@@ -890,16 +910,46 @@ class _SafetensorsSource(_FlatSource):
             raise _SourceError(
                 f"{path}: not a readable safetensors file: {type(err).__name__}: {err}."
             ) from err
+        # Only the header is read here; a dtype is judged when a key is needed (spec()),
+        # so a tensor the model does not load never stops the load.
+        self._codes = {key: self._file.get_slice(key).get_dtype() for key in self._keys}
         self._specs: dict[str, _Spec] = {}
-        for key in self._keys:
-            piece = self._file.get_slice(key)
-            code = piece.get_dtype()
-            if code not in _SAFETENSORS_DTYPES:
-                raise _SourceError(f"{path}: tensor {key!r} has unsupported dtype {code}.")
-            self._specs[key] = _Spec(tuple(piece.get_shape()), _SAFETENSORS_DTYPES[code])
         self.model_keys = [k for k in self._keys if not k.startswith(_OPTIMIZER_PREFIX)]
 
     def spec(self, key: str) -> _Spec:
+        """Shape and dtype of ``key``, which the load needs.
+
+        Raises:
+            _SourceError: If torch has no dtype for its safetensors dtype, or the
+                installed safetensors cannot read it (checked on an empty slice).
+        """
+        if key in self._specs:
+            return self._specs[key]
+        code = self._codes[key]
+        piece = self._file.get_slice(key)
+        dtype = _SAFETENSORS_DTYPES.get(code)
+        if dtype is None:
+            raise _SourceError(
+                f"{self.path}: tensor {key!r} has safetensors dtype {code}, which this loader "
+                f"cannot read into torch {torch.__version__} (readable: "
+                f"{', '.join(sorted(_SAFETENSORS_DTYPES))}); the model needs it. Convert "
+                "that tensor to a supported dtype, or load into a model without it."
+            )
+        shape = tuple(piece.get_shape())
+        if code not in _SAFETENSORS_BASIC:
+            try:
+                probe = piece[:0] if shape else self._file.get_tensor(key)
+            except Exception as err:  # the Rust extension raises its own error types
+                probe, failure = None, f"{type(err).__name__}: {err}"
+            else:
+                failure = None if probe.dtype == dtype else f"it reads as {probe.dtype}"
+            if failure is not None:
+                raise _SourceError(
+                    f"{self.path}: tensor {key!r} has safetensors dtype {code}, which the "
+                    f"installed safetensors cannot read as {dtype} ({failure}); the model "
+                    "needs it. Upgrade safetensors (pip install -U safetensors)."
+                )
+        self._specs[key] = _Spec(shape, dtype)
         return self._specs[key]
 
     def has(self, key: str) -> bool:
@@ -1041,10 +1091,16 @@ def _open_source(path: Path, weights_only: bool) -> _Source:
     """
     if path.is_dir():
         if not (path / DCP_METADATA_FILE).is_file():
+            inside = _checkpoints_inside(path)
+            hint = (
+                f"It holds checkpoint directories {inside[:5]}: pass one of them, e.g. "
+                f"{path / inside[-1]}."
+                if inside
+                else "Expected a DCP checkpoint directory, or a .pt/.pth/.bin/.ckpt/"
+                ".safetensors file."
+            )
             raise _SourceError(
-                f"{path} is a directory without {DCP_METADATA_FILE}: not a DCP checkpoint. "
-                "Expected a DCP checkpoint directory, or a .pt/.pth/.bin/.ckpt/.safetensors "
-                "file."
+                f"{path} is a directory without {DCP_METADATA_FILE}: not a DCP checkpoint. " + hint
             )
         return _DcpSource(path)
     if not path.is_file():

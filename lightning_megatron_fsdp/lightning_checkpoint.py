@@ -1,0 +1,417 @@
+"""Single-file Lightning checkpoints from our checkpoint directories, for inference.
+
+Problem: the standard Lightning inference path is ``Model.load_from_checkpoint(path)``,
+which ``torch.load``s one file and expects Lightning's checkpoint dict in it
+(``state_dict``, ``hyper_parameters``, ``pytorch-lightning_version``, ...). Our
+checkpoints are directories (DCP shard files plus ``meta.pt`` and ``manifest.json``, see
+docs/DESIGN.md, "On-disk format"), so Lightning raises ``IsADirectoryError``; and the
+consolidated export is a bare state dict, which it refuses for lack of those keys.
+
+How: :func:`export_lightning_checkpoint` writes the dict a single-device Lightning run
+would have saved: every non-tensor entry of ``meta.pt`` as it is (epoch, global step,
+versions, hyper-parameters and their name, datamodule hyper-parameters, loops,
+callbacks, schedulers), ``"state_dict"`` with the LightningModule's FQNs and full
+tensors and, on request, ``"optimizer_states"``. It streams through the consolidating
+writer of :mod:`lightning_megatron_fsdp.export` (one full tensor in memory at a time;
+the ``torch.save`` zip is written by torch itself from a skeleton), after the same
+completeness, size, sha256 and chunk-tiling checks::
+
+    checkpoint dir/                       model.ckpt (torch.save zip)
+      meta.pt   epoch, hyper_parameters ->  epoch, global_step, hyper_parameters, ...
+      .metadata + __*_*.distcp          ->  state_dict: {fqn: full tensor}
+      optimizer_states.0.state.<fqn>.*  ->  optimizer_states: [{state: {0: ...},
+      optimizer_states.0.param_groups.*        param_groups: [{params: [0, 1, ...]}]}]
+
+Optimizer state is saved keyed by parameter FQN (torch's distributed ``state_dict``
+format). A plain optimizer's ``load_state_dict`` (single device, DDP) wants torch's
+positional format instead, so it is converted: the parameters of each group get
+consecutive numbers in group order, as ``Optimizer.state_dict`` numbers them, so a
+single-device or DDP run over the same ``configure_optimizers`` resumes from the file.
+
+:func:`load_lightning_module` is ``load_from_checkpoint`` for either kind of path: a
+file goes to Lightning as is; one of our directories is exported to a temporary file
+first.
+
+Alternatives rejected:
+    * A mixin that overrides ``LightningModule.load_from_checkpoint``: only helps classes
+      the user can change, and shadows a Lightning classmethod whose semantics
+      (``_restricted_classmethod``, hparams handling) we would then have to track.
+    * Patching Lightning's loader so it accepts directories: changes Lightning for every
+      caller in the process.
+    * Building the checkpoint dict in memory and calling Lightning's private
+      ``_load_state``: a private API, and a copy of ``_load_from_checkpoint``'s logic
+      (hparams files, overrides, device moves, migrations) that would drift.
+
+Only export checkpoints you trust: ``meta.pt`` is unpickled in full (``weights_only=False``)
+because hyper-parameters may be arbitrary objects, as DCP's ``.metadata`` already is.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from lightning_megatron_fsdp.export import (
+    MODEL_PREFIX,
+    _check,
+    _check_output,
+    _Entry,
+    _load_object,
+    _parse_dtype,
+    _Place,
+    _refuse_problems,
+    _select_entries,
+    _StreamingReader,
+    _write_atomically,
+    _write_torch,
+)
+from lightning_megatron_fsdp.manifest import (
+    DCP_METADATA_FILE,
+    META_FILE,
+    CheckpointCorruptedError,
+    Manifest,
+    NotACheckpointError,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["EXPORT_INFO_KEY", "export_lightning_checkpoint", "load_lightning_module"]
+
+EXPORT_INFO_KEY = "lightning_megatron_fsdp_export"
+"""Top-level key of an exported file: ``{"world_size", "versions", "format_version"}`` of
+the checkpoint it came from (plain values; Lightning ignores unknown keys)."""
+
+_LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
+_SAFETENSORS_SUFFIX = ".safetensors"
+
+ModuleT = TypeVar("ModuleT", bound="pl.LightningModule")
+
+
+def export_lightning_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    output_path: str | os.PathLike[str],
+    *,
+    optimizer: bool = False,
+    dtype: torch.dtype | str | None = None,
+    overwrite: bool = False,
+    verify_checksums: bool = True,
+) -> Path:
+    """Write one of our checkpoint directories as a single-file Lightning checkpoint.
+
+    ``Model.load_from_checkpoint(output_path)`` then works in one process, with no GPU
+    and no process group, restoring the hyper-parameters; so does
+    ``DataModule.load_from_checkpoint`` for datamodule hyper-parameters. Runs offline
+    like :func:`~lightning_megatron_fsdp.consolidate_checkpoint` (no collective), with
+    peak memory about the largest tensor plus ``meta.pt``'s contents; the output is
+    written to a hidden temporary file and renamed into place only when complete.
+
+    Args:
+        checkpoint_dir: A checkpoint directory written by ``MegatronFSDPStrategy``.
+        output_path: The file to write, conventionally ``*.ckpt``; any suffix but
+            ``.safetensors`` (which holds no hyper-parameters).
+        optimizer: Also write ``"optimizer_states"``, converted to torch's positional
+            ``Optimizer.state_dict`` format (see the module docstring), so a
+            single-device or DDP run can resume from the file. Without it the file has
+            no optimizer state, like Lightning's ``save_weights_only`` checkpoints; the
+            other training state (loops, callbacks, schedulers) is kept either way.
+        dtype: Cast floating-point model tensors (``"bf16"``, ``"fp16"``, ``"fp32"`` or a
+            torch dtype); ``None`` keeps the saved dtypes. Optimizer state is never cast.
+        overwrite: Replace an existing ``output_path``.
+        verify_checksums: Check every file's sha256 against the manifest first.
+
+    Returns:
+        ``output_path`` as a ``Path``.
+
+    Raises:
+        NotACheckpointError: If ``checkpoint_dir`` is a file (already single-file) or a
+            directory without a readable manifest.
+        CheckpointCorruptedError: If the checkpoint is damaged (missing, truncated or
+            altered files, chunk gaps) or ``meta.pt`` does not unpickle.
+        FileExistsError: If ``output_path`` exists and ``overwrite`` is false.
+        FileNotFoundError: If the output's directory does not exist.
+        IsADirectoryError: If ``output_path`` is a directory.
+        ValueError: For a ``.safetensors`` output, a bad ``dtype``, an output inside the
+            checkpoint, ``optimizer`` on a weights-only checkpoint, or optimizer state
+            that does not map onto its parameter groups.
+    """
+    return _export(
+        Path(checkpoint_dir),
+        Path(output_path),
+        optimizer=optimizer,
+        dtype=dtype,
+        overwrite=overwrite,
+        verify_checksums=verify_checksums,
+        who="export_lightning_checkpoint",
+    )
+
+
+def load_lightning_module(
+    module_class: type[ModuleT],
+    checkpoint: str | os.PathLike[str],
+    *,
+    tmp_dir: str | os.PathLike[str] | None = None,
+    verify_checksums: bool = True,
+    **kwargs: Any,
+) -> ModuleT:
+    """``module_class.load_from_checkpoint`` for a single file or one of our directories.
+
+    A file is passed to Lightning unchanged. A checkpoint directory is first exported
+    with :func:`export_lightning_checkpoint` (weights only) to a temporary file, which
+    is deleted once loaded: that costs disk space for the weights, in ``tmp_dir``. To
+    load the same checkpoint repeatedly, export it once and load the file instead.
+
+    Args:
+        module_class: The LightningModule class (the one that was trained).
+        checkpoint: A ``.ckpt`` file or a checkpoint directory written by
+            ``MegatronFSDPStrategy``.
+        tmp_dir: Where the temporary file goes; the system default if ``None``.
+        verify_checksums: For a directory: check every file's sha256 first.
+        **kwargs: Passed to ``load_from_checkpoint`` (``map_location``, ``strict``,
+            ``weights_only``, ``hparams_file``, hyper-parameter overrides).
+
+    Returns:
+        The loaded module, on the device Lightning chose (CPU for our exports).
+
+    Raises:
+        FileNotFoundError: If ``checkpoint`` does not exist.
+        NotACheckpointError | CheckpointCorruptedError: If a directory is not a complete,
+            intact checkpoint of ours (see :func:`export_lightning_checkpoint`).
+    """
+    path = Path(checkpoint)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"load_lightning_module: {path} does not exist; expected a .ckpt file or a "
+            "checkpoint directory written by MegatronFSDPStrategy."
+        )
+    if not path.is_dir():
+        return module_class.load_from_checkpoint(path, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="lmf-export-", dir=tmp_dir) as scratch:
+        exported = _export(
+            path,
+            Path(scratch) / "model.ckpt",
+            optimizer=False,
+            dtype=None,
+            overwrite=False,
+            verify_checksums=verify_checksums,
+            who="load_lightning_module",
+        )
+        return module_class.load_from_checkpoint(exported, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def _export(
+    checkpoint: Path,
+    output: Path,
+    *,
+    optimizer: bool,
+    dtype: torch.dtype | str | None,
+    overwrite: bool,
+    verify_checksums: bool,
+    who: str,
+) -> Path:
+    out_dtype = _parse_dtype(dtype, who)
+    if output.suffix.lower() == _SAFETENSORS_SUFFIX:
+        raise ValueError(
+            f"{who}: output {output} is .safetensors, which holds tensors only, not the "
+            "hyper-parameters a Lightning checkpoint needs. Write a .ckpt file, or use "
+            "consolidate_checkpoint (lightning-megatron-fsdp consolidate) for bare weights."
+        )
+    if checkpoint.is_file():
+        raise NotACheckpointError(
+            f"{who}: {checkpoint} is a file, expected a checkpoint directory written by "
+            "MegatronFSDPStrategy. A single-file Lightning checkpoint needs no export: load "
+            "it with Model.load_from_checkpoint(path)."
+        )
+    _check_output(output, checkpoint, overwrite=overwrite, who=who)
+    checked = _check(checkpoint, checksums=verify_checksums)
+    _refuse_problems(checked, checkpoint, who)
+    entries = _select_entries(
+        checked, out_dtype, include_optimizer=optimizer, path=checkpoint, who=who
+    )
+    assert checked.metadata is not None and checked.manifest is not None  # checked above
+    reader = _StreamingReader(checkpoint, checked.metadata)
+    tree, places = _lightning_tree(
+        _read_meta_in_full(checkpoint, who),
+        entries,
+        checked.metadata.planner_data or {},
+        reader,
+        checked.manifest,
+        who,
+    )
+    _write_atomically(
+        output,
+        lambda temporary: _write_torch(temporary, tree, places, reader),
+        overwrite=overwrite,
+        who=who,
+    )
+    return output
+
+
+def _read_meta_in_full(checkpoint: Path, who: str) -> dict[str, Any]:
+    """Every entry of ``meta.pt``, hyper-parameter objects included.
+
+    Raises:
+        CheckpointCorruptedError: If it does not unpickle to a dict.
+    """
+    file = checkpoint / META_FILE
+    try:
+        meta = torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as err:  # a pickle of unknown content can raise anything
+        raise CheckpointCorruptedError(
+            f"{who}: {file} does not unpickle ({type(err).__name__}: {err}). It holds the "
+            "hyper-parameters and training position; if they reference your own classes, "
+            "import them first. Otherwise the checkpoint is damaged; use another one."
+        ) from err
+    if not isinstance(meta, dict):
+        raise CheckpointCorruptedError(
+            f"{who}: {file} holds a {type(meta).__name__}, expected the dict that "
+            "MegatronFSDPCheckpointIO writes; use another checkpoint."
+        )
+    return meta
+
+
+def _put(root: Any, place: _Place, value: Any) -> None:
+    """Set ``root[place[0]][place[1]]... = value``, creating dicts (str keys) and lists
+    (int keys) on the way, as DCP's flattening paths describe nested state."""
+    node = root
+    for key, following in itertools.pairwise(place):
+        child = _get(node, key)
+        if child is None:
+            child = [] if isinstance(following, int) else {}
+            _assign(node, key, child)
+        node = child
+    _assign(node, place[-1], value)
+
+
+def _get(node: Any, key: Any) -> Any:
+    if isinstance(node, list):
+        return node[key] if key < len(node) else None
+    return node.get(key)
+
+
+def _assign(node: Any, key: Any, value: Any) -> None:
+    if isinstance(node, list):
+        node.extend([None] * (key + 1 - len(node)))
+    node[key] = value
+
+
+def _lightning_tree(
+    meta: dict[str, Any],
+    entries: list[_Entry],
+    paths: Mapping[str, Any],
+    reader: _StreamingReader,
+    manifest: Manifest,
+    who: str,
+) -> tuple[dict[str, Any], list[tuple[_Entry, _Place]]]:
+    """Lightning's checkpoint dict, with a place for each tensor the writer fills in.
+
+    ``paths`` is DCP's ``planner_data``: each flat key's path in the saved dict.
+    """
+    tree: dict[str, Any] = dict(meta)
+    lightning = manifest.versions.get("lightning")
+    if _LIGHTNING_VERSION_KEY not in tree and lightning not in (None, "unknown"):
+        tree[_LIGHTNING_VERSION_KEY] = lightning
+    tree[EXPORT_INFO_KEY] = {
+        "world_size": manifest.world_size,
+        "versions": dict(manifest.versions),
+        "format_version": manifest.format_version,
+    }
+    tree["state_dict"] = {}
+    places: list[tuple[_Entry, _Place]] = []
+    optimizer_state: dict[int, list[tuple[str, _Place, _Entry, Any]]] = {}
+    optimizer_groups: dict[int, dict[int, Any]] = {}
+    for entry in entries:
+        path = tuple(paths.get(entry.key, ()))
+        value = None if entry.dtype is not None else _load_object(reader, entry)
+        if entry.key.startswith(MODEL_PREFIX):
+            place = (
+                path if len(path) >= 2 and path[0] == "state_dict" else ("state_dict", entry.name)
+            )
+            _put(tree, place, value)
+            if entry.dtype is not None:
+                places.append((entry, place))
+            continue
+        if (
+            len(path) < 5
+            or path[0] != "optimizer_states"
+            or not isinstance(path[1], int)
+            or path[2] not in ("state", "param_groups")
+        ):
+            raise ValueError(
+                f"{who}: {DCP_METADATA_FILE} records optimizer entry {entry.key!r} at "
+                f"{path or 'no path'}, expected ('optimizer_states', <i>, 'state' | "
+                "'param_groups', ...); export without optimizer state."
+            )
+        index = path[1]
+        if path[2] == "state":
+            optimizer_state.setdefault(index, []).append((str(path[3]), path[4:], entry, value))
+        else:
+            _put(optimizer_groups.setdefault(index, {}), path[3:], value)
+    indices = sorted(set(optimizer_state) | set(optimizer_groups))
+    if indices:
+        if indices != list(range(len(indices))) or set(optimizer_groups) != set(indices):
+            raise ValueError(
+                f"{who}: the checkpoint holds state of optimizers {indices} with parameter "
+                f"groups for {sorted(optimizer_groups)}; expected both for 0..n-1 (a "
+                f"damaged or hand-made checkpoint). Export without optimizer state."
+            )
+        tree["optimizer_states"] = [
+            _positional_optimizer(
+                index, optimizer_groups[index], optimizer_state.get(index, []), places, who
+            )
+            for index in indices
+        ]
+    return tree, places
+
+
+def _positional_optimizer(
+    index: int,
+    groups_by_number: dict[int, Any],
+    state: list[tuple[str, _Place, _Entry, Any]],
+    places: list[tuple[_Entry, _Place]],
+    who: str,
+) -> dict[str, Any]:
+    """Optimizer ``index``'s FQN-keyed state as torch's positional ``state_dict``; appends
+    the places of its tensors to ``places``."""
+    if sorted(groups_by_number) != list(range(len(groups_by_number))):
+        raise ValueError(
+            f"{who}: optimizer {index} has parameter groups {sorted(groups_by_number)}, "
+            "expected 0..n-1; export without optimizer state."
+        )
+    groups = [groups_by_number[g] for g in range(len(groups_by_number))]
+    position: dict[str, int] = {}
+    for g, group in enumerate(groups):
+        fqns = group.get("params") if isinstance(group, dict) else None
+        if not isinstance(fqns, list) or not all(isinstance(f, str) for f in fqns):
+            raise ValueError(
+                f"{who}: optimizer {index} param_groups[{g}]['params'] is {fqns!r}, expected "
+                "the list of parameter FQNs torch's distributed optimizer state dict saves; "
+                "export without optimizer state."
+            )
+        numbers = list(range(len(position), len(position) + len(fqns)))
+        position.update(zip(fqns, numbers, strict=True))
+        group["params"] = numbers
+    by_number: dict[int, Any] = {}
+    for fqn, rest, entry, value in state:
+        if fqn not in position:
+            raise ValueError(
+                f"{who}: optimizer {index} holds state {entry.key!r} for parameter {fqn!r}, "
+                "which none of its param_groups lists; the checkpoint is inconsistent. "
+                "Export without optimizer state."
+            )
+        _put(by_number, (position[fqn], *rest), value)
+        if entry.dtype is not None:
+            places.append((entry, ("optimizer_states", index, "state", position[fqn], *rest)))
+    return {
+        "state": {number: by_number[number] for number in sorted(by_number)},
+        "param_groups": groups,
+    }
