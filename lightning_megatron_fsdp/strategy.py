@@ -44,6 +44,7 @@ Alternatives rejected:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 from collections.abc import Generator, Mapping
 from datetime import timedelta
@@ -373,7 +374,9 @@ class MegatronFSDPStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if not _distributed_is_initialized():
+            _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+            _destroy_process_groups_at_exit()
         if self.root_device.type != "cuda":
             enable_cpu_execution()
         if self.precision_plugin.device_type is None:
@@ -897,6 +900,30 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+_EXIT_HOOK: list[Any] = []  # the atexit hook, once registered (one per process)
+
+
+def _destroy_process_groups_at_exit() -> None:
+    """Destroy every process group at interpreter exit, while the interpreter is whole.
+
+    Lightning registers such a hook for NCCL only. A gloo group left to interpreter
+    finalisation is destroyed after Python has torn down: its worker threads then release
+    work objects that hold Python tensors, and the process aborts ("terminate called
+    without an active exception", exit code 134) after its results were written. ``atexit``
+    runs after ``threading`` joined non-daemon threads (an async save's thread has been
+    joined by ``teardown`` already) and before finalisation.
+    """
+    if _EXIT_HOOK:
+        return
+
+    def destroy() -> None:
+        if _distributed_is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
+    _EXIT_HOOK.append(destroy)
 
 
 def _default_checkpoint_io() -> CheckpointIO:

@@ -46,12 +46,24 @@ STEPS = 3
 
 
 def _enable_twice(rank: int, world_size: int) -> dict[str, Any]:
+    from lightning_megatron_fsdp import _megatron
+
     facts: dict[str, Any] = {"enabled_at_start": cpu_execution_enabled()}
-    model = shard_packed_lm(build_packed_lm(0), dp_mesh(world_size))
     tokens = make_batch(0)[0]
-    # Without the adapter, megatron-fsdp's first forward cannot even create its streams.
-    with pytest.raises(ValueError, match=r"Expected a cuda device, but got: cpu"):
-        model(tokens)
+    # Without the adapter megatron-fsdp cannot run on CPU: 0.6.1's first forward cannot
+    # create its streams, 0.7's sharding context refuses a CPU device outright.
+    if _megatron.HAS_SHARDING_CONTEXT:
+        from megatron_fsdp.experimental import fully_shard_context
+
+        with pytest.raises(ValueError, match=r"requires a CUDA device"):  # noqa: SIM117
+            with fully_shard_context(torch.device("cpu")):
+                pass
+    else:
+        raw = build_packed_lm(0)
+        fully_shard(raw, dp_mesh(world_size), fsdp_placements())
+        with pytest.raises(ValueError, match=r"Expected a cuda device, but got: cpu"):
+            raw(tokens)
+    facts["enabled_before_sharding"] = cpu_execution_enabled()
 
     # Another patch already in place: refused, not stacked.
     original = megatron_module.torch
@@ -83,6 +95,7 @@ def test_enable_cpu_execution_is_idempotent_and_required() -> None:
     (facts,) = run_distributed(_enable_twice, 1, timeout=TIMEOUT)
     assert facts == {
         "enabled_at_start": False,
+        "enabled_before_sharding": False,
         "same_proxy_after_second_call": True,
         "enabled": True,
         "proxy_type": "_TorchProxy",
