@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 import importlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -398,8 +398,49 @@ def fully_shard(
         _reattach_aliases(module, aliases)
         raise
     module.__class__ = _shared_fsdp_class(original_cls)
+    module.register_forward_hook(_pre_backward_for_structured_output)
     if aliases:
         _install_aliases(module, aliases)
+
+
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    """Tensors inside a structured output (mappings, sequences, dataclasses, ModelOutput)."""
+    found: list[torch.Tensor] = []
+    stack = [output]
+    seen: set[int] = set()
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple | set):
+            stack.extend(value)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            stack.extend(getattr(value, f.name) for f in dataclasses.fields(value))
+    return found
+
+
+def _pre_backward_for_structured_output(module: nn.Module, args: Any, output: Any) -> None:
+    """Unshard ``module`` for backward when its output is not a tensor or a tuple.
+
+    Upstream triggers ``FsdpModule.pre_backward`` with a full backward pre-hook
+    (module.py ``_register_hooks``), which torch attaches only to a Tensor or a tuple of
+    Tensors; a Hugging Face model returns a ``ModelOutput`` (a dict), so its unit would
+    enter backward with its parameters' storage released. For such outputs this attaches
+    the same trigger to the output's tensors (fired by the first gradient to arrive), as
+    torch's FSDP2 does with its pytree of outputs.
+    """
+    if isinstance(output, torch.Tensor | tuple) or not torch.is_grad_enabled():
+        return
+    tensors = [t for t in _output_tensors(output) if t.requires_grad]
+    if tensors:
+        torch.autograd.graph.register_multi_grad_hook(
+            tensors, lambda _grads: module.pre_backward(), mode="any"
+        )
 
 
 # ---------------------------------------------------------------------- 0.6.1 ties

@@ -240,7 +240,7 @@ class Ranks:
         count = f"{len(ordered)} problems ({kinds}); first: " if len(ordered) > 1 else ""
         summary = f"{heading}: {count}{ordered[0].text}"
         lines = [summary]
-        if len(ordered) > 1 or len(ranks_by_problem[ordered[0]]) != self.world_size:
+        if len(ordered) > 1:
             for problem in ordered:
                 ranks = ranks_by_problem[problem]
                 where = "" if len(ranks) == self.world_size else f" [rank(s) {ranks}]"
