@@ -62,6 +62,7 @@ from lightning_megatron_fsdp.manifest import (
     read_manifest,
     resolve_latest_checkpoint,
 )
+from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import run_distributed
 from tests.models import (
     build_packed_lm,
@@ -882,7 +883,7 @@ def test_manifest_parsing_and_fingerprint_messages() -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def _gpu_async_vs_sync(rank: int, world_size: int, root: str) -> None:
+def _gpu_async_vs_sync(rank: int, world_size: int, root: str) -> str:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     mesh = init_device_mesh("cuda", (world_size,))
@@ -898,12 +899,14 @@ def _gpu_async_vs_sync(rank: int, world_size: int, root: str) -> None:
     plugin = MegatronFSDPCheckpointIO(async_save=True)
     plugin.save_checkpoint(checkpoint, Path(root) / "async")
     plugin.teardown()
+    return str(next(model.parameters()).device)
 
 
 @pytest.mark.gpu
 def test_async_save_equals_sync_save_on_gpu(tmp_path: Path) -> None:
-    world_size = min(torch.cuda.device_count(), 2)
-    run_distributed(
+    world_size = cuda_world_size()
+    devices = run_distributed(
         _gpu_async_vs_sync, world_size, str(tmp_path), timeout=TIMEOUT, init_process_group=False
     )
+    assert_ran_on_cuda(devices, world_size)
     assert_same_save(tmp_path / "sync", tmp_path / "async", world_size)

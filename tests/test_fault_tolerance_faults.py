@@ -35,6 +35,7 @@ from lightning_megatron_fsdp.checkpoint_io import (
     MegatronFSDPCheckpointIO,
 )
 from lightning_megatron_fsdp.export import verify_checkpoint
+from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import run_distributed
 from tests.scripts.fault_injection import (
     Fault,
@@ -326,7 +327,7 @@ def _gpu_failed_load_keeps_targets(rank: int, world_size: int, root: str) -> dic
 
 @pytest.mark.gpu
 def test_failed_load_keeps_cuda_targets_and_a_good_load_fills_them(tmp_path: Path) -> None:
-    world_size = min(torch.cuda.device_count(), 2)
+    world_size = cuda_world_size()
     results = run_distributed(
         _gpu_failed_load_keeps_targets,
         world_size,
@@ -334,9 +335,9 @@ def test_failed_load_keeps_cuda_targets_and_a_good_load_fills_them(tmp_path: Pat
         timeout=TIMEOUT,
         init_process_group=False,
     )
+    assert_ran_on_cuda([r["device"] for r in results], world_size)
     for result in results:
         assert "injected failure at read:after" in result["message"], result["message"]
         assert "The targets are unchanged (atomic_load)." in result["message"]
         assert result["unchanged"] == []
         assert result["loaded"] == []
-        assert result["device"].startswith("cuda")

@@ -40,6 +40,7 @@ from lightning_megatron_fsdp import (
     shard_module,
     sharded_grad_norm,
 )
+from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock, PackedLM, build_packed_lm, lm_loss, make_batch
 
@@ -847,8 +848,9 @@ def _fit_cuda(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.gpu
 def test_cuda_nccl_training_matches_cpu_reference() -> None:
     """Unchanged on CUDA/NCCL: same training, inference-mode eval, bf16-true, meta peak."""
-    world_size = min(torch.cuda.device_count(), 2)
+    world_size = cuda_world_size()
     results = run_distributed(_fit_cuda, world_size, init_process_group=False, timeout=240)
+    assert_ran_on_cuda([r["devices"][0] for r in results], world_size)
     data = _regression_data(BATCH * world_size * STEPS, seed=1)
     batches = _global_batches(len(data[0]), world_size, BATCH, STEPS)
     reference, ref_losses, _ = _reference_mlp(batches, data)
