@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.harness import run_command
 
 SCRIPT = Path(__file__).parent / "scripts" / "strategy_fit.py"
 REPO = Path(__file__).parent.parent
@@ -25,9 +26,8 @@ def _launch(command: list[str], out_dir: Path) -> list[dict[str, Any]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
         env.pop(key, None)
-    completed = subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240
-    )
+    # Every process of the launch (Lightning's rank 1, torchrun's workers) dies with the test.
+    completed = run_command(command, cwd=str(REPO), env=env, timeout=240)
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output[-4000:]
     # A process that exits with live process-group threads aborts with this message.
