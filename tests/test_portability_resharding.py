@@ -124,7 +124,9 @@ def test_resume_at_other_world_sizes_and_from_hsdp_to_1d(tmp_path: Path) -> None
     }
     for name in ("fsdp", "hsdp"):
         for result in saved[1:]:  # every rank computed the same outputs
-            np.testing.assert_array_equal(result[name]["outputs"], saved[0][name]["outputs"])
+            np.testing.assert_array_equal(
+                result[name]["outputs"], saved[0][name]["outputs"], strict=True
+            )
         # Not vacuous: the second epoch moved the weights.
         assert not np.array_equal(
             expected[name]["final"]["lm.embed.weight"], expected[name]["params"]["lm.embed.weight"]
@@ -144,7 +146,7 @@ def test_resume_at_other_world_sizes_and_from_hsdp_to_1d(tmp_path: Path) -> None
             context = f"{name} checkpoint resumed at {world_size} rank(s)"
             for result in resumed:
                 np.testing.assert_array_equal(
-                    result[name]["outputs"], saved[0][name]["outputs"], err_msg=context
+                    result[name]["outputs"], saved[0][name]["outputs"], err_msg=context, strict=True
                 )
                 assert result[name]["global_step"] == 4, context  # epoch 1 ran, epoch 0 not
             assert_same(assemble([r[name]["params"] for r in resumed]), expected[name]["params"])
@@ -154,5 +156,5 @@ def test_resume_at_other_world_sizes_and_from_hsdp_to_1d(tmp_path: Path) -> None
             final = assemble([r[name]["final"] for r in resumed])
             for fqn, value in expected[name]["final"].items():
                 np.testing.assert_allclose(
-                    final[fqn], value, rtol=0, atol=1e-6, err_msg=f"{context}: {fqn}"
+                    final[fqn], value, rtol=0, atol=1e-6, err_msg=f"{context}: {fqn}", strict=True
                 )
