@@ -2,8 +2,9 @@
 
 Each scenario is a real 2-rank gloo run that saves ``last.ckpt`` at step 2, trains a
 step, and starts saving step 3, during which one chosen rank SIGKILLs itself at an exact
-point (``tests/scripts/fault_injection.py``): before any shard is written, after its own
-shards, before DCP's ``.metadata``, while hashing, after the manifest but before the
+point (``tests/scripts/fault_injection.py``), one scenario per save phase the code names:
+before any shard is written, while rank 0 plans, before and after its own shards, before
+DCP's ``.metadata``, while hashing, before the manifest, after the manifest but before the
 rename, after the rename, and -- with the two-rename commit that systems without
 ``renameat2(RENAME_EXCHANGE)`` use -- between the renames. The surviving rank must raise
 a ``CheckpointError`` (not hang: the harness would report it as unfinished), and then:
@@ -69,9 +70,12 @@ TIMEOUT = 90.0
 # (scenario, rank killed, phase, how the fault is armed, step last.ckpt holds afterwards)
 CRASHES: list[tuple[str, int, str, str, int]] = [
     ("before-any-shard", 1, "plan", "writer", 2),
+    ("while-planning", 0, "global-plan", "writer", 2),
+    ("before-own-shards", 1, "write:before", "writer", 2),
     ("after-own-shards", 0, "write:after", "writer", 2),
     ("before-metadata", 0, "metadata", "writer", 2),
     ("while-hashing", 1, "commit:hashed", "hook", 2),
+    ("before-manifest", 0, "commit:manifest", "hook", 2),
     ("before-rename", 0, "commit:publish", "hook", 2),
     ("after-rename", 0, "commit:replaced", "hook", 3),
     ("between-renames-fallback", 0, "commit:aside", "fallback", 2),
@@ -292,10 +296,15 @@ def test_sigkill_during_save_keeps_last_complete_checkpoint_and_resumes_bit_exac
             assert hidden == [], (name, hidden)
 
     # What the survivors were told, phase by phase.
-    assert "failed on rank 0: RuntimeError" in messages["before-any-shard"]
-    assert "another rank probably crashed" in messages["before-any-shard"]
+    for name, survivor in (
+        ("before-any-shard", 0),
+        ("while-planning", 1),
+        ("before-own-shards", 0),
+    ):
+        assert f"failed on rank {survivor}: RuntimeError" in messages[name], name
+        assert "another rank probably crashed" in messages[name], name
     assert "failed before the commit" in messages["while-hashing"]
-    for name in ("before-rename", "after-rename", "between-renames-fallback"):
+    for name in ("before-manifest", "before-rename", "after-rename", "between-renames-fallback"):
         assert "contact with rank 0 was lost while it committed" in messages[name], name
         assert "holds the previous or the new checkpoint" in messages[name], name
 
