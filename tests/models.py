@@ -26,7 +26,8 @@ Stable API for the whole test suite (other test modules import these names):
     :class:`PackedLM`, :class:`PackedBlock`, :func:`build_packed_lm`,
     :func:`shard_packed_lm`, :func:`dp_mesh`, :func:`fsdp_placements`,
     :func:`bf16_policy`, :func:`make_batch`, :func:`lm_loss`, :func:`fsdp_modules`,
-    :func:`sync_compute_weights`, :func:`local_shards`, :func:`sharded_adam`.
+    :func:`sync_compute_weights`, :func:`local_shards`, :func:`sharded_adam`,
+    :func:`train_unsharded`.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ __all__ = [
     "shard_packed_lm",
     "sharded_adam",
     "sync_compute_weights",
+    "train_unsharded",
 ]
 
 VOCAB = 11
@@ -231,3 +233,21 @@ def sharded_adam(model: nn.Module, lr: float = 0.05) -> torch.optim.Adam:
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     fully_shard_optimizer(optimizer)
     return optimizer
+
+
+def train_unsharded(
+    steps: int, *, lr: float = 0.05, num_blocks: int = 2
+) -> tuple[PackedLM, torch.optim.Adam]:
+    """:func:`build_packed_lm` trained in one process with plain torch Adam, no sharding.
+
+    The oracle for data-parallel runs in which every rank trains on the same
+    ``make_batch(step)`` for ``step in range(steps)``: their averaged gradient is this
+    one's (up to the rounding of the average), and nothing here depends on a layout.
+    """
+    model = build_packed_lm(0, num_blocks=num_blocks)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    for step in range(steps):
+        lm_loss(model, make_batch(step)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer

@@ -20,7 +20,7 @@ a ``CheckpointError`` (not hang: the harness would report it as unfinished), and
 A rank killed in the middle of a *load* leaves the survivor's live model and optimizer
 untouched (``atomic_load``). The last scenario kills a rank in the middle of an *async*
 save and resumes on 3 ranks: the last complete checkpoint is chosen and resharded
-bit-exactly.
+bit-exactly (the 2-rank tensors it must equal are checked against one unsharded process).
 
 The crashed runs are independent, so they run concurrently (threads of the pytest
 process, each driving its own ``run_distributed``): each spends most of its time waiting
@@ -50,7 +50,9 @@ from lightning_megatron_fsdp.manifest import (
     resolve_latest_checkpoint,
 )
 from tests.harness import run_distributed
+from tests.models import train_unsharded
 from tests.scripts.fault_injection import (
+    LR,
     Fault,
     arm_commit_fault,
     checkpoint_dict,
@@ -63,7 +65,15 @@ from tests.scripts.fault_injection import (
     trained,
     writer_factory,
 )
-from tests.shard_facts import assemble, assert_matches_full, assert_same_facts, differing, facts
+from tests.shard_facts import (
+    assemble,
+    assert_close_to_reference,
+    assert_matches_full,
+    assert_same_facts,
+    differing,
+    facts,
+    reference_facts,
+)
 
 TIMEOUT = 90.0
 
@@ -353,6 +363,8 @@ def test_sigkill_during_async_save_then_resume_on_another_world_size(tmp_path: P
         _load_resharded, 3, str(tmp_path), timeout=TIMEOUT, init_process_group=False
     )
     full = assemble(_rank_facts(tmp_path, 2))
+    # The rows, assembled at the offsets under test, are the unsharded model's.
+    assert_close_to_reference(full, reference_facts(*train_unsharded(2, lr=LR)), atol=1e-6)
     for result in results:
         assert result["path"] == str(dirpath / "last.ckpt")
         assert result["global_step"] == 2
