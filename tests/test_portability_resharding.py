@@ -31,12 +31,11 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
+from tests.models import hsdp_mesh
 from tests.test_portability import (
     GLOBAL_BATCH,
     LR,
@@ -103,13 +102,7 @@ def _save_at_four(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def _save_on_a_user_mesh(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """HSDP on a 2-D ``DeviceMesh`` built here, on the group the harness created (the
     strategy neither creates nor destroys it), with the user's own dim names."""
-    ranks = torch.arange(world_size).view(2, 2)
-    timeout = PROCESS_GROUP_TIMEOUT
-    shards, _ = dist.new_subgroups_by_enumeration(ranks.tolist(), timeout=timeout)
-    replicas, _ = dist.new_subgroups_by_enumeration(ranks.T.tolist(), timeout=timeout)
-    mesh = DeviceMesh.from_group(
-        [replicas, shards], "cpu", mesh=ranks, mesh_dim_names=("replicas", "shards")
-    )
+    mesh = hsdp_mesh(2, 2, names=("replicas", "shards"), timeout=PROCESS_GROUP_TIMEOUT)
     return {"user-mesh": _fit_two_epochs(world_size, os.path.join(root, "user-mesh"), mesh)}
 
 
