@@ -58,7 +58,7 @@ from lightning_megatron_fsdp.export import (
     verify_checkpoint,
 )
 from lightning_megatron_fsdp.manifest import CheckpointCorruptedError, NotACheckpointError
-from tests.harness import run_distributed, spawned
+from tests.harness import THIRD_PARTY_WARNINGS, run_distributed, spawned
 from tests.models import (
     PackedLM,
     build_packed_lm,
@@ -382,7 +382,7 @@ def test_console_script(saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixt
     script = Path(sys.executable).with_name("lightning-megatron-fsdp")
     assert script.is_file(), f"console script missing at {script}: run `pip install -e .`"
     cli_out = tmp_path / "cli.safetensors"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONWARNINGS": THIRD_PARTY_WARNINGS}
     commands = {
         "script": [str(script), "consolidate", str(good), str(cli_out), "--dtype", "bf16"],
         "module": [

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness import run_command
+from tests.harness import THIRD_PARTY_WARNINGS, run_command
 from tests.scripts.strategy_fit import BATCH, LR, STEPS, Model, dataset
 from tests.test_strategy import ATOL, _global_batches
 
@@ -29,7 +29,7 @@ REPO = Path(__file__).parent.parent
 
 
 def _launch(command: list[str], out_dir: Path) -> list[dict[str, Any]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": THIRD_PARTY_WARNINGS}
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
         env.pop(key, None)
     # Every process of the launch (Lightning's rank 1, torchrun's workers) dies with the test.
