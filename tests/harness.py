@@ -11,23 +11,41 @@ Failure modes, each turned into one ``AssertionError`` in the pytest process:
       ``timeout`` seconds every rank is killed and the message names the ranks that
       never reported;
     * a rank dies (segfault, ``os._exit``, SIGKILL): named with its exit code.
+
+Tests that run a command (a script, the console script, ``torchrun``) use
+:func:`spawned` or :func:`run_command`: the command runs in its own session, and whatever
+of it is still running when the test leaves -- an assertion failed, a timeout expired, or
+the command itself left children behind -- is killed, grandchildren included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
+import subprocess
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["free_port", "run_distributed"]
+__all__ = ["THIRD_PARTY_WARNINGS", "free_port", "run_command", "run_distributed", "spawned"]
+
+# PYTHONWARNINGS for the processes tests start: the named third-party warnings that
+# pyproject.toml's filterwarnings silences in the pytest process, and no others.
+THIRD_PARTY_WARNINGS = ",".join(
+    [
+        "ignore:Transformer Engine and Apex are not installed:UserWarning:"
+        "megatron_fsdp.mixed_precision",
+        "ignore:torch.distributed is disabled:UserWarning:torch.distributed.checkpoint.utils",
+    ]
+)
 
 _PRELOAD = [
     "torch",
@@ -62,7 +80,7 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size),
         "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
+        "PYTHONWARNINGS": THIRD_PARTY_WARNINGS,
     }
 
 
@@ -188,3 +206,57 @@ def run_distributed(
             + "\n".join(parts)
         )
     return [values[r] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def spawned(
+    command: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None
+) -> Iterator[subprocess.Popen[str]]:
+    """Start ``command`` (text pipes for stdout/stderr) in a new session; on leaving the
+    block, however it is left, SIGKILL every process of that session still running.
+
+    A new session makes the command's process group hold its children too (Lightning's
+    rank 1, torchrun's workers), which ``Popen.kill`` would orphan.
+
+    Args:
+        command: The program and its arguments.
+        env: The environment (``None``: this process's).
+        cwd: The working directory (``None``: this process's).
+
+    Yields:
+        The running process; read its output with ``communicate``.
+    """
+    process = subprocess.Popen(
+        list(command),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        yield process
+    finally:
+        # The group outlives its leader while any member runs; none left: nothing to do.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()  # reap it and close the pipes
+
+
+def run_command(
+    command: Sequence[str],
+    *,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` to completion through :func:`spawned`; its output as text.
+
+    Raises:
+        subprocess.TimeoutExpired: After ``timeout`` seconds (everything it started is
+            killed first).
+    """
+    with spawned(command, env=env, cwd=cwd) as process:
+        stdout, stderr = process.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(list(command), process.returncode, stdout, stderr)

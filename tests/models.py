@@ -24,14 +24,18 @@ The root unit holds ``embed.weight`` (tied to ``head.weight``) and ``head.bias``
 
 Stable API for the whole test suite (other test modules import these names):
     :class:`PackedLM`, :class:`PackedBlock`, :func:`build_packed_lm`,
-    :func:`shard_packed_lm`, :func:`dp_mesh`, :func:`fsdp_placements`,
+    :func:`shard_packed_lm`, :func:`dp_mesh`, :func:`hsdp_mesh`, :func:`fsdp_placements`,
     :func:`bf16_policy`, :func:`make_batch`, :func:`lm_loss`, :func:`fsdp_modules`,
-    :func:`sync_compute_weights`, :func:`local_shards`, :func:`sharded_adam`.
+    :func:`sync_compute_weights`, :func:`local_shards`, :func:`sharded_adam`,
+    :func:`train_unsharded`.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
 from megatron_fsdp import MixedPrecisionPolicy
 from megatron_fsdp.experimental import Placements, fully_shard_optimizer
 from torch import nn
@@ -54,12 +58,14 @@ __all__ = [
     "dp_mesh",
     "fsdp_modules",
     "fsdp_placements",
+    "hsdp_mesh",
     "lm_loss",
     "local_shards",
     "make_batch",
     "shard_packed_lm",
     "sharded_adam",
     "sync_compute_weights",
+    "train_unsharded",
 ]
 
 VOCAB = 11
@@ -151,6 +157,26 @@ def dp_mesh(world_size: int) -> DeviceMesh:
     return init_device_mesh("cpu", (world_size,))
 
 
+def hsdp_mesh(
+    replicate: int,
+    shard: int,
+    *,
+    names: tuple[str, str] = ("replicate", "shard"),
+    timeout: timedelta = timedelta(seconds=45),
+) -> DeviceMesh:
+    """A 2-D CPU ``(replicate, shard)`` mesh over the default group, as a user builds one.
+
+    Rows of ``arange(replicate * shard).view(replicate, shard)`` are shard groups, columns
+    replicate groups; both get ``timeout`` (``init_device_mesh`` would give its sub-groups
+    torch's 30-minute default, so a failing peer would stall the test that long).
+    ``names`` are the mesh's dim names.
+    """
+    ranks = torch.arange(replicate * shard).view(replicate, shard)
+    shards, _ = dist.new_subgroups_by_enumeration(ranks.tolist(), timeout=timeout)
+    replicas, _ = dist.new_subgroups_by_enumeration(ranks.T.tolist(), timeout=timeout)
+    return DeviceMesh.from_group([replicas, shards], "cpu", mesh=ranks, mesh_dim_names=names)
+
+
 def fsdp_placements() -> Placements:
     """Plain FSDP: parameters, gradients and optimizer state all sharded on one axis."""
     return _fsdp_placements()
@@ -166,6 +192,7 @@ def shard_packed_lm(
     mesh: DeviceMesh,
     *,
     mixed_precision_policy: MixedPrecisionPolicy | None = None,
+    placements: Placements | None = None,
 ) -> PackedLM:
     """Shard every block as its own unit, then the root (embedding, tied head, head bias).
 
@@ -174,18 +201,20 @@ def shard_packed_lm(
 
     Args:
         model: An unsharded model from :func:`build_packed_lm`.
-        mesh: Data-parallel mesh (:func:`dp_mesh`).
+        mesh: Data-parallel mesh (:func:`dp_mesh`, or :func:`hsdp_mesh` with HSDP
+            placements).
         mixed_precision_policy: ``None`` for fp32, :func:`bf16_policy` for bf16 models.
+        placements: ``None`` for :func:`fsdp_placements`.
 
     Returns:
         ``model``, sharded in place.
     """
+    placements = placements or fsdp_placements()
+    policy = mixed_precision_policy
     with sharding_scope():
         for block in model.blocks:
-            shard_module(
-                block, mesh, fsdp_placements(), mixed_precision_policy=mixed_precision_policy
-            )
-        shard_module(model, mesh, fsdp_placements(), mixed_precision_policy=mixed_precision_policy)
+            shard_module(block, mesh, placements, mixed_precision_policy=policy)
+        shard_module(model, mesh, placements, mixed_precision_policy=policy)
     return model
 
 
@@ -235,3 +264,21 @@ def sharded_adam(model: nn.Module, lr: float = 0.05) -> torch.optim.Adam:
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     fully_shard_optimizer(optimizer)
     return optimizer
+
+
+def train_unsharded(
+    steps: int, *, lr: float = 0.05, num_blocks: int = 2
+) -> tuple[PackedLM, torch.optim.Adam]:
+    """:func:`build_packed_lm` trained in one process with plain torch Adam, no sharding.
+
+    The oracle for data-parallel runs in which every rank trains on the same
+    ``make_batch(step)`` for ``step in range(steps)``: their averaged gradient is this
+    one's (up to the rounding of the average), and nothing here depends on a layout.
+    """
+    model = build_packed_lm(0, num_blocks=num_blocks)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    for step in range(steps):
+        lm_loss(model, make_batch(step)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer

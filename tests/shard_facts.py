@@ -12,16 +12,19 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp.uneven_dtensor import CHUNK_ATTR
 
 __all__ = [
     "assemble",
+    "assert_close_to_reference",
     "assert_matches_full",
     "assert_same_facts",
     "differing",
     "facts",
+    "reference_facts",
     "same_bits",
 ]
 
@@ -149,3 +152,36 @@ def assert_matches_full(full: Mapping[str, Any], per_rank: list[Facts]) -> None:
             else:
                 assert fact[1] == full[key], key
     assert seen and all(bool((rows == 1).all()) for rows in seen.values())
+
+
+def reference_facts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Full tensors of an *unsharded* model and its torch optimizer, keyed as :func:`facts`
+    keys a checkpoint's state (``state_dict/<fqn>``, ``optimizer_states/0/state/<fqn>/<name>``).
+
+    Built without any chunk offset, so it checks full tensors that :func:`assemble` put
+    together from shards at the offsets the code under test reports.
+    """
+    reference = {f"state_dict/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for fqn, parameter in model.named_parameters():
+        for name, value in optimizer.state[parameter].items():
+            reference[f"optimizer_states/0/state/{fqn}/{name}"] = value.detach().clone()
+    return reference
+
+
+def assert_close_to_reference(
+    full: Mapping[str, Any], reference: Mapping[str, torch.Tensor], atol: float
+) -> None:
+    """Every tensor of ``full`` has a reference and is within ``atol`` of it (dtype and
+    shape equal).
+
+    ``atol`` only absorbs the rounding of a data-parallel gradient average; a row at the
+    wrong offset is off by the size of the values themselves.
+
+    Raises:
+        AssertionError: Naming the first key that differs or has no reference.
+    """
+    tensors = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
+    missing = sorted(set(tensors) - set(reference))
+    assert tensors and not missing, f"no reference for {missing}"
+    for key in sorted(tensors):
+        torch.testing.assert_close(tensors[key], reference[key], rtol=0, atol=atol, msg=key)

@@ -11,6 +11,10 @@ Oracles, independent of the plugin: the saved model's own local shards (bit-exac
 unsharded model's state dict (names, shapes, dtypes), ``hashlib`` over the files on disk,
 and, for resharding, full tensors assembled in the pytest process from the saving ranks'
 local shards at the row offsets ``uneven_dtensor`` attached (each row covered exactly once).
+Those offsets are the code under test, so the assembled tensors are themselves checked
+against one process that trained the unsharded model on the same batches
+(``tests.models.train_unsharded``): an offset wrong the same way on save and load cannot
+pass.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from lightning_megatron_fsdp.manifest import (
     read_manifest,
     resolve_latest_checkpoint,
 )
+from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import run_distributed
 from tests.models import (
     build_packed_lm,
@@ -72,14 +77,30 @@ from tests.models import (
     make_batch,
     shard_packed_lm,
     sharded_adam,
+    train_unsharded,
 )
-from tests.shard_facts import assemble, assert_matches_full, assert_same_facts
+from tests.shard_facts import (
+    assemble,
+    assert_close_to_reference,
+    assert_matches_full,
+    assert_same_facts,
+    reference_facts,
+)
 from tests.shard_facts import facts as shard_facts
 
 TIMEOUT = 120.0
 LR = 0.05
 # DCP frames every stored item with torch.save: ~1.5 KB of zip headers and alignment.
 ITEM_OVERHEAD_BYTES = 2048
+# Sharded training vs one process: only the rounding of the gradient average differs.
+REFERENCE_ATOL = 1e-6
+
+
+@functools.cache
+def _reference() -> dict[str, torch.Tensor]:
+    """What ``_trained`` holds, computed by one process without sharding."""
+    return reference_facts(*train_unsharded(2, lr=LR))
+
 
 # ---------------------------------------------------------------------------------------
 # Helpers run on every rank
@@ -636,8 +657,11 @@ def _check_round_trip(root: Path, world_size: int, results: list[dict]) -> None:
     saved = results[0]["saved"]
     assert saved["optimizer_states/0/param_groups/0/lr"] == ("value", LR)
     assert any(f[0] == "shard" and f[-1].abs().sum() > 0 for f in saved.values())
-    # Every row of every tensor was saved by exactly one rank and compared.
-    assert_matches_full(assemble([r["saved"] for r in results]), [r["loaded"] for r in results])
+    # Every row of every tensor was saved by exactly one rank and compared...
+    full = assemble([r["saved"] for r in results])
+    assert_matches_full(full, [r["loaded"] for r in results])
+    # ...and the rows, put together at the offsets under test, are the unsharded model's.
+    assert_close_to_reference(full, _reference(), REFERENCE_ATOL)
     assert_manifest(root / f"ws{world_size}" / "epoch=1-step=7.ckpt", world_size)
     # On disk: the shards, never a gathered tensor (that would be world_size times larger).
     wide = root / f"ws{world_size}" / "wide"
@@ -659,6 +683,7 @@ def test_round_trip_and_resharding_from_4(
     """Same-size round trip at ``world_size``, and the 4-rank checkpoint loaded here."""
     results = _run(_save_round_trip, world_size, str(tmp_path), str(saved_at_4["path"]))
     _check_round_trip(tmp_path, world_size, results)
+    assert_close_to_reference(saved_at_4["full"], _reference(), REFERENCE_ATOL)
     assert_matches_full(saved_at_4["full"], [r["resharded"] for r in results])
 
 
@@ -882,7 +907,7 @@ def test_manifest_parsing_and_fingerprint_messages() -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def _gpu_async_vs_sync(rank: int, world_size: int, root: str) -> None:
+def _gpu_async_vs_sync(rank: int, world_size: int, root: str) -> str:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     mesh = init_device_mesh("cuda", (world_size,))
@@ -898,12 +923,14 @@ def _gpu_async_vs_sync(rank: int, world_size: int, root: str) -> None:
     plugin = MegatronFSDPCheckpointIO(async_save=True)
     plugin.save_checkpoint(checkpoint, Path(root) / "async")
     plugin.teardown()
+    return str(next(model.parameters()).device)
 
 
 @pytest.mark.gpu
 def test_async_save_equals_sync_save_on_gpu(tmp_path: Path) -> None:
-    world_size = min(torch.cuda.device_count(), 2)
-    run_distributed(
+    world_size = cuda_world_size()
+    devices = run_distributed(
         _gpu_async_vs_sync, world_size, str(tmp_path), timeout=TIMEOUT, init_process_group=False
     )
+    assert_ran_on_cuda(devices, world_size)
     assert_same_save(tmp_path / "sync", tmp_path / "async", world_size)

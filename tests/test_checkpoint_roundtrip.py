@@ -22,6 +22,7 @@ Oracles, all independent of the code under test:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -119,17 +120,69 @@ _FUNCTIONAL_COLLECTIVES = (
 )
 
 
+# Every collective method of a ProcessGroup object: what the functions above call, and what
+# code holding a group (``mesh.get_group()``) can call directly.
+_PROCESS_GROUP_COLLECTIVES = (
+    "_allgather_base",
+    "_reduce_scatter_base",
+    "all_gather_single",
+    "all_gather_single_coalesced",
+    "all_to_all_single",
+    "allgather",
+    "allgather_coalesced",
+    "allgather_into_tensor_coalesced",
+    "allreduce",
+    "allreduce_coalesced",
+    "alltoall",
+    "alltoall_base",
+    "barrier",
+    "broadcast",
+    "gather",
+    "monitored_barrier",
+    "recv",
+    "recv_anysource",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor_coalesced",
+    "scatter",
+    "send",
+)
+
+
 class CollectiveCalledError(RuntimeError):
-    """Raised by a trapped collective."""
+    """Raised by a trapped collective, or on leaving the trap if one slipped past it."""
+
+
+def _sequence_numbers() -> dict[dist.ProcessGroup, int]:
+    """Each live process group's count of collectives issued through its backend.
+
+    c10d numbers every collective and point-to-point op a backend runs, whichever way it
+    was reached (``torch.distributed``, a ``ProcessGroup`` or backend method, or C++ via
+    ``torch.ops.c10d`` and the functional collectives), so a changed number is a collective
+    that ran.
+    """
+    return {
+        group: group._get_sequence_number_for_group()
+        for group in dist.distributed_c10d._world.pg_map
+    }
 
 
 @contextlib.contextmanager
 def collectives_forbidden() -> Iterator[None]:
-    """Make every torch.distributed collective raise :class:`CollectiveCalledError` (a trap).
+    """Forbid every torch.distributed collective inside the block (a trap).
 
-    Replaces the functions in ``torch.distributed``, ``torch.distributed.distributed_c10d``
-    (callers may import from either) and the functional collectives DTensor uses, and
-    restores them on exit.
+    Two layers. At the call: the functions in ``torch.distributed``,
+    ``torch.distributed.distributed_c10d`` (callers may import from either), the functional
+    collectives DTensor uses, and the collective methods of ``ProcessGroup`` raise
+    :class:`CollectiveCalledError`; they are restored on exit. Behind them: every process
+    group's backend sequence number is read on entry and on exit, so a collective that
+    reached a backend another way (a backend object's method, ``torch.ops.c10d``) fails the
+    block on exit, naming the group and how many ran.
+
+    Raises:
+        CollectiveCalledError: From a trapped call, or on exit if a backend ran one.
     """
 
     def trap(name: str) -> Callable[..., Any]:
@@ -139,18 +192,35 @@ def collectives_forbidden() -> Iterator[None]:
         return raise_
 
     saved: list[tuple[Any, str, Any]] = []
-    targets = [(dist, _C10D_COLLECTIVES), (dist.distributed_c10d, _C10D_COLLECTIVES)]
-    targets.append((funcol, _FUNCTIONAL_COLLECTIVES))
-    for module, names in targets:
+    targets: list[tuple[Any, tuple[str, ...]]] = [
+        (dist, _C10D_COLLECTIVES),
+        (dist.distributed_c10d, _C10D_COLLECTIVES),
+        (funcol, _FUNCTIONAL_COLLECTIVES),
+        (dist.ProcessGroup, _PROCESS_GROUP_COLLECTIVES),
+    ]
+    for target, names in targets:
         for name in names:
-            if hasattr(module, name):
-                saved.append((module, name, getattr(module, name)))
-                setattr(module, name, trap(f"{module.__name__}.{name}"))
+            if hasattr(target, name):
+                # The raw attribute: a class's pybind method read through getattr comes back
+                # unbound and would lose ``self`` when put back.
+                saved.append((target, name, inspect.getattr_static(target, name)))
+                setattr(target, name, trap(f"{target.__name__}.{name}"))
+    before = _sequence_numbers()
     try:
         yield
     finally:
-        for module, name, original in saved:
-            setattr(module, name, original)
+        for target, name, original in saved:
+            setattr(target, name, original)
+    ran = {
+        group.group_name: number - before.get(group, 0)
+        for group, number in _sequence_numbers().items()
+        if number != before.get(group, 0)
+    }
+    if ran:
+        raise CollectiveCalledError(
+            f"collectives ran past the call traps (by process group: {ran}): something "
+            "called a backend directly"
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -268,11 +338,24 @@ def _round_trip(rank: int, world_size: int, root: str, precision: str, attach: b
 
     if attach:
         with collectives_forbidden():
-            # The trap is armed: the gather-based helper cannot run inside it...
+            # The trap is armed: the gather-based helper cannot run inside it, nor a
+            # ProcessGroup method called directly...
             with contextlib.suppress(CollectiveCalledError):
                 gather_and_compute_chunk_metadata(model_state["embed.weight"])
                 raise AssertionError("the collective trap did not fire")
-            # ...and the code under test runs without tripping it.
+            with contextlib.suppress(CollectiveCalledError):
+                dist.group.WORLD.allreduce([torch.zeros(1)]).wait()
+                raise AssertionError("the ProcessGroup trap did not fire")
+        # ...and a collective that reaches the backend past every Python function is
+        # reported on exit (every rank runs this one, so it completes)...
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        with (
+            pytest.raises(CollectiveCalledError, match=r"ran past the call traps"),
+            collectives_forbidden(),
+        ):
+            backend.allreduce([torch.zeros(1)]).wait()
+        with collectives_forbidden():
+            # ...so the code under test provably runs none.
             chunk_metadata_by_fqn(model)
             attach_uneven_dtensor_metadata(model, model_state, optimizer_state)
         # Oracle 1: megatron-fsdp's all-gather of every shard's shape, empty shards too.

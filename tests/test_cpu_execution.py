@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp import cpu_execution_enabled, enable_cpu_execution, shard_module
 from lightning_megatron_fsdp.cpu_execution import SyncEvent, SyncStream, _TorchProxy
+from tests.gpu import assert_ran_on_cuda
 from tests.harness import run_distributed
 from tests.models import (
     PackedLM,
@@ -133,6 +134,7 @@ def test_proxy_keeps_real_cuda_streams() -> None:
     with proxy.cuda.device(device):
         stream = proxy.cuda.Stream()
     assert isinstance(stream, torch.cuda.Stream)
+    assert_ran_on_cuda([stream.device], 1)
     assert proxy.cuda.current_stream(device) == torch.cuda.current_stream(device)
     assert not isinstance(proxy.cuda.stream(stream), contextlib.nullcontext)
 

@@ -27,7 +27,6 @@ import os
 import pickle
 import re
 import shutil
-import subprocess
 import sys
 import zipfile
 from collections.abc import Callable, Iterator
@@ -59,7 +58,7 @@ from lightning_megatron_fsdp.export import (
     verify_checkpoint,
 )
 from lightning_megatron_fsdp.manifest import CheckpointCorruptedError, NotACheckpointError
-from tests.harness import run_distributed
+from tests.harness import THIRD_PARTY_WARNINGS, run_distributed, spawned
 from tests.models import (
     PackedLM,
     build_packed_lm,
@@ -360,16 +359,6 @@ def test_dtype_cast_and_optimizer_export(saved3: dict, tmp_path: Path) -> None:
         assert "embed.weight" in params and "head.weight" not in params  # the tie, once
 
 
-def _spawn(command: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-
-
 def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     """Run the console script's ``main`` in this process; (exit status, stdout, stderr)."""
     capsys.readouterr()
@@ -393,67 +382,73 @@ def test_console_script(saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixt
     script = Path(sys.executable).with_name("lightning-megatron-fsdp")
     assert script.is_file(), f"console script missing at {script}: run `pip install -e .`"
     cli_out = tmp_path / "cli.safetensors"
-    processes = {
-        "script": _spawn([str(script), "consolidate", str(good), str(cli_out), "--dtype", "bf16"]),
-        "module": _spawn(
-            [
-                sys.executable,
-                "-m",
-                "lightning_megatron_fsdp.cli",
-                "inspect",
-                "--verify",
-                str(flipped),
-            ]
-        ),
+    env = {**os.environ, "PYTHONWARNINGS": THIRD_PARTY_WARNINGS}
+    commands = {
+        "script": [str(script), "consolidate", str(good), str(cli_out), "--dtype", "bf16"],
+        "module": [
+            sys.executable,
+            "-m",
+            "lightning_megatron_fsdp.cli",
+            "inspect",
+            "--verify",
+            str(flipped),
+        ],
     }
+    # Both commands die with this test if a check below fails before they are waited for.
+    with contextlib.ExitStack() as running:
+        processes = {
+            name: running.enter_context(spawned(command, env=env))
+            for name, command in commands.items()
+        }
 
-    metadata = _tensor_metadata(good)
-    status, out, err = _main(capsys, "inspect", str(good))
-    assert status == 0, err
-    for key, md in metadata.items():
-        dtype = str(md.properties.dtype).removeprefix("torch.")
-        row = rf"^{re.escape(key)} +{re.escape(str(tuple(md.size)))} +{dtype} +{len(md.chunks)}$"
-        assert re.search(row, out, re.MULTILINE), f"no row {row!r} in:\n{out}"
-    assert re.search(rf"^global_step +{STEPS}$", out, re.MULTILINE), out
-    assert re.search(rf"^epoch +{EPOCH}$", out, re.MULTILINE), out
-    assert f"lightning {lightning.__version__}" in out
+        metadata = _tensor_metadata(good)
+        status, out, err = _main(capsys, "inspect", str(good))
+        assert status == 0, err
+        for key, md in metadata.items():
+            dtype = str(md.properties.dtype).removeprefix("torch.")
+            shape = re.escape(str(tuple(md.size)))
+            row = rf"^{re.escape(key)} +{shape} +{dtype} +{len(md.chunks)}$"
+            assert re.search(row, out, re.MULTILINE), f"no row {row!r} in:\n{out}"
+        assert re.search(rf"^global_step +{STEPS}$", out, re.MULTILINE), out
+        assert re.search(rf"^epoch +{EPOCH}$", out, re.MULTILINE), out
+        assert f"lightning {lightning.__version__}" in out
 
-    status, out, err = _main(capsys, "inspect", "--json", str(good))
-    assert status == 0, err
-    data = json.loads(out)
-    assert (data["global_step"], data["epoch"], data["world_size"]) == (STEPS, EPOCH, 2)
-    model_sd = _add_buffers(build_packed_lm(None)).state_dict()
-    by_key = {t["key"]: t for t in data["tensors"]}
-    for fqn, tensor in model_sd.items():
-        entry = by_key[f"state_dict.{fqn}"]
-        assert entry["shape"] == list(tensor.shape), fqn
-        assert entry["dtype"] == str(tensor.dtype).removeprefix("torch."), fqn
-        assert entry["chunks"] == len(metadata[f"state_dict.{fqn}"].chunks), fqn
-    assert data["meta"]["pytorch-lightning_version"] == lightning.__version__
-    assert "verify" not in data
+        status, out, err = _main(capsys, "inspect", "--json", str(good))
+        assert status == 0, err
+        data = json.loads(out)
+        assert (data["global_step"], data["epoch"], data["world_size"]) == (STEPS, EPOCH, 2)
+        model_sd = _add_buffers(build_packed_lm(None)).state_dict()
+        by_key = {t["key"]: t for t in data["tensors"]}
+        for fqn, tensor in model_sd.items():
+            entry = by_key[f"state_dict.{fqn}"]
+            assert entry["shape"] == list(tensor.shape), fqn
+            assert entry["dtype"] == str(tensor.dtype).removeprefix("torch."), fqn
+            assert entry["chunks"] == len(metadata[f"state_dict.{fqn}"].chunks), fqn
+        assert data["meta"]["pytorch-lightning_version"] == lightning.__version__
+        assert "verify" not in data
 
-    status, out, err = _main(capsys, "inspect", "--verify", str(good))
-    assert status == 0 and "verify: OK" in out, out + err
-    status, out, err = _main(capsys, "inspect", "--verify", "--json", str(truncated))
-    verdict = json.loads(out)["verify"]
-    file = _shard_files(good)[-1]
-    assert status == 1 and not verdict["ok"], out
-    assert any(re.match(rf"{file}: \d+ bytes on disk", p) for p in verdict["problems"]), out
-    status, out, err = _main(capsys, "inspect", "--verify", str(deleted))
-    assert status == 1 and f"{_shard_files(good)[1]}: missing" in out, out
+        status, out, err = _main(capsys, "inspect", "--verify", str(good))
+        assert status == 0 and "verify: OK" in out, out + err
+        status, out, err = _main(capsys, "inspect", "--verify", "--json", str(truncated))
+        verdict = json.loads(out)["verify"]
+        file = _shard_files(good)[-1]
+        assert status == 1 and not verdict["ok"], out
+        assert any(re.match(rf"{file}: \d+ bytes on disk", p) for p in verdict["problems"]), out
+        status, out, err = _main(capsys, "inspect", "--verify", str(deleted))
+        assert status == 1 and f"{_shard_files(good)[1]}: missing" in out, out
 
-    status, out, err = _main(capsys, "consolidate", str(partial), str(tmp_path / "partial.pt"))
-    assert status == 1 and "no manifest.json" in err and "Nothing was written" in err, err
-    assert not (tmp_path / "partial.pt").exists()
-    status, out, err = _main(capsys, "consolidate", str(good), str(cli_out.with_suffix(".pt")))
-    assert status == 0 and "wrote" in out, err
-    status, out, err = _main(capsys, "consolidate", str(good), str(cli_out.with_suffix(".pt")))
-    assert status == 1 and "already exists" in err and "--overwrite" in err, err
-    with pytest.raises(SystemExit) as usage:
-        main(["consolidate", str(good), str(cli_out), "--dtype", "int8"])
-    assert usage.value.code == 2
+        status, out, err = _main(capsys, "consolidate", str(partial), str(tmp_path / "partial.pt"))
+        assert status == 1 and "no manifest.json" in err and "Nothing was written" in err, err
+        assert not (tmp_path / "partial.pt").exists()
+        status, out, err = _main(capsys, "consolidate", str(good), str(cli_out.with_suffix(".pt")))
+        assert status == 0 and "wrote" in out, err
+        status, out, err = _main(capsys, "consolidate", str(good), str(cli_out.with_suffix(".pt")))
+        assert status == 1 and "already exists" in err and "--overwrite" in err, err
+        with pytest.raises(SystemExit) as usage:
+            main(["consolidate", str(good), str(cli_out), "--dtype", "int8"])
+        assert usage.value.code == 2
 
-    results = {name: (p.wait(timeout=120), *p.communicate()) for name, p in processes.items()}
+        results = {name: (p.wait(timeout=120), *p.communicate()) for name, p in processes.items()}
     status, out, err = results["script"]
     assert status == 0, err
     api_out = consolidate_checkpoint(good, tmp_path / "api.safetensors", torch.bfloat16)

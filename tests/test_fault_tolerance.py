@@ -2,8 +2,9 @@
 
 Each scenario is a real 2-rank gloo run that saves ``last.ckpt`` at step 2, trains a
 step, and starts saving step 3, during which one chosen rank SIGKILLs itself at an exact
-point (``tests/scripts/fault_injection.py``): before any shard is written, after its own
-shards, before DCP's ``.metadata``, while hashing, after the manifest but before the
+point (``tests/scripts/fault_injection.py``), one scenario per save phase the code names:
+before any shard is written, while rank 0 plans, before and after its own shards, before
+DCP's ``.metadata``, while hashing, before the manifest, after the manifest but before the
 rename, after the rename, and -- with the two-rename commit that systems without
 ``renameat2(RENAME_EXCHANGE)`` use -- between the renames. The surviving rank must raise
 a ``CheckpointError`` (not hang: the harness would report it as unfinished), and then:
@@ -19,7 +20,7 @@ a ``CheckpointError`` (not hang: the harness would report it as unfinished), and
 A rank killed in the middle of a *load* leaves the survivor's live model and optimizer
 untouched (``atomic_load``). The last scenario kills a rank in the middle of an *async*
 save and resumes on 3 ranks: the last complete checkpoint is chosen and resharded
-bit-exactly.
+bit-exactly (the 2-rank tensors it must equal are checked against one unsharded process).
 
 The crashed runs are independent, so they run concurrently (threads of the pytest
 process, each driving its own ``run_distributed``): each spends most of its time waiting
@@ -49,7 +50,9 @@ from lightning_megatron_fsdp.manifest import (
     resolve_latest_checkpoint,
 )
 from tests.harness import run_distributed
+from tests.models import train_unsharded
 from tests.scripts.fault_injection import (
+    LR,
     Fault,
     arm_commit_fault,
     checkpoint_dict,
@@ -62,16 +65,27 @@ from tests.scripts.fault_injection import (
     trained,
     writer_factory,
 )
-from tests.shard_facts import assemble, assert_matches_full, assert_same_facts, differing, facts
+from tests.shard_facts import (
+    assemble,
+    assert_close_to_reference,
+    assert_matches_full,
+    assert_same_facts,
+    differing,
+    facts,
+    reference_facts,
+)
 
 TIMEOUT = 90.0
 
 # (scenario, rank killed, phase, how the fault is armed, step last.ckpt holds afterwards)
 CRASHES: list[tuple[str, int, str, str, int]] = [
     ("before-any-shard", 1, "plan", "writer", 2),
+    ("while-planning", 0, "global-plan", "writer", 2),
+    ("before-own-shards", 1, "write:before", "writer", 2),
     ("after-own-shards", 0, "write:after", "writer", 2),
     ("before-metadata", 0, "metadata", "writer", 2),
     ("while-hashing", 1, "commit:hashed", "hook", 2),
+    ("before-manifest", 0, "commit:manifest", "hook", 2),
     ("before-rename", 0, "commit:publish", "hook", 2),
     ("after-rename", 0, "commit:replaced", "hook", 3),
     ("between-renames-fallback", 0, "commit:aside", "fallback", 2),
@@ -292,10 +306,15 @@ def test_sigkill_during_save_keeps_last_complete_checkpoint_and_resumes_bit_exac
             assert hidden == [], (name, hidden)
 
     # What the survivors were told, phase by phase.
-    assert "failed on rank 0: RuntimeError" in messages["before-any-shard"]
-    assert "another rank probably crashed" in messages["before-any-shard"]
+    for name, survivor in (
+        ("before-any-shard", 0),
+        ("while-planning", 1),
+        ("before-own-shards", 0),
+    ):
+        assert f"failed on rank {survivor}: RuntimeError" in messages[name], name
+        assert "another rank probably crashed" in messages[name], name
     assert "failed before the commit" in messages["while-hashing"]
-    for name in ("before-rename", "after-rename", "between-renames-fallback"):
+    for name in ("before-manifest", "before-rename", "after-rename", "between-renames-fallback"):
         assert "contact with rank 0 was lost while it committed" in messages[name], name
         assert "holds the previous or the new checkpoint" in messages[name], name
 
@@ -344,6 +363,8 @@ def test_sigkill_during_async_save_then_resume_on_another_world_size(tmp_path: P
         _load_resharded, 3, str(tmp_path), timeout=TIMEOUT, init_process_group=False
     )
     full = assemble(_rank_facts(tmp_path, 2))
+    # The rows, assembled at the offsets under test, are the unsharded model's.
+    assert_close_to_reference(full, reference_facts(*train_unsharded(2, lr=LR)), atol=1e-6)
     for result in results:
         assert result["path"] == str(dirpath / "last.ckpt")
         assert result["global_step"] == 2

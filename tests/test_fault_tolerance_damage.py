@@ -12,12 +12,14 @@ good checkpoint. ``verify_checksums=False`` must let the flipped bit through (th
 works, and only the checksum catches a flip DCP cannot see).
 
 Soak: 20 save/load cycles in one 2-rank run, sync and async alternating, each loaded
-bit-exactly into zeroed targets; open file descriptors and threads must not grow between
-cycle 2 and 20, nor RSS beyond noise.
+bit-exactly into zeroed targets; open file descriptors, Python threads and the process's
+native threads (``/proc/self/task``) must not grow between cycle 2 and 20, nor RSS beyond
+noise.
 """
 
 from __future__ import annotations
 
+import _thread
 import gc
 import os
 import re
@@ -224,14 +226,34 @@ def test_damaged_checkpoints_are_refused_before_any_weight_changes(
 
 
 def _usage() -> dict[str, int]:
+    """Open file descriptors, threads (Python's, and every native one of the process:
+    gloo's, a DCP or c10d worker's, a raw ``_thread`` -- ``threading`` sees none of those)
+    and resident memory."""
     gc.collect()
     with open("/proc/self/status", encoding="ascii") as status:
         rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
     return {
         "fds": len(os.listdir("/proc/self/fd")),
         "threads": threading.active_count(),
+        "native_threads": len(os.listdir("/proc/self/task")),
         "rss_kb": rss,
     }
+
+
+def _raw_thread_seen() -> dict[str, int]:
+    """Start a native thread ``threading`` does not know of; how much each count grew."""
+    before = _usage()
+    started, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        started.set()
+        release.wait()
+
+    _thread.start_new_thread(hold, ())
+    started.wait()
+    after = _usage()
+    release.set()
+    return {key: after[key] - before[key] for key in ("threads", "native_threads")}
 
 
 def _zero(state: Any) -> None:
@@ -270,7 +292,7 @@ def _soak(rank: int, world_size: int, root: str, cycles: int) -> dict[str, Any]:
             if cycle in (2, cycles):
                 usage[cycle] = _usage()
     background.teardown()
-    return {"usage": usage, "compared": compared}
+    return {"usage": usage, "compared": compared, "raw_thread_seen": _raw_thread_seen()}
 
 
 def test_twenty_save_load_cycles_leak_no_files_threads_or_memory(tmp_path: Path) -> None:
@@ -282,6 +304,9 @@ def test_twenty_save_load_cycles_leak_no_files_threads_or_memory(tmp_path: Path)
         assert result["compared"] > SOAK_CYCLES * 30, result["compared"]  # real tensors
         assert late["fds"] <= early["fds"], (rank, early, late)
         assert late["threads"] <= early["threads"], (rank, early, late)
+        assert late["native_threads"] <= early["native_threads"], (rank, early, late)
+        # The native count sees a thread threading.active_count() does not.
+        assert result["raw_thread_seen"] == {"threads": 0, "native_threads": 1}, result
         assert late["rss_kb"] - early["rss_kb"] < RSS_NOISE_KB, (rank, early, late)
     print(f"soak usage (cycle 2 -> {SOAK_CYCLES}):", [r["usage"] for r in results])
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]

@@ -19,6 +19,8 @@ one passes another dtype, one built a model with an extra block.
 from __future__ import annotations
 
 import hashlib
+import inspect
+import logging
 import os
 import re
 from pathlib import Path
@@ -28,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import lightning_megatron_fsdp.checkpoint_io
 from lightning_megatron_fsdp.checkpoint_io import (
     CheckpointError,
     CheckpointMismatchError,
@@ -35,9 +38,13 @@ from lightning_megatron_fsdp.checkpoint_io import (
     MegatronFSDPCheckpointIO,
 )
 from lightning_megatron_fsdp.export import verify_checkpoint
+from lightning_megatron_fsdp.manifest import ASIDE, STAGING, parse_hidden_name, read_manifest
+from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import run_distributed
 from tests.scripts.fault_injection import (
     Fault,
+    FaultyReader,
+    FaultyWriter,
     arm_commit_fault,
     checkpoint_dict,
     file_size_limit,
@@ -67,6 +74,11 @@ SAVE_FAULTS: list[tuple[str, int, str, str]] = [
     ("disk full", 1, "rlimit", r"failed on rank\(s\) \[1\]:\n  rank 1: OSError: \[Errno 27\]"),
     ("write:after", 0, "async", r"failed on rank\(s\) \[0\]:\n  rank 0: OSError: .*injected"),
 ]
+# Failures once the new checkpoint is in place: the save succeeds, cleanup is left undone.
+COMMITTED_FAULTS: list[tuple[str, int, str]] = [
+    ("commit:replaced", 0, "hook"),
+    ("commit:replaced", 0, "fallback"),
+]
 LOAD_PHASES: list[tuple[str, int]] = [
     ("read:metadata", 1),
     ("read:plan", 1),
@@ -83,6 +95,42 @@ def _tree(path: Path) -> dict[str, str]:
         for p in sorted(path.rglob("*"))
         if p.is_file()
     }
+
+
+class _Records(logging.Handler):
+    """The messages of warnings logged while attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _named_phases(source: object, call: str) -> set[str]:
+    """The phase names ``source``'s code passes to ``call("<phase>")``."""
+    return set(re.findall(rf'{re.escape(call)}\("([^"]+)"\)', inspect.getsource(source)))
+
+
+def test_every_phase_the_code_names_is_injected() -> None:
+    """Each save phase the code names (the writer's, and the commit steps
+    ``checkpoint_io._fault`` marks) is failed here and SIGKILLed in
+    ``test_fault_tolerance.py``; each load phase is failed here. A new phase without a
+    scenario fails this test."""
+    from tests.test_fault_tolerance import CRASHES
+
+    save = _named_phases(FaultyWriter, "self.fault.reached")
+    save |= _named_phases(lightning_megatron_fsdp.checkpoint_io, "_fault")
+    load = _named_phases(FaultyReader, "self.fault.reached")
+    assert {"plan", "metadata", "commit:hashed", "commit:replaced"} <= save  # parsed
+    assert {"read:metadata", "read:after"} <= load
+    failed = {phase for phase, _, how, _ in SAVE_FAULTS if how != "rlimit"}  # not a phase
+    failed |= {phase for phase, *_ in COMMITTED_FAULTS}
+    assert failed == save, (sorted(save - failed), sorted(failed - save))
+    killed = {phase for _, _, phase, *_ in CRASHES}
+    assert killed == save, (sorted(save - killed), sorted(killed - save))
+    assert {phase for phase, _ in LOAD_PHASES} == load
 
 
 def _save_with(
@@ -127,6 +175,30 @@ def _phase_faults(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "listing": sorted(os.listdir(base)),
         }
 
+    # After the rename nothing may fail the save: the new checkpoint is committed, and
+    # the previous one is left behind for the next save to delete.
+    records = _Records()
+    logging.getLogger("lightning_megatron_fsdp.checkpoint_io").addHandler(records)
+    for phase, failing, how in COMMITTED_FAULTS:
+        replaced = base / f"replaced-{how}" / "last.ckpt"
+        plugin.save_checkpoint(checkpoint_dict(model, adam, 2), replaced)
+        records.messages.clear()
+        message = _save_with(plugin, newer, replaced, phase, failing, how)
+        dist.barrier()
+        outcome = {
+            "message": message,
+            "warnings": list(records.messages),
+            "global_step": read_manifest(replaced).global_step,
+            "hidden": sorted(
+                h for n in os.listdir(replaced.parent) if (h := parse_hidden_name(n)) is not None
+            ),
+            "verified": verify_checkpoint(replaced) if dist.get_rank() == 0 else [],
+        }
+        plugin.save_checkpoint(newer, replaced)  # the next save deletes what was left
+        dist.barrier()
+        outcome["listing after the next save"] = sorted(os.listdir(replaced.parent))
+        out["save"][f"{phase} ({how})"] = outcome
+
     live = facts(live_state(model, adam))
     assert differing(live, saved), "the live state must differ from the checkpoint"
     for phase, failing in [*LOAD_PHASES, ("read:after", 1)]:
@@ -167,6 +239,23 @@ def test_a_failure_in_any_phase_raises_on_every_rank_and_changes_nothing(tmp_pat
         # Every rank raised the same error (the survivor of a DCP failure is told by DCP).
         assert results[0]["save"][phase]["message"] == results[1]["save"][phase]["message"]
     assert verify_checkpoint(tmp_path / "last.ckpt") == []
+    for phase, failing, how in COMMITTED_FAULTS:
+        for rank, result in enumerate(results):
+            seen = result["save"][f"{phase} ({how})"]
+            assert seen["message"] == "no error", (phase, how, rank, seen["message"])
+            assert seen["global_step"] == 3, (phase, how, rank)  # the new one is in place
+            assert seen["verified"] == [], (phase, how, rank)
+            assert len(seen["hidden"]) == 1 and seen["hidden"][0][0] == "last.ckpt", seen
+            assert seen["listing after the next save"] == ["last.ckpt"], seen
+            if rank == failing:
+                assert any(
+                    "is committed, but cleaning up after it failed" in w
+                    and f"injected failure at {phase}" in w
+                    for w in seen["warnings"]
+                ), seen["warnings"]
+        # The previous checkpoint stays where the commit flavour moved it.
+        kind = results[0]["save"][f"{phase} ({how})"]["hidden"][0][1]
+        assert kind == (ASIDE if how == "fallback" else STAGING), (how, kind)
 
     load_patterns = {
         "read:metadata": r"failed on rank\(s\) \[1\]:\n  rank 1: AssertionError: metadata is None"
@@ -326,7 +415,7 @@ def _gpu_failed_load_keeps_targets(rank: int, world_size: int, root: str) -> dic
 
 @pytest.mark.gpu
 def test_failed_load_keeps_cuda_targets_and_a_good_load_fills_them(tmp_path: Path) -> None:
-    world_size = min(torch.cuda.device_count(), 2)
+    world_size = cuda_world_size()
     results = run_distributed(
         _gpu_failed_load_keeps_targets,
         world_size,
@@ -334,9 +423,9 @@ def test_failed_load_keeps_cuda_targets_and_a_good_load_fills_them(tmp_path: Pat
         timeout=TIMEOUT,
         init_process_group=False,
     )
+    assert_ran_on_cuda([r["device"] for r in results], world_size)
     for result in results:
         assert "injected failure at read:after" in result["message"], result["message"]
         assert "The targets are unchanged (atomic_load)." in result["message"]
         assert result["unchanged"] == []
         assert result["loaded"] == []
-        assert result["device"].startswith("cuda")

@@ -168,15 +168,19 @@ Shards = dict[str, tuple[int | None, np.ndarray]]
 
 
 def param_shards(module: nn.Module) -> Shards:
-    """This rank's main-weight shard of every parameter FQN (ties: each FQN), and buffers."""
+    """This rank's main-weight shard of every parameter FQN (ties: each FQN), and buffers.
+
+    Values keep their dtype (a comparison checks it first); numpy has no bf16, so a bf16
+    main weight fails here loudly rather than being widened into a passing fp32 copy.
+    """
     chunks = chunk_metadata_by_fqn(module)
     shards: Shards = {}
     for name, parameter in module.named_parameters(remove_duplicate=False):
         assert isinstance(parameter, DTensor), name
-        local = parameter._local_tensor.detach().float().numpy().copy()
+        local = parameter._local_tensor.detach().numpy().copy()  # its own dtype
         shards[name] = (int(chunks[name].offsets[0]), local)
     for name, buffer in module.named_buffers():
-        shards[name] = (None, buffer.detach().float().numpy().copy())
+        shards[name] = (None, buffer.detach().numpy().copy())
     return shards
 
 
@@ -207,7 +211,7 @@ def assemble(per_rank: list[Shards]) -> dict[str, np.ndarray]:
         pieces = [shards[name] for shards in per_rank]
         if pieces[0][0] is None:
             for _, piece in pieces[1:]:
-                np.testing.assert_array_equal(piece, pieces[0][1], err_msg=name)
+                np.testing.assert_array_equal(piece, pieces[0][1], err_msg=name, strict=True)
             full[name] = pieces[0][1]
             continue
         rows = sum(piece.shape[0] for _, piece in pieces)
@@ -225,12 +229,12 @@ def assemble(per_rank: list[Shards]) -> dict[str, np.ndarray]:
 def assert_same(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
     assert sorted(actual) == sorted(expected)
     for name in expected:
-        np.testing.assert_array_equal(actual[name], expected[name], err_msg=name)
+        np.testing.assert_array_equal(actual[name], expected[name], err_msg=name, strict=True)
 
 
 def plain_state(module: nn.Module) -> dict[str, np.ndarray]:
-    """A plain module's state dict as fp32 numpy arrays (ties under each FQN)."""
-    return {k: v.detach().float().numpy().copy() for k, v in module.state_dict().items()}
+    """A plain module's state dict as numpy arrays of their own dtype (ties under each FQN)."""
+    return {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
 
 
 def shard_packed_lit(model: PackedLit, *, bf16: bool = False) -> PackedLit:
@@ -501,7 +505,7 @@ def test_init_weights_from_a_single_device_lightning_ckpt(tmp_path: Path) -> Non
     run_distributed(_single_device_fit, 1, path, init_process_group=False, timeout=120)
     results = run_distributed(_init_from_ckpt, 3, path, init_process_group=False, timeout=150)
     saved = torch.load(path, weights_only=True)
-    expected = {k: v.float().numpy() for k, v in saved["state_dict"].items()}
+    expected = {k: v.numpy() for k, v in saved["state_dict"].items()}
     assert_same(assemble([r["start"]["params"] for r in results]), expected)
     for result in results:
         np.testing.assert_array_equal(result["start"]["outputs"], result["plain_outputs"])
@@ -541,9 +545,9 @@ class _Fsdp2AtEpochEnd(Callback):
 
 
 def _full(value: Tensor) -> np.ndarray:
-    """FSDP2 shards are canonical ``Shard(0)``: ``full_tensor`` is right for them."""
+    """FSDP2 shards are canonical ``Shard(0)``: ``full_tensor`` is right for them (dtype kept)."""
     value = value.full_tensor() if isinstance(value, DTensor) else value
-    return value.detach().float().numpy().copy()
+    return value.detach().numpy().copy()
 
 
 def _full_fsdp2_state(module: nn.Module) -> dict[str, np.ndarray]:
@@ -683,10 +687,10 @@ def test_fsdp2_checkpoint_resumes_under_megatron_and_our_export_loads_back(
     optimizer = assemble([r["optimizer"] for r in ours])
     assert sorted(optimizer) == sorted(fsdp2["optimizer"])
     for key, value in fsdp2["optimizer"].items():
-        np.testing.assert_array_equal(optimizer[key].astype(np.float32), value, err_msg=key)
+        np.testing.assert_array_equal(optimizer[key], value, err_msg=key, strict=True)
     final = assemble([r["final"] for r in ours])
     for name, value in fsdp2["final"].items():
-        np.testing.assert_allclose(final[name], value, rtol=0, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(final[name], value, rtol=0, atol=1e-6, err_msg=name, strict=True)
     assert not np.array_equal(final["lm.embed.weight"], fsdp2["params"]["lm.embed.weight"])
 
     # The same FSDP2 checkpoint through trainer.fit(ckpt_path=...): the loop position too.
@@ -699,7 +703,7 @@ def test_fsdp2_checkpoint_resumes_under_megatron_and_our_export_loads_back(
     assert_same(assemble([r["params"] for r in resumed]), fsdp2["params"])
     optimizer = assemble([r["optimizer"] for r in resumed])
     for key, value in fsdp2["optimizer"].items():
-        np.testing.assert_array_equal(optimizer[key].astype(np.float32), value, err_msg=key)
+        np.testing.assert_array_equal(optimizer[key], value, err_msg=key, strict=True)
 
     # Our checkpoint, exported, loads into a plain module, into FSDP2, and (weights and
     # Adam state, from safetensors) into a 2-rank Megatron-FSDP model; so does the

@@ -1,14 +1,19 @@
 """Resharding resume through the real Trainer: save at 4 ranks, resume at 1, 2 and 3.
 
-A checkpoint saved by ``MegatronFSDPStrategy`` at world size 4 (plain FSDP, and HSDP on a
-(2, 2) mesh) is resumed with ``trainer.fit(ckpt_path=...)`` at other world sizes on a
-1-D mesh. Each rank of the new layout reads its own new chunks by global offset (the IO
-level is covered by ``tests/test_checkpoint_io.py``; this is the Trainer path, optimizer
-and loop state included). Asserted:
+A checkpoint saved by ``MegatronFSDPStrategy`` at world size 4 -- plain FSDP, HSDP on a
+(2, 2) mesh, and HSDP on a (2, 2) ``DeviceMesh`` the user built -- is resumed with
+``trainer.fit(ckpt_path=...)`` at other world sizes on a 1-D mesh. Each rank of the new
+layout reads its own new chunks by global offset (the IO level, HSDP targets included, is
+covered by ``tests/test_checkpoint_io.py`` and ``tests/test_hsdp_checkpoint.py``; this is
+the Trainer path, optimizer and loop state included). Asserted:
 
+* the saved state is right: the parameters and Adam state, assembled from every rank's
+  shards at the offsets ``chunk_metadata_by_fqn`` reports (each row exactly once), match
+  one plain process that trained the unsharded model on the same global batches -- the
+  offsets are the code under test, so this is what catches an offset wrong the same way
+  on save and load; the user's mesh trains bit-identically to ``device_mesh=(2, 2)``;
 * right after the restore, the model's outputs are bit-identical to the saved run's, and
-  the parameters and Adam state (assembled from every rank's shards at the offsets
-  ``chunk_metadata_by_fqn`` reports, each row exactly once) equal the saved ones by FQN;
+  the restored parameters and Adam state equal the saved ones by FQN, bit for bit;
 * the resumed run continues to match the run that never changed size within 1e-6 (the
   same global batches: the sampler's permutation does not depend on the world size; only
   the order of the gradient reduction differs).
@@ -25,10 +30,15 @@ from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DistributedSampler, TensorDataset
 
-from tests.harness import run_distributed
+from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
+from tests.models import hsdp_mesh
 from tests.test_portability import (
+    GLOBAL_BATCH,
+    LR,
     AtTrainStart,
     PackedLit,
     Shards,
@@ -38,11 +48,15 @@ from tests.test_portability import (
     megatron_strategy,
     optimizer_shards,
     param_shards,
+    plain_state,
     probe_outputs,
+    token_data,
     train_loader,
 )
 
 SAVED = "epoch=0-step=2.ckpt"  # saved after the first of two epochs (2 steps each)
+# Sharded training vs one process: only the order of the gradient reduction differs.
+REFERENCE_ATOL = 1e-6
 
 
 class _AfterFirstEpoch(Callback):
@@ -55,28 +69,41 @@ class _AfterFirstEpoch(Callback):
             self.optimizer = optimizer_shards(pl_module, trainer.optimizers[0])
 
 
+def _fit_two_epochs(world_size: int, root: str, mesh: Any) -> dict[str, Any]:
+    """Two uninterrupted epochs on ``mesh``, checkpointing into ``root`` after each."""
+    model = PackedLit(seed=0)
+    saved = _AfterFirstEpoch()
+    checkpoints = ModelCheckpoint(dirpath=root, save_top_k=-1)
+    trainer = make_trainer(
+        world_size,
+        megatron_strategy(device_mesh=mesh),
+        max_epochs=2,
+        enable_checkpointing=True,
+        callbacks=[saved, checkpoints],
+    )
+    trainer.fit(model, train_loader(world_size))
+    return {
+        "outputs": saved.outputs,
+        "params": saved.params,
+        "optimizer": saved.optimizer,
+        "final": param_shards(model),
+        "mesh": (tuple(model.device_mesh.shape), model.device_mesh.mesh_dim_names),
+    }
+
+
 def _save_at_four(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    """Two uninterrupted epochs per mesh, checkpointing after each."""
-    result: dict[str, Any] = {}
-    for name, mesh in (("fsdp", None), ("hsdp", (2, 2))):
-        model = PackedLit(seed=0)
-        saved = _AfterFirstEpoch()
-        checkpoints = ModelCheckpoint(dirpath=os.path.join(root, name), save_top_k=-1)
-        trainer = make_trainer(
-            world_size,
-            megatron_strategy(device_mesh=mesh),
-            max_epochs=2,
-            enable_checkpointing=True,
-            callbacks=[saved, checkpoints],
-        )
-        trainer.fit(model, train_loader(world_size))
-        result[name] = {
-            "outputs": saved.outputs,
-            "params": saved.params,
-            "optimizer": saved.optimizer,
-            "final": param_shards(model),
-        }
-    return result
+    """Plain FSDP, then HSDP from ``device_mesh=(2, 2)``; the strategy owns the groups."""
+    return {
+        name: _fit_two_epochs(world_size, os.path.join(root, name), mesh)
+        for name, mesh in (("fsdp", None), ("hsdp", (2, 2)))
+    }
+
+
+def _save_on_a_user_mesh(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """HSDP on a 2-D ``DeviceMesh`` built here, on the group the harness created (the
+    strategy neither creates nor destroys it), with the user's own dim names."""
+    mesh = hsdp_mesh(2, 2, names=("replicas", "shards"), timeout=PROCESS_GROUP_TIMEOUT)
+    return {"user-mesh": _fit_two_epochs(world_size, os.path.join(root, "user-mesh"), mesh)}
 
 
 def _resume(rank: int, world_size: int, paths: dict[str, str]) -> dict[str, Any]:
@@ -107,36 +134,107 @@ def _replicas(per_rank: list[Shards], shard_size: int) -> dict[str, np.ndarray]:
     return first
 
 
+def _reference() -> dict[str, Any]:
+    """``PackedLit`` trained by one process, unsharded, on the Trainer's global batches.
+
+    At every world size dividing 12, Lightning's ``DistributedSampler(seed=0)`` deals step
+    s of an epoch the rows at positions [12 s, 12 s + 12) of that epoch's permutation,
+    which is what a 1-replica sampler yields in order.
+    """
+    model = PackedLit(seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    dataset = TensorDataset(*token_data())
+    names = {id(p): n for n, p in model.named_parameters()}
+    result: dict[str, Any] = {}
+    for epoch in range(2):
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        for start in range(0, len(order), GLOBAL_BATCH):
+            loss = model.training_step(dataset[order[start : start + GLOBAL_BATCH]], start)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        if epoch == 0:
+            result["outputs"] = probe_outputs(model)
+            result["params"] = plain_state(model)
+            result["optimizer"] = {
+                f"{names[id(p)]}/{k}": v.detach().numpy().copy()
+                for p, state in optimizer.state.items()
+                for k, v in state.items()
+            }
+    result["final"] = plain_state(model)
+    return result
+
+
+def _assert_close(
+    actual: dict[str, np.ndarray], expected: dict[str, np.ndarray], what: str
+) -> None:
+    assert sorted(actual) == sorted(expected), what
+    for key, value in expected.items():
+        np.testing.assert_allclose(
+            actual[key], value, rtol=0, atol=REFERENCE_ATOL, err_msg=f"{what}: {key}", strict=True
+        )
+
+
 def test_resume_at_other_world_sizes_and_from_hsdp_to_1d(tmp_path: Path) -> None:
-    """4 ranks (FSDP and (2, 2) HSDP) -> 1, 2, 3 ranks: exact restore, matching continuation."""
+    """4 ranks (FSDP, (2, 2) HSDP, a user's 2-D DeviceMesh) -> 1, 2, 3 ranks: state equal
+    to one process's, exact restore, matching continuation."""
     saved = run_distributed(_save_at_four, 4, str(tmp_path), init_process_group=False, timeout=240)
+    on_user_mesh = run_distributed(_save_on_a_user_mesh, 4, str(tmp_path), timeout=240)
+    for result, user in zip(saved, on_user_mesh, strict=True):
+        result.update(user)
     expected = {
         "fsdp": {
             "params": assemble([r["fsdp"]["params"] for r in saved]),
             "optimizer": assemble([r["fsdp"]["optimizer"] for r in saved]),
             "final": assemble([r["fsdp"]["final"] for r in saved]),
         },
-        "hsdp": {
-            "params": _replicas([r["hsdp"]["params"] for r in saved], 2),
-            "optimizer": _replicas([r["hsdp"]["optimizer"] for r in saved], 2),
-            "final": _replicas([r["hsdp"]["final"] for r in saved], 2),
+        **{
+            name: {
+                "params": _replicas([r[name]["params"] for r in saved], 2),
+                "optimizer": _replicas([r[name]["optimizer"] for r in saved], 2),
+                "final": _replicas([r[name]["final"] for r in saved], 2),
+            }
+            for name in ("hsdp", "user-mesh")
         },
     }
-    for name in ("fsdp", "hsdp"):
+    reference = _reference()
+    for name in ("fsdp", "hsdp", "user-mesh"):
         for result in saved[1:]:  # every rank computed the same outputs
-            np.testing.assert_array_equal(result[name]["outputs"], saved[0][name]["outputs"])
+            np.testing.assert_array_equal(
+                result[name]["outputs"], saved[0][name]["outputs"], strict=True
+            )
+        np.testing.assert_allclose(
+            saved[0][name]["outputs"], reference["outputs"], rtol=0, atol=1e-5, strict=True
+        )
+        for part in ("params", "optimizer", "final"):
+            _assert_close(expected[name][part], reference[part], f"{name} {part}")
         # Not vacuous: the second epoch moved the weights.
         assert not np.array_equal(
             expected[name]["final"]["lm.embed.weight"], expected[name]["params"]["lm.embed.weight"]
         )
+    assert [r["hsdp"]["mesh"] for r in saved] == [((2, 2), ("dp_replicate", "dp_shard"))] * 4
+    assert [r["user-mesh"]["mesh"] for r in saved] == [((2, 2), ("replicas", "shards"))] * 4
+    # The user's mesh is the same layout as device_mesh=(2, 2): the same bits.
+    for result in saved:
+        for part in ("outputs", "params", "optimizer", "final"):
+            user, ours = result["user-mesh"][part], result["hsdp"][part]
+            if part == "outputs":
+                np.testing.assert_array_equal(user, ours, strict=True)
+            else:
+                assert user.keys() == ours.keys()
+                for key, (offset, value) in ours.items():
+                    assert user[key][0] == offset, (part, key)
+                    np.testing.assert_array_equal(user[key][1], value, strict=True)
     # The uneven case is present at 4 ranks: some rank owns no row of the head bias.
     assert any(r["fsdp"]["params"]["lm.head.bias"][1].shape[0] == 0 for r in saved)
 
-    fsdp = {"fsdp": str(tmp_path / "fsdp" / SAVED)}
+    paths = {name: str(tmp_path / name / SAVED) for name in ("fsdp", "hsdp", "user-mesh")}
     runs = {
-        1: fsdp,
-        2: {**fsdp, "hsdp": str(tmp_path / "hsdp" / SAVED)},
-        3: fsdp,
+        1: {k: paths[k] for k in ("fsdp", "hsdp")},
+        2: {k: paths[k] for k in ("fsdp", "hsdp")},
+        3: {k: paths[k] for k in ("fsdp", "hsdp", "user-mesh")},
     }
     for world_size, paths in runs.items():
         resumed = run_distributed(_resume, world_size, paths, init_process_group=False, timeout=180)
@@ -144,7 +242,7 @@ def test_resume_at_other_world_sizes_and_from_hsdp_to_1d(tmp_path: Path) -> None
             context = f"{name} checkpoint resumed at {world_size} rank(s)"
             for result in resumed:
                 np.testing.assert_array_equal(
-                    result[name]["outputs"], saved[0][name]["outputs"], err_msg=context
+                    result[name]["outputs"], saved[0][name]["outputs"], err_msg=context, strict=True
                 )
                 assert result[name]["global_step"] == 4, context  # epoch 1 ran, epoch 0 not
             assert_same(assemble([r[name]["params"] for r in resumed]), expected[name]["params"])
@@ -154,5 +252,5 @@ def test_resume_at_other_world_sizes_and_from_hsdp_to_1d(tmp_path: Path) -> None
             final = assemble([r[name]["final"] for r in resumed])
             for fqn, value in expected[name]["final"].items():
                 np.testing.assert_allclose(
-                    final[fqn], value, rtol=0, atol=1e-6, err_msg=f"{context}: {fqn}"
+                    final[fqn], value, rtol=0, atol=1e-6, err_msg=f"{context}: {fqn}", strict=True
                 )

@@ -1,13 +1,16 @@
-"""The multi-rank harness reports results, a failing rank's traceback, and hangs."""
+"""The multi-rank harness reports results, a failing rank's traceback, and hangs; commands
+a test spawns do not outlive it."""
 
 import os
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_distributed
+from tests.harness import run_command, run_distributed, spawned
 
 
 def _sum_ranks(rank: int, world_size: int) -> int:
@@ -58,3 +61,37 @@ def _return_tensor(rank: int, world_size: int) -> torch.Tensor:
 def test_tensors_come_back_by_value() -> None:
     values = run_distributed(_return_tensor, 2, init_process_group=False)
     assert [v.tolist() for v in values] == [[0.0] * 3, [1.0] * 3]
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie nobody reaped yet counts as dead)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+# A shell that starts a grandchild and reports its pid, then waits on it: longer than
+# pytest-timeout, so a cleanup that waited for it instead of killing it fails the test.
+_FAMILY = ["sh", "-c", "sleep 600 & echo $!; wait"]
+
+
+def test_spawned_commands_die_with_the_test_that_failed() -> None:
+    """An assertion failing while a command runs: the command and its child are killed."""
+    with pytest.raises(AssertionError, match="a check failed"), spawned(_FAMILY) as process:
+        assert process.stdout is not None
+        grandchild = int(process.stdout.readline())
+        assert _running(process.pid) and _running(grandchild)
+        raise AssertionError("a check failed")
+    deadline = time.monotonic() + 10
+    while _running(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the orphan is reaped by whoever adopts it
+    assert not _running(process.pid) and not _running(grandchild)
+
+
+def test_run_command_kills_a_command_that_times_out() -> None:
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_command(_FAMILY, timeout=1)
+    completed = run_command(["sh", "-c", "echo out; echo err >&2; exit 3"], timeout=30)
+    assert (completed.returncode, completed.stdout, completed.stderr) == (3, "out\n", "err\n")

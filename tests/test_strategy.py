@@ -13,8 +13,8 @@ none of ``head``/``scale``.
 
 from __future__ import annotations
 
+import copy
 import functools
-import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +40,7 @@ from lightning_megatron_fsdp import (
     shard_module,
     sharded_grad_norm,
 )
+from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock, PackedLM, build_packed_lm, lm_loss, make_batch
 
@@ -630,32 +631,38 @@ def _precision_state(model: nn.Module) -> dict[str, Any]:
     return {"main": sorted(main), "compute": sorted(compute), "synced": synced}
 
 
+PRECISION_STEPS = 2
+TRUE_PRECISIONS = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
 def _fit_precisions(rank: int, world_size: int) -> dict[str, Any]:
     report: dict[str, Any] = {}
-    pl.seed_everything(0, verbose=False)
-    model = MLP()
-    probe = _Bf16Probe({n: p.detach().clone() for n, p in model.named_parameters()})
-    x, y = _regression_data(BATCH * world_size * 2, seed=6)
-    trainer = _trainer(
-        world_size,
-        _strategy(auto_wrap_policy={Block}),
-        precision="bf16-true",
-        max_steps=2,
-        callbacks=[probe],
-    )
-    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=BATCH))
-    (optimizer,) = trainer.optimizers
-    report["bf16-true"] = {
-        **probe.report,
-        "end": _precision_state(model),
-        "plugin": type(trainer.precision_plugin).__name__,
-        "outputs": sorted(set(model.output_dtypes)),
-        "params": sorted({str(p.dtype) for p in model.parameters()}),
-        "optimizer_state": sorted(
-            {f"{k}:{v.dtype}" for s in optimizer.state.values() for k, v in s.items()}
-        ),
-        "finite": all(math.isfinite(v) for v in model.step_losses),
-    }
+    x, y = _regression_data(BATCH * world_size * PRECISION_STEPS, seed=6)
+    for precision in TRUE_PRECISIONS:
+        pl.seed_everything(0, verbose=False)
+        model = MLP()
+        probe = _Bf16Probe({n: p.detach().clone() for n, p in model.named_parameters()})
+        trainer = _trainer(
+            world_size,
+            _strategy(auto_wrap_policy={Block}),
+            precision=precision,
+            max_steps=PRECISION_STEPS,
+            callbacks=[probe],
+        )
+        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=BATCH))
+        (optimizer,) = trainer.optimizers
+        report[precision] = {
+            **probe.report,
+            "end": _precision_state(model),
+            "plugin": type(trainer.precision_plugin).__name__,
+            "outputs": sorted(set(model.output_dtypes)),
+            "params": sorted({str(p.dtype) for p in model.parameters()}),
+            "optimizer_state": sorted(
+                {f"{k}:{v.dtype}" for s in optimizer.state.values() for k, v in s.items()}
+            ),
+            "losses": model.step_losses,
+            "shards": _shards(model),
+        }
     pl.seed_everything(0, verbose=False)
     model = MLP()
     trainer = _trainer(
@@ -675,26 +682,82 @@ def _fit_precisions(rank: int, world_size: int) -> dict[str, Any]:
     return report
 
 
-def test_bf16_true_keeps_fp32_main_weights_and_optimizer_state() -> None:
-    """bf16-true: bf16 compute, exact fp32 masters and Adam state; bf16-mixed: fp32 + autocast."""
-    for report in run_distributed(_fit_precisions, 2, init_process_group=False, timeout=120):
-        true = report["bf16-true"]
-        assert true["plugin"] == "MegatronFSDPPrecision"
-        assert true["main_weights_exact_fp32_init"] is True
-        for state in (true["start"], true["end"]):
-            assert state == {
-                "main": ["torch.float32"],
-                "compute": ["torch.bfloat16"],
-                "synced": True,
-            }
-        assert true["outputs"] == ["torch.bfloat16"]
-        assert true["params"] == ["torch.float32"]
-        assert true["optimizer_state"] == [
-            "exp_avg:torch.float32",
-            "exp_avg_sq:torch.float32",
-            "step:torch.float32",
-        ]
-        assert true["finite"]
+def _reference_true_precision(
+    data: tuple[Tensor, Tensor], world_size: int, dtype: torch.dtype, steps: int
+) -> tuple[MLP, list[float]]:
+    """``MLP`` trained in one plain process the way a ``-true`` flag promises to train it.
+
+    fp32 master weights and Adam state; a ``dtype`` copy of the masters computes each
+    rank's forward and backward on that rank's rows (inputs and targets cast to ``dtype``,
+    as the precision plugin casts a batch); the ranks' ``dtype`` gradients are averaged in
+    ``dtype`` (where Megatron-FSDP reduces them) and the optimizer steps the masters.
+    Independent of the code under test: no sharding, no Megatron-FSDP.
+    """
+    pl.seed_everything(0, verbose=False)
+    master = MLP()
+    compute = copy.deepcopy(master).to(dtype)
+    optimizer = torch.optim.Adam(master.parameters(), lr=master.lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    x, y = (t.to(dtype) for t in data)
+    losses = []
+    for rows in _global_batches(len(x), world_size, BATCH, steps):
+        rank_losses, rank_grads = [], []
+        for rank in range(world_size):
+            mine = rows[rank * BATCH : (rank + 1) * BATCH]
+            compute.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(compute(x[mine]).float(), y[mine].float())
+            loss.backward()
+            rank_losses.append(loss.detach())
+            rank_grads.append([p.grad for p in compute.parameters()])
+        per_parameter = zip(*rank_grads, strict=True)
+        for parameter, grads in zip(master.parameters(), per_parameter, strict=True):
+            parameter.grad = (torch.stack(grads).sum(0) / world_size).float()
+        optimizer.step()
+        scheduler.step()
+        with torch.no_grad():
+            for low, high in zip(compute.parameters(), master.parameters(), strict=True):
+                low.copy_(high)
+        losses.append(float(torch.stack(rank_losses).mean()))
+    return master, losses
+
+
+def test_true_precisions_train_like_one_process_and_keep_fp32_state() -> None:
+    """bf16-true and 16-true: half-precision compute, exact fp32 masters and Adam state,
+    and the same training as one process at that precision; bf16-mixed: fp32 + autocast."""
+    world_size = 2
+    reports = run_distributed(_fit_precisions, world_size, init_process_group=False, timeout=150)
+    data = _regression_data(BATCH * world_size * PRECISION_STEPS, seed=6)
+    for precision, dtype in TRUE_PRECISIONS.items():
+        for report in reports:
+            true = report[precision]
+            assert true["plugin"] == "MegatronFSDPPrecision"
+            assert true["main_weights_exact_fp32_init"] is True
+            for state in (true["start"], true["end"]):
+                assert state == {
+                    "main": ["torch.float32"],
+                    "compute": [str(dtype)],
+                    "synced": True,
+                }
+            assert true["outputs"] == [str(dtype)]
+            assert true["params"] == ["torch.float32"]
+            assert true["optimizer_state"] == [
+                "exp_avg:torch.float32",
+                "exp_avg_sq:torch.float32",
+                "step:torch.float32",
+            ]
+        # Bit for bit: each rank computes exactly what the reference computes for its rows,
+        # and a 2-rank average in the compute dtype rounds once, as the reference's does.
+        reference, losses = _reference_true_precision(data, world_size, dtype, PRECISION_STEPS)
+        for report in reports:
+            assert report[precision]["losses"] == losses, precision
+        full = _assemble([r[precision]["shards"] for r in reports])
+        _assert_params_close(full, reference, atol=0)
+        # Not vacuous: an fp32 run ends elsewhere, so the comparison tells precisions apart.
+        batches = _global_batches(len(data[0]), world_size, BATCH, PRECISION_STEPS)
+        fp32, _, _ = _reference_mlp(batches, data)
+        with pytest.raises(AssertionError):
+            _assert_params_close(full, fp32, atol=0)
+    for report in reports:
         mixed = report["bf16-mixed"]
         assert mixed["main"] == mixed["compute"] == ["torch.float32"]
         assert mixed["shared_buffer"] and mixed["outputs"] == ["torch.bfloat16"]
@@ -851,8 +914,9 @@ def _fit_cuda(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.gpu
 def test_cuda_nccl_training_matches_cpu_reference() -> None:
     """Unchanged on CUDA/NCCL: same training, inference-mode eval, bf16-true, meta peak."""
-    world_size = min(torch.cuda.device_count(), 2)
+    world_size = cuda_world_size()
     results = run_distributed(_fit_cuda, world_size, init_process_group=False, timeout=240)
+    assert_ran_on_cuda([r["devices"][0] for r in results], world_size)
     data = _regression_data(BATCH * world_size * STEPS, seed=1)
     batches = _global_batches(len(data[0]), world_size, BATCH, STEPS)
     reference, ref_losses, _ = _reference_mlp(batches, data)

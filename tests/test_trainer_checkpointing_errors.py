@@ -15,6 +15,7 @@ group's timeout, and the harness reports it as hung.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -138,13 +139,16 @@ def _attempt(
         # No default ModelCheckpoint: it would write into the current directory.
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks or []),
     )
-    try:
-        trainer.fit(model, token_loader(world_size), ckpt_path=ckpt_path)
-        outcome = "ok"
-    except BaseException as err:  # CheckpointException would be a BaseException
-        outcome = f"{type(err).__name__}: {err}"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(model, token_loader(world_size), ckpt_path=ckpt_path)
+            outcome = "ok"
+        except BaseException as err:  # CheckpointException would be a BaseException
+            outcome = f"{type(err).__name__}: {err}"
     return {
         "outcome": outcome,
+        "warnings": [str(w.message) for w in caught if "MegatronFSDP" in str(w.message)],
         "before": before.weights,
         "after": weights(model),
         "start": probe.train_start,
@@ -284,6 +288,15 @@ def test_bad_checkpoints_raise_clearly_on_every_rank(tmp_path: Path) -> None:
         assert _same(allowed["start"]["weights"], good_weights)
         assert allowed["start"]["global_step"] == GOOD_STEP
         assert allowed["start"]["optimizer"] == {"0/lr": [0.05]}  # no state, initial lr
+        # ...and the user is told so, once (rank 0); a full resume warns nothing.
+        weights_only_warnings = [
+            w for w in allowed["warnings"] if "resuming fit from weights-only checkpoint" in w
+        ]
+        assert len(weights_only_warnings) == (1 if rank == 0 else 0), allowed["warnings"]
+        if rank == 0:
+            assert str(tmp_path / "weights-only.ckpt") in weights_only_warnings[0]
+            assert "optimizer state and LR schedulers start fresh" in weights_only_warnings[0]
+        assert result["lacking_lenient"]["warnings"] == []
         # One rank fails alone: both raise; the failing rank its own error, the other
         # names it; the save wrote nothing.
         saving = result["save_differs_on_rank1"]["outcome"]

@@ -9,7 +9,8 @@ Launched two ways by ``tests/test_strategy_launch.py``, which compares the repor
 With ``devices=2`` Lightning's launcher re-runs this script for rank 1; under torchrun
 Lightning detects the external launcher (``TorchElasticEnvironment``). Each rank writes
 ``OUT_DIR/rank<r>.json``: its cluster environment, the globally averaged losses, and its
-local shard of every parameter.
+local shard of every parameter with the shard's first row. The test trains the same
+``Model`` on the same :func:`dataset` in one plain process and compares.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_megatron_fsdp import MegatronFSDPStrategy
+from lightning_megatron_fsdp import MegatronFSDPStrategy, chunk_metadata_by_fqn
+
+LR = 0.05
+BATCH = 2  # per rank
+STEPS = 3
 
 
 class Block(nn.Module):
@@ -43,35 +48,42 @@ class Model(pl.LightningModule):
         self.head = nn.Linear(7, 3)
         self.losses: list[float] = []
 
-    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+    def loss(self, batch: list[Tensor]) -> Tensor:
         x, y = batch
-        loss = nn.functional.mse_loss(self.head(self.b1(x)), y)
+        return nn.functional.mse_loss(self.head(self.b1(x)), y)
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        loss = self.loss(batch)
         self.losses.append(float(self.trainer.strategy.reduce(loss.detach())))
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=0.05)
+        return torch.optim.Adam(self.parameters(), lr=LR)
+
+
+def dataset() -> TensorDataset:
+    """12 rows: 3 steps of 2 rows on each of 2 ranks."""
+    generator = torch.Generator().manual_seed(1)
+    return TensorDataset(
+        torch.randn(12, 5, generator=generator), torch.randn(12, 3, generator=generator)
+    )
 
 
 def main(out_dir: Path) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     model = Model()
-    generator = torch.Generator().manual_seed(1)
-    data = TensorDataset(
-        torch.randn(12, 5, generator=generator), torch.randn(12, 3, generator=generator)
-    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=MegatronFSDPStrategy(auto_wrap_policy={Block}, timeout=timedelta(seconds=60)),
-        max_steps=3,
+        max_steps=STEPS,
         enable_progress_bar=False,
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, DataLoader(data, batch_size=2))
+    trainer.fit(model, DataLoader(dataset(), batch_size=BATCH))
     rank = trainer.global_rank
     report = {
         "rank": rank,
@@ -81,6 +93,7 @@ def main(out_dir: Path) -> None:
         "shards": {
             name: parameter._local_tensor.tolist() for name, parameter in model.named_parameters()
         },
+        "first_rows": {name: int(c.offsets[0]) for name, c in chunk_metadata_by_fqn(model).items()},
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
