@@ -390,6 +390,7 @@ def fully_shard(
     """
     original_cls = type(module)
     aliases = {} if UPSTREAM_TIES else _detach_aliases(module)
+    before = {name: set(getattr(module, name)) for name in _HOOK_DICTS}
     try:
         _upstream_fully_shard(
             module, mesh, placements, mixed_precision_policy=mixed_precision_policy
@@ -399,8 +400,42 @@ def fully_shard(
         raise
     module.__class__ = _shared_fsdp_class(original_cls)
     module.register_forward_hook(_pre_backward_for_structured_output)
+    setattr(
+        module,
+        _UNIT_HOOKS_ATTR,
+        {name: set(getattr(module, name)) - before[name] for name in _HOOK_DICTS},
+    )
     if aliases:
         _install_aliases(module, aliases)
+
+
+# The module hook dicts ``FsdpModule._register_hooks`` fills (module.py), and the ids of the
+# hooks a unit got there (plus ours), so nested calls can set exactly those aside.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_UNIT_HOOKS_ATTR = "_lmf_unit_hook_ids"
+
+
+@contextlib.contextmanager
+def unit_hooks_suspended(module: nn.Module) -> Iterator[None]:
+    """Inside, calls of ``module`` run as plain calls, without its unit's hooks.
+
+    The strategy runs a step as the forward of a LightningModule that is a unit; a step
+    that calls ``self(x)`` would enter the same unit again (0.7 refuses the phase
+    transition FORWARD -> FORWARD, 0.6.1 would reshard the parameters mid-step). The outer
+    call already unsharded them and hooked backward, so nested calls need no hooks.
+    """
+    ids: dict[str, set[int]] = getattr(module, _UNIT_HOOKS_ATTR, {})
+    set_aside = {
+        name: {
+            i: getattr(module, name).pop(i) for i in ids.get(name, ()) if i in getattr(module, name)
+        }
+        for name in _HOOK_DICTS
+    }
+    try:
+        yield
+    finally:
+        for name, hooks in set_aside.items():
+            getattr(module, name).update(hooks)
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:
