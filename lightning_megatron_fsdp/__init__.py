@@ -20,6 +20,7 @@ from lightning_megatron_fsdp.export import (
     inspect_checkpoint,
     verify_checkpoint,
 )
+from lightning_megatron_fsdp.gather import full_tensor, grad_norm
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
 from lightning_megatron_fsdp.precision import (
     MegatronFSDPPrecision,
@@ -68,6 +69,8 @@ __all__ = [
     "enable_cpu_execution",
     "ensure_optimizer_state",
     "fsdp_placements",
+    "full_tensor",
+    "grad_norm",
     "hsdp_placements",
     "inspect_checkpoint",
     "interrupted_saves",

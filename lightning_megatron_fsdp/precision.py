@@ -61,6 +61,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_megatron_fsdp import _megatron
 from lightning_megatron_fsdp._megatron import MixedPrecisionPolicy
 
 __all__ = [
@@ -192,9 +193,21 @@ class MegatronFSDPPrecision(Precision):
             TypeError: For ``torch.optim.LBFGS``, which re-evaluates its closure.
         """
         reject_closure_optimizer(optimizer)
-        closure_result = self._wrap_closure(model, optimizer, closure)
+        with _gather().lightning_grad_norm_explained():  # in the closure and its hooks
+            closure_result = self._wrap_closure(model, optimizer, closure)
         step_output = optimizer.step(**kwargs)
         return closure_result if step_output is None else step_output
+
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        """Finish the gradients, then run Lightning's ``on_after_backward`` hooks.
+
+        Waits for pending gradient reduce-scatters (a side stream on CUDA) and makes
+        ``.full_tensor()`` on the fresh sharded gradients safe
+        (:func:`~lightning_megatron_fsdp.gather.bind_full_tensor`) before the hooks read them.
+        """
+        _megatron.join_gradient_reduction(module)
+        _gather().bind_full_tensor(module, gradients=True)
+        return super().post_backward(tensor, module)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip the optimizer's gradients to total norm ``clip_val`` across all shards."""
@@ -203,6 +216,13 @@ class MegatronFSDPPrecision(Precision):
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clamp every gradient element of the optimizer to ``[-clip_val, clip_val]``."""
         clip_sharded_grad_value_(self.main_params(optimizer), clip_val)
+
+
+def _gather() -> Any:
+    """:mod:`~lightning_megatron_fsdp.gather`, imported late: it imports this module."""
+    from lightning_megatron_fsdp import gather
+
+    return gather
 
 
 def to_megatron_precision(plugin: Precision | None, where: str) -> MegatronFSDPPrecision | None:
