@@ -35,7 +35,7 @@ one (a single broadcast, the first time it is needed). The dummy step:
   it issues the same all-gathers a real step of that dataloader issues;
 * logs nothing: ``self.log``/``self.log_dict`` are no-ops during it, except that a
   ``sync_dist=True, on_step=True`` call raises (a real step syncs that value with a
-  collective that a dummy cannot stand in for; DDP hangs there instead);
+  collective that a dummy cannot stand in for; DDP cannot run it either);
 * leaves torchmetrics states as they were (each ``Metric`` is restored afterwards);
 * calls no batch hooks and is not counted by the loop.
 
@@ -59,8 +59,9 @@ uneven data with a clear error instead of hanging):
 Alternatives rejected:
     * Padding with repeated samples (what ``DistributedSampler`` does for validation):
       predictions would gain duplicates and differ from DDP's.
-    * Agreeing inside the dataloader iterator: Lightning prefetches one batch when the
-      length is unknown, so a rank with no batch at all would agree one round early.
+    * Agreeing inside the dataloader iterator: with a known length Lightning's fetcher
+      stops without asking the iterator for more, and with an unknown one it prefetches a
+      batch, so a rank with no batch at all would agree one round early.
     * Yielding placeholder batches through the loop: every batch hook, logger and
       prediction writer would see them.
     * One all-reduce per step of "remaining batches": ranks do not know their remaining
@@ -238,7 +239,6 @@ class UnevenBatchJoin:
         self._where = where
         self._dataloader = 0
         self._examples: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-        self.dummy_steps = 0
 
     def before_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Announce a real step (caching its batch as this dataloader's example).
@@ -325,7 +325,6 @@ class UnevenBatchJoin:
         args, kwargs = self._examples[self._dataloader]
         with _effects_dropped(self._module, self.step_name, self._where):
             self._run_step(args, dict(kwargs))
-        self.dummy_steps += 1
 
 
 @contextlib.contextmanager

@@ -71,6 +71,8 @@ class LitPacked(pl.LightningModule):
         if self.route == "lightning_grad_norm":
             lightning_grad_norm(self, norm_type=2)  # refused with our route named
         record: dict[str, Any] = {"after_backward": self.after_backward}
+        # The README's form: log the norms (compared through callback_metrics).
+        self.log_dict(lightning_grad_norm(self, 2) if self.route == "ddp" else grad_norm(self, 2))
         if self.route == "ddp":
             record["norms"] = _floats(lightning_grad_norm(self, 2))
             record["norms_inf"] = _floats(lightning_grad_norm(self, "inf"))
@@ -123,6 +125,7 @@ def _fit(rank: int, world_size: int, route: str) -> list[dict[str, Any]]:
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(data, batch_size=2))
+    model.seen.append({"logged": _floats(trainer.callback_metrics)})
     return model.seen
 
 
@@ -141,7 +144,11 @@ def test_full_tensors_and_grad_norms_match_ddp() -> None:
     results = run_distributed(_both, WORLD_SIZE, init_process_group=False, timeout=240)
     for rank, result in enumerate(results):
         ddp, ours = result["ddp"], result["megatron_fsdp"]
-        assert len(ddp) == len(ours) == STEPS
+        assert len(ddp) == len(ours) == STEPS + 1
+        logged, expected_logged = ours.pop()["logged"], ddp.pop()["logged"]
+        assert logged.keys() == expected_logged.keys() and "grad_2.0_norm_total" in logged
+        for key, value in logged.items():
+            assert value == pytest.approx(expected_logged[key], rel=1e-6), key
         for step, (expected, actual) in enumerate(zip(ddp, ours, strict=True)):
             # Shards really are uneven: rank 1 owns no row of `temperature`.
             assert actual["local_rows"]["temperature"] == (1 if rank == 0 else 0)

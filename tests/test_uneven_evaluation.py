@@ -15,6 +15,7 @@ batch hooks still see only real batches.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,6 +60,7 @@ class Tower(pl.LightningModule):
             self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3))
         self.val_mse = nn.ModuleList([torchmetrics.MeanSquaredError() for _ in range(2)])
         self.allow_zero_length_dataloader_with_multiple_devices = True
+        self.joined: list[bool] = []  # per real validation batch: was a join installed?
         self.steps: dict[str, int] = {}
         self.batch_ends: dict[str, int] = {}
         self.metric_updates: list[int] = []
@@ -92,6 +94,9 @@ class Tower(pl.LightningModule):
         self._count(self.steps, dataloader_idx)
         index, x = batch
         return index, self(x)
+
+    def on_validation_batch_start(self, *args: Any) -> None:
+        self.joined.append(getattr(self.trainer.strategy, "_join", None) is not None)
 
     def on_validation_batch_end(self, *args: Any) -> None:
         self._count(self.batch_ends, args[-1] if len(args) == 4 else 0)
@@ -202,6 +207,14 @@ def _run(rank: int, world_size: int, own_parameter: bool, stages: tuple[str, ...
             result["validate"] = trainer.validate(model, loaders, verbose=False)
             result["validate_counts"] = (model.steps, model.batch_ends)
             result["metric_updates"] = model.metric_updates
+            result["joined"] = set(model.joined)
+        if "validate_even" in stages:
+            # Equal batch counts: no join, so no collective beyond the model's own.
+            model = _model(own_parameter)
+            loader = DataLoader(_rank_rows([2, 2], rank, seed=9), batch_size=1)
+            trainer = _trainer(_strategy(name), use_distributed_sampler=False)
+            result["validate_even"] = trainer.validate(model, loader, verbose=False)
+            result["joined_even"] = set(model.joined)
         if "test_iterable" in stages:
             model = _model(own_parameter)
             loader = DataLoader(RankRows([1, 3][rank], seed=6, with_targets=True), batch_size=1)
@@ -237,7 +250,7 @@ def test_uneven_stages_match_ddp(own_parameter: bool) -> None:
     stages = (
         ("predict", "predict_iterable", "validate", "test_iterable", "fit")
         if own_parameter
-        else ("predict", "predict_iterable", "validate")
+        else ("predict", "predict_iterable", "validate", "validate_even")
     )
     results = run_distributed(
         _run, WORLD_SIZE, own_parameter, stages, init_process_group=False, timeout=300
@@ -250,7 +263,7 @@ def test_uneven_stages_match_ddp(own_parameter: bool) -> None:
             if key in ours[rank]:
                 _assert_same_predictions(ours[rank][key], ddp[rank][key])
                 checked.append(key)
-        for key in ("validate", "test", "fit"):
+        for key in ("validate", "validate_even", "test", "fit"):
             if key in ours[rank]:
                 assert ours[rank][key] == ddp[rank][key], (rank, key)
                 checked.append(key)
@@ -277,7 +290,58 @@ def test_uneven_stages_match_ddp(own_parameter: bool) -> None:
             assert our_steps == most, (key, rank, our_steps, ddp_steps)
             # ... while batch hooks ran for its real batches only, as under DDP.
             assert our_batch_ends == ddp[rank][key][1], (key, rank)
+    # Our strategy joins uneven stages only (the DDP runs record nothing: no such attribute).
+    assert all(ours[r]["joined"] == {True} for r in range(WORLD_SIZE))
+    if "validate_even" in stages:
+        assert all(ours[r]["joined_even"] == {False} for r in range(WORLD_SIZE))
     # Anti-vacuity: a rank with no batch of a dataloader, and real numbers compared.
     assert ddp[1]["predict_iterable"] == [[]] and len(ddp[0]["predict_iterable"][0]) == 2
     assert all(ours[r]["validate"][0]["val_loss/dataloader_idx_0"] > 0 for r in range(WORLD_SIZE))
     assert set(checked) >= {"predict", "validate"}
+
+
+class IterStep(Tower):
+    """Pulls its own batches (``dataloader_iter``): cannot be joined."""
+
+    def validation_step(self, dataloader_iter: Iterator[Any]) -> None:  # type: ignore[override]
+        batch, _, _ = next(dataloader_iter)
+        self(batch[0])
+
+
+class StepSync(Tower):
+    """Syncs a logged value on every step: a joining rank cannot stand in for it."""
+
+    def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:  # type: ignore[override]
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("val_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
+
+
+def _refused(rank: int, world_size: int, cls: type[Tower]) -> str:
+    model = cls(own_parameter=True)
+    loader = DataLoader(_rank_rows([3, 1], rank, seed=4), batch_size=1)
+    trainer = _trainer(_strategy("megatron_fsdp"), use_distributed_sampler=False)
+    try:
+        trainer.validate(model, loader, verbose=False)
+    except (ValueError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_uneven_batches_that_cannot_be_joined_raise_clear_errors() -> None:
+    """``dataloader_iter`` steps: refused on every rank; a per-step sync: the joiner says why."""
+    for message in run_distributed(_refused, WORLD_SIZE, IterStep, init_process_group=False):
+        assert re.match(
+            r"ValueError: MegatronFSDPStrategy: the validation dataloaders give ranks different "
+            r"numbers of batches \(rank 0: \[3.0\], rank 1: \[1.0\]\), and a step that takes "
+            r"`dataloader_iter` pulls its own batches and cannot be joined",
+            message,
+        ), message
+    real, joiner = run_distributed(_refused, WORLD_SIZE, StepSync, init_process_group=False)
+    assert re.match(
+        r"RuntimeError: MegatronFSDPStrategy: self.log\(..., sync_dist=True, on_step=True\) in "
+        r"validation_step syncs every step, but the ranks have different numbers of batches",
+        joiner,
+    ), joiner
+    # Rank 0 waited in that sync; it learns that its peer stopped instead of hanging.
+    assert re.match(r"RuntimeError: .*failed in a collective with the other ranks", real), real
