@@ -29,23 +29,13 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
+from tests.models import HIDDEN, PackedBlock
 
 WORLD_SIZE = 2
 
 
-class Block(nn.Module):
-    """An auto-wrapped policy unit."""
-
-    def __init__(self, d_in: int, d_out: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(d_in, d_out)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.tanh(self.lin(x))
-
-
 class Tower(pl.LightningModule):
-    """Policy units ``b1``/``b2``, a top-level unit ``head``, optionally a root parameter.
+    """Policy units ``blocks.*``, top-level units ``inp``/``head``, maybe a root parameter.
 
     Counts step calls (real or joined) and real batch ends per (stage, dataloader), so
     tests can tell joins from real steps.
@@ -53,11 +43,15 @@ class Tower(pl.LightningModule):
 
     def __init__(self, *, own_parameter: bool) -> None:
         super().__init__()
-        self.b1 = Block(5, 7)
-        self.b2 = Block(7, 6)
-        self.head = nn.Linear(6, 3)
+        self.inp = nn.Linear(5, HIDDEN)
+        self.blocks = nn.ModuleList([PackedBlock(), PackedBlock()])
+        self.head = nn.Linear(HIDDEN, 3)
         if own_parameter:  # the LightningModule becomes a unit of its own
             self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+        generator = torch.Generator().manual_seed(0)  # PackedBlock leaves its own uninitialised
+        with torch.no_grad():
+            for parameter in self.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
         self.val_mse = nn.ModuleList([torchmetrics.MeanSquaredError() for _ in range(2)])
         self.allow_zero_length_dataloader_with_multiple_devices = True
         self.joined: list[bool] = []  # per real validation batch: was a join installed?
@@ -70,7 +64,10 @@ class Tower(pl.LightningModule):
         counts[key] = counts.get(key, 0) + 1
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.head(self.b2(self.b1(x)))
+        hidden = self.inp(x)
+        for block in self.blocks:
+            hidden = block(hidden)
+        out = self.head(hidden)
         return out * self.scale if hasattr(self, "scale") else out
 
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
@@ -162,7 +159,7 @@ def _trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
 def _strategy(name: str) -> Any:
     if name == "ddp":
         return DDPStrategy(process_group_backend="gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    return MegatronFSDPStrategy(auto_wrap_policy={Block}, timeout=PROCESS_GROUP_TIMEOUT)
+    return MegatronFSDPStrategy(auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT)
 
 
 def _model(own_parameter: bool) -> Tower:
