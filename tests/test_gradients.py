@@ -14,7 +14,8 @@ a 1-element ``temperature`` leaves rank 1 an empty shard, so DTensor's own
 * ``sharded_grad_norm(self.parameters())`` (ours) / torch's total norm (DDP).
 
 Lightning's own ``grad_norm`` under our strategy raises an error naming our route, on
-every rank.
+every rank. On a 2 x 2 HSDP mesh (no Trainer), ``full_tensor`` and ``grad_norm`` match one
+process's full-batch values.
 """
 
 from __future__ import annotations
@@ -29,17 +30,22 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_megatron_fsdp import (
     MegatronFSDPStrategy,
+    enable_cpu_execution,
     full_tensor,
     grad_norm,
+    hsdp_placements,
+    shard_module,
     sharded_grad_norm,
+    sharding_scope,
 )
 from lightning_megatron_fsdp.gather import _FullTensorMethod
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
-from tests.models import PackedBlock, build_packed_lm, make_batch
+from tests.models import PackedBlock, build_packed_lm, lm_loss, make_batch
 
 WORLD_SIZE = 2
 STEPS = 2
@@ -197,3 +203,41 @@ def test_full_tensor_method_of_a_copy_explains_itself() -> None:
     method = pickle.loads(pickle.dumps(_FullTensorMethod(torch.zeros(2))))
     with pytest.raises(RuntimeError, match=r"call lightning_megatron_fsdp.full_tensor\(tensor\)"):
         method()
+
+
+def _hsdp(rank: int, world_size: int) -> dict[str, Any]:
+    enable_cpu_execution()
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard"))
+    model = build_packed_lm(seed=0)
+    with sharding_scope():
+        for block in model.blocks:
+            shard_module(block, mesh, hsdp_placements())
+        shard_module(model, mesh, hsdp_placements())
+    lm_loss(model, make_batch(rank)).backward()
+    named = dict(model.named_parameters())
+    return {
+        "params": {n: full_tensor(p) for n, p in named.items()},
+        "grads": {n: full_tensor(p.grad) for n, p in named.items()},
+        "norms": _floats(grad_norm(model, 2)),
+        "local_rows": {n: p._local_tensor.shape[0] for n, p in named.items()},
+    }
+
+
+def test_full_tensor_and_grad_norm_on_hsdp_match_one_process() -> None:
+    """On a 2 x 2 HSDP mesh: shards gathered within a row, replicas counted once."""
+    results = run_distributed(_hsdp, 4, timeout=180)
+    reference = build_packed_lm(seed=0)
+    (sum(lm_loss(reference, make_batch(rank)) for rank in range(4)) / 4).backward()
+    expected = dict(reference.named_parameters())
+    norms = {name: float(p.grad.norm()) for name, p in expected.items()}
+    for result in results:
+        assert any(rows == 0 for rows in result["local_rows"].values())  # uneven shards
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, expected[name].detach(), rtol=0, atol=0)
+        for name, value in result["grads"].items():
+            # The reference sums the 4 losses in another order: rounding differs.
+            torch.testing.assert_close(value, expected[name].grad, rtol=0, atol=1e-6)
+        for name, value in norms.items():
+            assert result["norms"][f"grad_2.0_norm/{name}"] == pytest.approx(value, rel=1e-5)
+        total = float(torch.tensor(list(norms.values())).norm())
+        assert result["norms"]["grad_2.0_norm_total"] == pytest.approx(total, rel=1e-5)
