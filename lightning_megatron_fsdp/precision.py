@@ -60,6 +60,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_megatron_fsdp import _megatron
 from lightning_megatron_fsdp._megatron import MixedPrecisionPolicy
@@ -198,6 +199,7 @@ class MegatronFSDPPrecision(Precision):
         step_output = optimizer.step(**kwargs)
         return closure_result if step_output is None else step_output
 
+    @override
     def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         """Finish the gradients, then run Lightning's ``on_after_backward`` hooks.
 

@@ -27,8 +27,11 @@ the Lightning glue only; each mechanism lives in its own module):
 * Steps: when the LightningModule is a unit, ``training_step`` and friends run *inside*
   its forward (so its hooks unshard its own parameters) and the loss is returned through
   it, so its backward hook unshards them again; otherwise they run as they are.
+* Uneven validation/test/predict data (:mod:`~lightning_megatron_fsdp.join`): ranks that
+  run out of batches join the others' forwards with dummy steps, as torch's ``Join`` does.
 * Optimizers: adapted with ``fully_shard_optimizer``; the closure runs before the step
-  (see :mod:`~lightning_megatron_fsdp.precision`).
+  (see :mod:`~lightning_megatron_fsdp.precision`). ``.full_tensor()`` of the sharded
+  parameters and gradients is bound to :func:`~lightning_megatron_fsdp.gather.full_tensor`.
 * Checkpoints: by FQN through torch's DCP state-dict helpers, with the true chunk of
   every packed shard attached (:mod:`~lightning_megatron_fsdp.uneven_dtensor`), written
   and read by ``MegatronFSDPCheckpointIO`` (see ``docs/DESIGN.md``).
@@ -899,6 +902,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         checkpoint IO finishes an async save and drops its background group here.
         """
         self._close_sharding(RuntimeError("teardown before setup finished sharding"))
+        self._join = None  # a stage that failed part-way never reached its on_*_end
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         self.precision_plugin.teardown()
