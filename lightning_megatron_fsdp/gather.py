@@ -54,13 +54,20 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import grads as _lightning_grads
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp import _megatron
-from lightning_megatron_fsdp.precision import _local_grad, _reduce_groups
 from lightning_megatron_fsdp.uneven_dtensor import parameter_chunk
 
-__all__ = ["bind_full_tensor", "full_tensor", "grad_norm", "lightning_grad_norm_explained"]
+__all__ = [
+    "bind_full_tensor",
+    "full_tensor",
+    "grad_norm",
+    "grad_reduce_groups",
+    "lightning_grad_norm_explained",
+    "local_grad",
+]
 
 _LIGHTNING_GRAD_NORM = _lightning_grads.grad_norm.__code__
 
@@ -181,7 +188,7 @@ def grad_norm(
     prefix = f"grad_{norm_type}_norm"
     norms = {
         f"{prefix}{group_separator}{name}": (value if is_inf else value ** (1.0 / norm_type)).to(
-            _local_grad(parameter).dtype  # type: ignore[union-attr]
+            local_grad(parameter).dtype  # type: ignore[union-attr]
         )
         for (name, parameter), value in zip(named, reduced, strict=True)
     }
@@ -193,7 +200,7 @@ def grad_norm(
 
 def _local_partial_norm(parameter: Tensor, norm_type: float, is_inf: bool) -> Tensor:
     """This rank's share of one gradient's norm: ``sum |g|^p`` (or ``max |g|``), fp32."""
-    local = _local_grad(parameter)
+    local = local_grad(parameter)
     assert local is not None
     if local.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=local.device)
@@ -207,7 +214,7 @@ def _reduce_by_group(parameters: list[Tensor], values: list[Tensor], is_inf: boo
     by_group: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     meshes: dict[tuple[int, tuple[int, ...]], Any] = {}
     for index, parameter in enumerate(parameters):
-        groups = _reduce_groups(parameter)
+        groups = grad_reduce_groups(parameter)
         if groups is None:  # a plain tensor: every rank holds all of it
             continue
         mesh, dims = groups
@@ -223,6 +230,40 @@ def _reduce_by_group(parameters: list[Tensor], values: list[Tensor], is_inf: boo
         for position, index in enumerate(indices):
             reduced[index] = stacked[position]
     return reduced
+
+
+def grad_reduce_groups(parameter: Tensor) -> tuple[DeviceMesh, tuple[int, ...]] | None:
+    """Return the mesh and the mesh dims a parameter's gradient is sharded over.
+
+    Dims with ``Replicate`` placement hold copies of the same shard (HSDP replicas), so a
+    sum over the sharded dims alone counts every element once. ``None`` for a plain
+    tensor, which every rank holds whole.
+
+    Raises:
+        RuntimeError: If the gradient is ``Partial`` (accumulation not finalised).
+    """
+    grad = parameter.grad
+    spec_source = grad if isinstance(grad, DTensor) else parameter
+    if not isinstance(spec_source, DTensor):
+        return None
+    if any(placement.is_partial() for placement in spec_source.placements):
+        raise RuntimeError(
+            "Sharded gradient norm or clipping: a gradient is still Partial (unreduced across "
+            "replicas); read norms or clip only after the last micro-batch's backward, when "
+            "Megatron-FSDP has finalised the gradients. Run accumulation through the "
+            "strategy (it wraps the earlier micro-batches in "
+            "megatron_fsdp.experimental.microbatch)."
+        )
+    dims = tuple(i for i, p in enumerate(spec_source.placements) if p.is_shard())
+    return spec_source.device_mesh, dims
+
+
+def local_grad(parameter: Tensor) -> Tensor | None:
+    """This rank's shard of ``parameter.grad`` (the whole gradient for a plain tensor)."""
+    grad = parameter.grad
+    if grad is None:
+        return None
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
 
 
 class _FullTensorMethod:

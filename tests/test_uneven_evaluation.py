@@ -315,7 +315,7 @@ class StepSync(Tower):
 
 
 def _refused(rank: int, world_size: int, cls: type[Tower]) -> str:
-    model = cls(own_parameter=True)
+    model = cls(own_parameter=False)
     loader = DataLoader(_rank_rows([3, 1], rank, seed=4), batch_size=1)
     trainer = _trainer(_strategy("megatron_fsdp"), use_distributed_sampler=False)
     try:
