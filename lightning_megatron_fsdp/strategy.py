@@ -647,24 +647,12 @@ class MegatronFSDPStrategy(ParallelStrategy):
         self._start_join("validation_step", counts or trainer.num_val_batches)
 
     @override
-    def on_validation_end(self) -> None:
-        self._join = None
-
-    @override
     def on_test_start(self) -> None:
         self._start_join("test_step", self._trainer().num_test_batches)
 
     @override
-    def on_test_end(self) -> None:
-        self._join = None
-
-    @override
     def on_predict_start(self) -> None:
         self._start_join("predict_step", self._trainer().num_predict_batches)
-
-    @override
-    def on_predict_end(self) -> None:
-        self._join = None
 
     def _start_join(self, step_name: str, counts: list[int | float]) -> None:
         """Ranks with fewer batches will join the others' forwards (:mod:`.join`)."""
@@ -902,7 +890,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         checkpoint IO finishes an async save and drops its background group here.
         """
         self._close_sharding(RuntimeError("teardown before setup finished sharding"))
-        self._join = None  # a stage that failed part-way never reached its on_*_end
+        self._join = None  # the stage's join and its cached batches (the next stage makes its own)
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         self.precision_plugin.teardown()
