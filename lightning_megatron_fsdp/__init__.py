@@ -20,6 +20,7 @@ from lightning_megatron_fsdp.export import (
     inspect_checkpoint,
     verify_checkpoint,
 )
+from lightning_megatron_fsdp.gather import full_tensor, grad_norm
 from lightning_megatron_fsdp.lightning_checkpoint import (
     export_lightning_checkpoint,
     load_lightning_module,
@@ -73,6 +74,8 @@ __all__ = [
     "ensure_optimizer_state",
     "export_lightning_checkpoint",
     "fsdp_placements",
+    "full_tensor",
+    "grad_norm",
     "hsdp_placements",
     "inspect_checkpoint",
     "interrupted_saves",

@@ -270,7 +270,9 @@ def _shared_fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
     with _FSDP_CLASSES_LOCK:
         shared = _FSDP_CLASSES.get(cls)
         if shared is None:
-            shared = type(cls.__name__, (FsdpModule, cls), {"__qualname__": cls.__qualname__})
+            # __module__ too: Lightning's profiler names modules "<module>.<class>: <fqn>".
+            names = {"__qualname__": cls.__qualname__, "__module__": cls.__module__}
+            shared = type(cls.__name__, (FsdpModule, cls), names)
             _FSDP_CLASSES[cls] = shared
         return shared
 

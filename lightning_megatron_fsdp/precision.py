@@ -58,10 +58,17 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
+from lightning_megatron_fsdp import _megatron
 from lightning_megatron_fsdp._megatron import MixedPrecisionPolicy
+from lightning_megatron_fsdp.gather import (
+    bind_full_tensor,
+    grad_reduce_groups,
+    lightning_grad_norm_explained,
+    local_grad,
+)
 
 __all__ = [
     "SUPPORTED_PRECISIONS",
@@ -192,9 +199,22 @@ class MegatronFSDPPrecision(Precision):
             TypeError: For ``torch.optim.LBFGS``, which re-evaluates its closure.
         """
         reject_closure_optimizer(optimizer)
-        closure_result = self._wrap_closure(model, optimizer, closure)
+        with lightning_grad_norm_explained():  # in the closure and its hooks
+            closure_result = self._wrap_closure(model, optimizer, closure)
         step_output = optimizer.step(**kwargs)
         return closure_result if step_output is None else step_output
+
+    @override
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        """Finish the gradients, then run Lightning's ``on_after_backward`` hooks.
+
+        Waits for pending gradient reduce-scatters (a side stream on CUDA) and makes
+        ``.full_tensor()`` on the fresh sharded gradients safe
+        (:func:`~lightning_megatron_fsdp.gather.bind_full_tensor`) before the hooks read them.
+        """
+        _megatron.join_gradient_reduction(module)
+        bind_full_tensor(module, gradients=True)
+        return super().post_backward(tensor, module)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip the optimizer's gradients to total norm ``clip_val`` across all shards."""
@@ -245,38 +265,6 @@ def reject_closure_optimizer(optimizer: Any) -> None:
         )
 
 
-def _reduce_groups(parameter: Tensor) -> tuple[DeviceMesh, tuple[int, ...]] | None:
-    """Return the mesh and the mesh dims a parameter's gradient is sharded over.
-
-    Dims with ``Replicate`` placement hold copies of the same shard (HSDP replicas), so a
-    sum over the sharded dims alone counts every element once. ``None`` for a plain
-    tensor, which every rank holds whole.
-
-    Raises:
-        RuntimeError: If the gradient is ``Partial`` (accumulation not finalised).
-    """
-    grad = parameter.grad
-    spec_source = grad if isinstance(grad, DTensor) else parameter
-    if not isinstance(spec_source, DTensor):
-        return None
-    if any(placement.is_partial() for placement in spec_source.placements):
-        raise RuntimeError(
-            "Gradient clipping: a gradient is still Partial (unreduced across replicas); "
-            "clip only after the last micro-batch's backward, when Megatron-FSDP has "
-            "finalised the gradients. Run accumulation through the strategy (it wraps the "
-            "earlier micro-batches in megatron_fsdp.experimental.microbatch)."
-        )
-    dims = tuple(i for i, p in enumerate(spec_source.placements) if p.is_shard())
-    return spec_source.device_mesh, dims
-
-
-def _local_grad(parameter: Tensor) -> Tensor | None:
-    grad = parameter.grad
-    if grad is None:
-        return None
-    return grad._local_tensor if isinstance(grad, DTensor) else grad
-
-
 def sharded_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
     """Total gradient norm over parameters whose gradients are uneven Megatron-FSDP shards.
 
@@ -305,8 +293,8 @@ def sharded_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> T
     replicated: Tensor | None = None
     device: torch.device | None = None
     for parameter in parameters:
-        groups = _reduce_groups(parameter)
-        local = _local_grad(parameter)
+        groups = grad_reduce_groups(parameter)
+        local = local_grad(parameter)
         device = device or (local.device if local is not None else parameter.device)
         if local is None or local.numel() == 0:
             value = torch.zeros((), dtype=torch.float32, device=device)
@@ -359,7 +347,7 @@ def clip_sharded_grad_norm_(
     total = sharded_grad_norm(parameters, norm_type)
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for parameter in parameters:
-        local = _local_grad(parameter)
+        local = local_grad(parameter)
         if local is not None and local.numel():
             local.mul_(coefficient.to(device=local.device, dtype=local.dtype))
     return total
@@ -373,6 +361,6 @@ def clip_sharded_grad_value_(parameters: Iterable[Tensor], clip_value: float) ->
         clip_value: Bound on each element's magnitude.
     """
     for parameter in parameters:
-        local = _local_grad(parameter)
+        local = local_grad(parameter)
         if local is not None and local.numel():
             local.clamp_(-clip_value, clip_value)

@@ -27,8 +27,11 @@ the Lightning glue only; each mechanism lives in its own module):
 * Steps: when the LightningModule is a unit, ``training_step`` and friends run *inside*
   its forward (so its hooks unshard its own parameters) and the loss is returned through
   it, so its backward hook unshards them again; otherwise they run as they are.
+* Uneven validation/test/predict data (:mod:`~lightning_megatron_fsdp.join`): ranks that
+  run out of batches join the others' forwards with dummy steps, as torch's ``Join`` does.
 * Optimizers: adapted with ``fully_shard_optimizer``; the closure runs before the step
-  (see :mod:`~lightning_megatron_fsdp.precision`).
+  (see :mod:`~lightning_megatron_fsdp.precision`). ``.full_tensor()`` of the sharded
+  parameters and gradients is bound to :func:`~lightning_megatron_fsdp.gather.full_tensor`.
 * Checkpoints: by FQN through torch's DCP state-dict helpers, with the true chunk of
   every packed shard attached (:mod:`~lightning_megatron_fsdp.uneven_dtensor`), written
   and read by ``MegatronFSDPCheckpointIO`` (see ``docs/DESIGN.md``).
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 from collections.abc import Generator, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -87,6 +91,12 @@ from lightning_megatron_fsdp import _megatron
 from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.agreement import Ranks, describe, peer_failures_explained
 from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
+from lightning_megatron_fsdp.gather import bind_full_tensor, lightning_grad_norm_explained
+from lightning_megatron_fsdp.join import (
+    UnevenBatchJoin,
+    join_uneven_batches,
+    refuse_uneven_batches,
+)
 from lightning_megatron_fsdp.launcher import resolving_last_launcher
 from lightning_megatron_fsdp.manifest import CheckpointError, CheckpointSaveError
 from lightning_megatron_fsdp.mesh import (
@@ -225,6 +235,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         self._timeout = timeout
         self._device_mesh: DeviceMesh | None = None
         self._sharding: contextlib.ExitStack | None = None
+        self._join: UnevenBatchJoin | None = None
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ properties
@@ -420,6 +431,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
             )
         assert self.lightning_module is not None
         self._shard_model(self.lightning_module)
+        bind_full_tensor(self.lightning_module, gradients=False)  # p.full_tensor() works
         if self._init_weights_from is not None:
             apply_pretrained_weights(self.lightning_module, self._init_weights_from)
         self.model = self.lightning_module
@@ -517,23 +529,37 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.precision_plugin.train_step_context():
+        with self.precision_plugin.train_step_context(), lightning_grad_norm_explained():
             return self._call_through_root("training_step", *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.precision_plugin.val_step_context():
-            return self._call_through_root("validation_step", *args, **kwargs)
+        return self._evaluation_step("validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.precision_plugin.test_step_context():
-            return self._call_through_root("test_step", *args, **kwargs)
+        return self._evaluation_step("test_step", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._call_through_root("predict_step", *args, **kwargs)
+        return self._evaluation_step("predict_step", args, kwargs)
+
+    def _evaluation_step(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._join is not None:  # uneven batches: agree with the ranks that ran out
+            self._join.before_step(args, kwargs)
+        return self._plain_evaluation_step(name, args, kwargs)
+
+    def _plain_evaluation_step(
+        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A validation/test/predict step as such; also what a joining rank's dummy runs."""
+        contexts = {
+            "validation_step": self.precision_plugin.val_step_context,
+            "test_step": self.precision_plugin.test_step_context,
+            "predict_step": self.precision_plugin.predict_step_context,
+        }
+        with contexts[name]():
+            return self._call_through_root(name, *args, **kwargs)
 
     def _call_through_root(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``LightningModule.<method_name>``, as the root unit's forward if it is one.
@@ -610,49 +636,37 @@ class MegatronFSDPStrategy(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         trainer = self._trainer()
-        self._check_equal_batch_counts("training", [trainer.num_training_batches])
-
-    @override
-    def on_validation_start(self) -> None:
-        trainer = self._trainer()
-        counts = trainer.num_sanity_val_batches if trainer.sanity_checking else None
-        self._check_equal_batch_counts("validation", counts or trainer.num_val_batches)
-
-    @override
-    def on_test_start(self) -> None:
-        self._check_equal_batch_counts("test", self._trainer().num_test_batches)
-
-    @override
-    def on_predict_start(self) -> None:
-        self._check_equal_batch_counts("predict", self._trainer().num_predict_batches)
+        refuse_uneven_batches("training", [trainer.num_training_batches], where=_STRATEGY)
 
     def _trainer(self) -> pl.Trainer:
         assert self.lightning_module is not None
         return self.lightning_module.trainer
 
-    def _check_equal_batch_counts(self, stage: str, counts: list[int | float]) -> None:
-        """Raise on every rank if ranks would run different numbers of steps.
+    # ------------------------------------------------------------------ uneven evaluation data
 
-        Every forward all-gathers parameters across the ranks, so a rank with one more
-        batch would wait forever for its peers (until the collective timeout). Lightning
-        pads training/validation/test samplers but not the predict sampler, so an uneven
-        predict set is the usual culprit.
+    @override
+    def on_validation_start(self) -> None:
+        trainer = self._trainer()
+        counts = trainer.num_sanity_val_batches if trainer.sanity_checking else None
+        self._start_join("validation_step", counts or trainer.num_val_batches)
 
-        Raises:
-            ValueError: Naming each rank's batch counts.
-        """
-        if not _distributed_is_initialized() or self.world_size == 1:
-            return
-        gathered = Ranks.of().all_gather([float(c) for c in counts])
-        if all(other == gathered[0] for other in gathered):
-            return
-        per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(gathered))
-        raise ValueError(
-            f"{_STRATEGY}: the {stage} dataloaders give ranks different numbers of batches "
-            f"({per_rank}). Every rank must run the same number of steps, because each "
-            "forward all-gathers parameters from all ranks. Make the dataset length a "
-            "multiple of world_size x batch_size (Lightning's predict sampler does not pad), "
-            "or use a sampler that pads or drops the remainder."
+    @override
+    def on_test_start(self) -> None:
+        self._start_join("test_step", self._trainer().num_test_batches)
+
+    @override
+    def on_predict_start(self) -> None:
+        self._start_join("predict_step", self._trainer().num_predict_batches)
+
+    def _start_join(self, step_name: str, counts: list[int | float]) -> None:
+        """Ranks with fewer batches will join the others' forwards (:mod:`.join`)."""
+        self._join = join_uneven_batches(
+            self._trainer(),
+            step_name=step_name,
+            counts=counts,
+            run_step=functools.partial(self._plain_evaluation_step, step_name),
+            device=self.root_device,
+            where=_STRATEGY,
         )
 
     # ------------------------------------------------------------------ collectives
@@ -880,6 +894,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         checkpoint IO finishes an async save and drops its background group here.
         """
         self._close_sharding(RuntimeError("teardown before setup finished sharding"))
+        self._join = None  # the stage's join and its cached batches (the next stage makes its own)
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         self.precision_plugin.teardown()

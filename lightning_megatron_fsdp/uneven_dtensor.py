@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor
 from lightning_megatron_fsdp import _megatron
 from lightning_megatron_fsdp._megatron import DBuffer
 
-__all__ = ["attach_uneven_dtensor_metadata", "chunk_metadata_by_fqn"]
+__all__ = ["attach_uneven_dtensor_metadata", "chunk_metadata_by_fqn", "parameter_chunk"]
 
 _OPTIMIZER_STATE_KEY = "state"
 
@@ -124,6 +124,20 @@ def _build_chunk_metadata(row_offset: int, rows: int, shape: torch.Size) -> Chun
         offsets=torch.Size((row_offset, *(0 for _ in shape[1:]))),
         sizes=torch.Size((rows, *shape[1:])),
     )
+
+
+def parameter_chunk(parameter: torch.Tensor) -> ChunkStorageMetadata | None:
+    """This rank's chunk of one resting sharded parameter; ``None`` for any other tensor.
+
+    Rank-local, like :func:`chunk_metadata_by_fqn`, for a single parameter.
+    """
+    group = _megatron.group_of(parameter)
+    if group is None:
+        return None
+    for entry in _megatron.entries(group):
+        if entry.sharded is parameter:
+            return _dbuffer_chunk_metadata(group.main_weight, entry.index)
+    return None
 
 
 def chunk_metadata_by_fqn(model: nn.Module) -> dict[str, ChunkStorageMetadata]:

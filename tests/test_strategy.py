@@ -978,24 +978,26 @@ def _bad_inputs(rank: int, world_size: int) -> dict[str, str]:
             messages[case] = f"{type(err).__name__}: {err}"
         else:
             messages[case] = "no error"
-    trainer = _trainer(world_size, _strategy())
-    odd = TensorDataset(torch.arange(world_size + 1), torch.randn(world_size + 1, 5))
+    # The user's own split gives rank r r+1 training batches (uneven evaluation is joined,
+    # see test_uneven_evaluation.py; training is refused).
+    trainer = _trainer(world_size, _strategy(), use_distributed_sampler=False, max_steps=1)
+    x, y = _regression_data(BATCH * (rank + 1), seed=9)
     try:
-        trainer.predict(MLP(), DataLoader(odd, batch_size=1))
+        trainer.fit(MLP(), DataLoader(TensorDataset(x, y), batch_size=BATCH))
     except ValueError as err:
-        messages["uneven predict"] = f"ValueError: {err}"
+        messages["uneven training"] = f"ValueError: {err}"
     return messages
 
 
 def test_bad_input_raises_one_clear_error_on_every_rank() -> None:
-    """FSDP2 modules, a mesh larger than the world, LBFGS, stale params, uneven predict."""
+    """FSDP2 modules, a mesh larger than the world, LBFGS, stale params, uneven training."""
     expected = {
         "mesh": r"ValueError: .*device_mesh=\(2, 2\) spans 4 processes, but the world has 2",
         "lbfgs": r"TypeError: .*LBFGS re-evaluates its closure",
         "fsdp2": r"TypeError: .*module 'b2' .* already wrapped by torch FSDP2",
         "stale": r"ValueError: .*optimizer 0 holds parameter .*not one of the model's",
-        "uneven predict": r"ValueError: .*predict dataloaders give ranks different numbers of "
-        r"batches \(rank 0: \[2.0\], rank 1: \[1.0\]\)",
+        "uneven training": r"ValueError: .*training dataloaders give ranks different numbers of "
+        r"batches \(rank 0: \[1.0\], rank 1: \[2.0\]\), and a training step cannot be joined",
     }
     for messages in run_distributed(_bad_inputs, 2, init_process_group=False, timeout=120):
         for case, pattern in expected.items():

@@ -1,0 +1,349 @@
+"""Full copies of sharded parameters and gradients, and per-parameter gradient norms.
+
+Problem: Megatron-FSDP presents each parameter, its ``.grad`` and its optimizer state as a
+``Shard(0)`` DTensor whose local shard is a row range of a packed buffer, not torch's
+canonical ``torch.chunk`` split (see :mod:`~lightning_megatron_fsdp.uneven_dtensor`).
+DTensor's own collectives assume the canonical split, so the ways users usually reach a
+full tensor break:
+
+* ``p.full_tensor()`` / ``p.grad.full_tensor()``: the all-gather is sized for canonical
+  shards. When the row count divides evenly no padding happens, ranks pass different
+  sizes, and gloo aborts the process (NCCL hangs or corrupts); otherwise torch pads or
+  crops each shard to the canonical size and returns wrong rows.
+* Lightning's ``grad_norm(self, norm_type)`` builds one tensor from per-parameter DTensor
+  norms and raises an unclear ``RuntimeError``.
+
+How:
+
+* :func:`full_tensor` gathers every rank's rows with a variable-size all-gather over the
+  sharded mesh dimension and places them at their true offsets: from the layout's chunk
+  metadata for a sharded parameter, otherwise rank after rank (the packing order every
+  Megatron-FSDP buffer keeps), checking that the rows tile the tensor exactly once.
+* :func:`grad_norm` is a drop-in for Lightning's: same keys, the same values as under DDP,
+  from each rank's local shard and one all-reduce per mesh group (not per parameter).
+* :func:`bind_full_tensor` makes ``.full_tensor()`` on the strategy's sharded parameters
+  and gradients call :func:`full_tensor`, through an attribute on those tensor objects;
+  :func:`lightning_grad_norm_explained` turns the error from Lightning's ``grad_norm``
+  into one that names :func:`grad_norm`.
+
+Not covered: ``.full_tensor()`` or ``.redistribute(...)`` on a tensor *derived* from a
+sharded one (``p.grad.data``, ``p.detach()``, ``p * 2``): a new DTensor that DTensor
+alone handles. Pass the parameter or gradient itself to :func:`full_tensor`.
+
+Alternatives rejected:
+    * Making DTensor's ``full_tensor`` itself safe: its all-gather is computed from the
+      canonical split inside torch (``Shard._to_replicate_tensor``), with no hook a tensor
+      subclass or placement could use short of patching torch or megatron-fsdp's
+      ``DBuffer.get_dtensor``. An error before the collective would need the same hook.
+    * Swapping the class of sharded parameters for a DTensor subclass: torch and
+      megatron-fsdp create and compare DTensors in many places, and gradients are fresh
+      objects every backward, so it would cover no more than an attribute does.
+    * Patching ``lightning.pytorch.utilities.grad_norm``: users import the function
+      itself, so a patch misses every ``from ... import grad_norm`` made before it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import grads as _lightning_grads
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp.uneven_dtensor import parameter_chunk
+
+__all__ = [
+    "bind_full_tensor",
+    "full_tensor",
+    "grad_norm",
+    "grad_reduce_groups",
+    "lightning_grad_norm_explained",
+    "local_grad",
+]
+
+_LIGHTNING_GRAD_NORM = _lightning_grads.grad_norm.__code__
+
+
+def full_tensor(tensor: Tensor) -> Tensor:
+    """The whole tensor behind a Megatron-FSDP parameter, gradient or optimizer state.
+
+    Collective over the mesh dimension ``tensor`` is sharded on: every rank of it must
+    call this for the same tensor (for example, all parameters in ``named_parameters()``
+    order). A plain tensor is whole on every rank already and is returned detached.
+
+    Args:
+        tensor: A sharded parameter, its ``.grad``, an optimizer state tensor, or any
+            ``Shard(0)`` DTensor whose shards are consecutive row ranges in rank order.
+
+    Returns:
+        A detached plain tensor of ``tensor``'s global shape, dtype and device,
+        identical on every rank. It is not part of autograd.
+
+    Raises:
+        ValueError: If ``tensor`` is ``Partial`` (an HSDP gradient between micro-batches)
+            or sharded other than on dim 0 of one mesh dimension.
+        AssertionError: If the shards do not tile the tensor's rows exactly once.
+    """
+    if not isinstance(tensor, DTensor):
+        return tensor.detach()
+    placements = tensor.placements
+    if any(placement.is_partial() for placement in placements):
+        raise ValueError(
+            f"full_tensor: got a Partial DTensor ({placements}), an HSDP gradient still "
+            "unreduced across replicas. Read it after the last micro-batch's backward (in "
+            "on_before_optimizer_step), when Megatron-FSDP has reduced it."
+        )
+    sharded = [dim for dim, placement in enumerate(placements) if placement.is_shard()]
+    local = tensor._local_tensor.detach()
+    if not sharded:
+        return local
+    if len(sharded) > 1 or placements[sharded[0]].dim != 0:  # type: ignore[attr-defined]
+        raise ValueError(
+            f"full_tensor: expected Megatron-FSDP's Shard(0) on one mesh dimension, got "
+            f"placements {placements}; use DTensor.full_tensor() for other layouts."
+        )
+    group = tensor.device_mesh.get_group(sharded[0])
+    chunk = parameter_chunk(tensor)
+    offset = int(chunk.offsets[0]) if chunk is not None else -1
+    return _gather_rows(local, offset, tuple(tensor.shape), group)
+
+
+def _gather_rows(
+    local: Tensor, offset: int, shape: tuple[int, ...], group: dist.ProcessGroup
+) -> Tensor:
+    """All-gather each rank's rows (any count) and place them at their offsets."""
+    world_size = dist.get_world_size(group)
+    spans = torch.tensor([offset, local.shape[0]], dtype=torch.int64, device=local.device)
+    gathered_spans = torch.empty(2 * world_size, dtype=torch.int64, device=local.device)
+    dist.all_gather_single(gathered_spans, spans, group=group)
+    offsets, rows = gathered_spans.view(world_size, 2).t().tolist()
+    if all(o == -1 for o in offsets):  # no chunk metadata: rows are packed rank after rank
+        offsets = [sum(rows[:rank]) for rank in range(world_size)]
+    spans_by_rank = list(zip(offsets, rows, strict=True))
+    covered = sorted(spans_by_rank)
+    ends = [o + r for o, r in covered]
+    if (
+        covered[0][0] != 0
+        or ends[-1] != shape[0]
+        or any(o != end for (o, _), end in zip(covered[1:], ends[:-1], strict=True))
+    ):
+        raise AssertionError(
+            f"full_tensor: the shards (row offset, rows) by rank {spans_by_rank} do "
+            f"not tile the {shape[0]} rows of a tensor of shape {shape} exactly once; this "
+            "is not a Megatron-FSDP layout this version understands."
+        )
+    most = max(rows)
+    padded = local.new_zeros((most, *shape[1:]))
+    padded[: local.shape[0]] = local
+    slabs = local.new_empty((world_size * most, *shape[1:]))
+    dist.all_gather_single(slabs, padded, group=group)
+    full = local.new_empty(shape)
+    for rank, (row_offset, count) in enumerate(zip(offsets, rows, strict=True)):
+        full[row_offset : row_offset + count] = slabs[rank * most : rank * most + count]
+    return full
+
+
+def grad_norm(
+    module: nn.Module, norm_type: float | int | str, group_separator: str = "/"
+) -> dict[str, Tensor]:
+    """Lightning's ``grad_norm`` for sharded gradients: each gradient's norm, and the total.
+
+    Same keys as ``lightning.pytorch.utilities.grad_norm``
+    (``grad_{p}_norm{sep}{name}`` per parameter with a gradient, ``grad_{p}_norm_total``),
+    and the values DDP gives, so ``self.log_dict(grad_norm(self, 2))`` in
+    ``on_before_optimizer_step`` logs the same numbers as under DDP. Each rank reduces its
+    local shard; one all-reduce per mesh group adds them up (HSDP replicas counted once).
+
+    Collective: call it on every rank, with the same parameters.
+
+    Args:
+        module: The module whose ``named_parameters()`` to inspect.
+        norm_type: ``p`` of the p-norm; ``"inf"`` for the max norm.
+        group_separator: Separator between the prefix and the parameter name.
+
+    Returns:
+        0-dim tensors, identical on every rank; empty if no parameter has a gradient.
+
+    Raises:
+        ValueError: If ``norm_type`` is not positive.
+        RuntimeError: If a gradient is still ``Partial`` (between HSDP micro-batches).
+    """
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(
+            f"grad_norm: norm_type must be a positive number or 'inf', got {norm_type}."
+        )
+    is_inf = math.isinf(norm_type)
+    named = [(name, p) for name, p in module.named_parameters() if p.grad is not None]
+    partial = [_local_partial_norm(p, norm_type, is_inf) for _, p in named]
+    reduced = _reduce_by_group([p for _, p in named], partial, is_inf)
+    prefix = f"grad_{norm_type}_norm"
+    norms = {
+        f"{prefix}{group_separator}{name}": (value if is_inf else value ** (1.0 / norm_type)).to(
+            local_grad(parameter).dtype  # type: ignore[union-attr]
+        )
+        for (name, parameter), value in zip(named, reduced, strict=True)
+    }
+    if norms:
+        stacked = torch.stack([value.float() for value in norms.values()])
+        norms[f"{prefix}_total"] = stacked.norm(norm_type)
+    return norms
+
+
+def _local_partial_norm(parameter: Tensor, norm_type: float, is_inf: bool) -> Tensor:
+    """This rank's share of one gradient's norm: ``sum |g|^p`` (or ``max |g|``), fp32."""
+    local = local_grad(parameter)
+    assert local is not None
+    if local.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=local.device)
+    if is_inf:
+        return local.detach().abs().max().float()
+    return torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float32) ** norm_type
+
+
+def _reduce_by_group(parameters: list[Tensor], values: list[Tensor], is_inf: bool) -> list[Tensor]:
+    """Reduce each parameter's partial value over its sharded mesh dims, batched by group."""
+    by_group: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    meshes: dict[tuple[int, tuple[int, ...]], Any] = {}
+    for index, parameter in enumerate(parameters):
+        groups = grad_reduce_groups(parameter)
+        if groups is None:  # a plain tensor: every rank holds all of it
+            continue
+        mesh, dims = groups
+        key = (id(mesh), dims)
+        by_group.setdefault(key, []).append(index)
+        meshes[key] = mesh
+    reduced = list(values)
+    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+    for key, indices in by_group.items():
+        stacked = torch.stack([values[i] for i in indices])
+        for dim in key[1]:
+            dist.all_reduce(stacked, op=op, group=meshes[key].get_group(dim))
+        for position, index in enumerate(indices):
+            reduced[index] = stacked[position]
+    return reduced
+
+
+def grad_reduce_groups(parameter: Tensor) -> tuple[DeviceMesh, tuple[int, ...]] | None:
+    """Return the mesh and the mesh dims a parameter's gradient is sharded over.
+
+    Dims with ``Replicate`` placement hold copies of the same shard (HSDP replicas), so a
+    sum over the sharded dims alone counts every element once. ``None`` for a plain
+    tensor, which every rank holds whole.
+
+    Raises:
+        RuntimeError: If the gradient is ``Partial`` (accumulation not finalised).
+    """
+    grad = parameter.grad
+    spec_source = grad if isinstance(grad, DTensor) else parameter
+    if not isinstance(spec_source, DTensor):
+        return None
+    if any(placement.is_partial() for placement in spec_source.placements):
+        raise RuntimeError(
+            "Sharded gradient norm or clipping: a gradient is still Partial (unreduced across "
+            "replicas); read norms or clip only after the last micro-batch's backward, when "
+            "Megatron-FSDP has finalised the gradients. Run accumulation through the "
+            "strategy (it wraps the earlier micro-batches in "
+            "megatron_fsdp.experimental.microbatch)."
+        )
+    dims = tuple(i for i, p in enumerate(spec_source.placements) if p.is_shard())
+    return spec_source.device_mesh, dims
+
+
+def local_grad(parameter: Tensor) -> Tensor | None:
+    """This rank's shard of ``parameter.grad`` (the whole gradient for a plain tensor)."""
+    grad = parameter.grad
+    if grad is None:
+        return None
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
+
+
+class _FullTensorMethod:
+    """``tensor.full_tensor()`` of one sharded parameter or gradient: :func:`full_tensor`.
+
+    Holds its tensor weakly (no reference cycle through the tensor's ``__dict__``), and
+    pickles or deep-copies to an unbound method that explains itself, since a copy is no
+    longer one of the model's sharded tensors.
+    """
+
+    def __init__(self, tensor: Tensor | None) -> None:
+        self._tensor = weakref.ref(tensor) if tensor is not None else None
+
+    def __call__(self, *, grad_placements: Any = None) -> Tensor:
+        tensor = self._tensor() if self._tensor is not None else None
+        if tensor is None:
+            raise RuntimeError(
+                "full_tensor(): this tensor is a copy of a Megatron-FSDP sharded tensor (or it "
+                "outlived its model); call lightning_megatron_fsdp.full_tensor(tensor) instead."
+            )
+        if grad_placements is not None:
+            raise ValueError(
+                "full_tensor(grad_placements=...): the full tensor of a Megatron-FSDP "
+                "parameter or gradient is a detached copy, outside autograd; call it "
+                "without grad_placements."
+            )
+        return full_tensor(tensor)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_FullTensorMethod, (None,))
+
+
+def bind_full_tensor(model: nn.Module, *, gradients: bool) -> None:
+    """Make ``.full_tensor()`` of ``model``'s sharded parameters (or their gradients) safe.
+
+    Rank-local. Sharded parameters live as long as the model, so binding them once
+    after sharding lasts; Megatron-FSDP installs fresh gradient objects in backward, so
+    gradients are bound after every backward, before user hooks read them.
+
+    Args:
+        model: A sharded model.
+        gradients: Bind each sharded parameter's current ``.grad`` instead of the
+            parameter.
+    """
+    for entry in _megatron.iter_sharded(model):
+        target = entry.sharded.grad if gradients else entry.sharded
+        if isinstance(target, DTensor) and not isinstance(
+            target.__dict__.get("full_tensor"), _FullTensorMethod
+        ):
+            target.full_tensor = _FullTensorMethod(target)  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def lightning_grad_norm_explained() -> Iterator[None]:
+    """Re-raise the error from Lightning's ``grad_norm`` on sharded gradients, explained.
+
+    Lightning's function fails the same way on every rank, before any collective, so the
+    clearer error is raised on every rank too.
+
+    Raises:
+        RuntimeError: Naming :func:`grad_norm`, chained from Lightning's error.
+    """
+    try:
+        yield
+    except Exception as err:
+        if not _raised_in(err, _LIGHTNING_GRAD_NORM):
+            raise
+        raise RuntimeError(
+            "lightning.pytorch.utilities.grad_norm cannot read Megatron-FSDP's sharded "
+            "gradients (it builds one tensor from per-parameter DTensor norms). Use "
+            "lightning_megatron_fsdp.grad_norm(self, norm_type) instead: the same keys and "
+            "the values DDP gives; or lightning_megatron_fsdp.sharded_grad_norm("
+            "self.parameters()) for the total alone."
+        ) from err
+
+
+def _raised_in(err: BaseException, code: Any) -> bool:
+    traceback = err.__traceback__
+    while traceback is not None:
+        if traceback.tb_frame.f_code is code:
+            return True
+        traceback = traceback.tb_next
+    return False

@@ -1,0 +1,460 @@
+"""Uneven evaluation and prediction data: ranks that run out of batches join their peers.
+
+Problem: every forward of a sharded model all-gathers the parameters of each unit it runs
+(policy units, top-level units, and the LightningModule when it owns parameters), so
+every rank must run the same sequence of unit forwards. Lightning pads the samplers of
+training, validation and test, but not the predict sampler (``trainer.predict`` on 5
+samples over 2 ranks gives 3 and 2), and a user's own sampler or ``IterableDataset`` can
+split any stage unevenly. A rank with fewer batches would leave the loop and wait in
+the epoch-end metric sync while its peers wait in their next all-gather: a hang until
+the process-group timeout. DDP has no collective in an evaluation forward, so there it
+simply works.
+
+How: as torch's ``Join`` does for DDP, a rank that has run out of batches *joins* the
+others' forwards with dummy ones until every rank is done. Each step is one round:
+
+* a rank with a batch (:meth:`UnevenBatchJoin.before_step`, called by the strategy's
+  step) says so in one small all-gather and runs its real step;
+* a rank whose dataloader is exhausted (:class:`_JoiningFetcher`, which the strategy
+  installs in place of the loop's data fetcher, sees the end before the loop does) says
+  "none" in the same all-gather and, if any rank still had one, runs the stage's step
+  method on a cached example batch, output dropped; when no rank has one, every rank
+  leaves together and the loop ends (then syncs epoch metrics) on all of them at once.
+
+Every rank reaches a round at the same point of its own sequence (before each real step,
+or in place of one), whatever prefetching Lightning's fetcher does, so their collectives
+pair up. Sequential multiple dataloaders are joined one at a time: a rank moving on to
+dataloader ``k + 1`` first joins the rest of dataloader ``k``, because the loop syncs
+each dataloader's logged metrics when it changes dataloader.
+
+The example batch is the rank's first batch of that dataloader (after
+``batch_to_device``); a rank that had none receives one from the lowest rank that has
+one (a single broadcast, the first time it is needed). The dummy step:
+
+* runs through the same strategy path (precision context, the root unit's forward), so
+  it issues the same all-gathers a real step of that dataloader issues;
+* logs nothing: ``self.log``/``self.log_dict`` are no-ops during it, except that a
+  ``sync_dist=True, on_step=True`` call raises (a real step syncs that value with a
+  collective that a dummy cannot stand in for; DDP cannot run it either);
+* leaves torchmetrics states as they were (each ``Metric`` is restored afterwards);
+* calls no batch hooks and is not counted by the loop.
+
+Equal, known batch counts on every rank (the common case) install nothing: no extra
+collective per step. A ``dataloader_iter`` step pulls batches itself and cannot be joined;
+uneven counts are refused for it, as for training (Lightning pads training samplers).
+
+The step must run the same units whatever the batch holds (true of almost every
+model): the dummy's forward stands in for a peer's real one. Per-batch callbacks with
+collectives of their own (``on_validation_batch_end``) do not run for dummies.
+
+Lightning internals used (Lightning 2.6, one place each, guarded so a change refuses
+uneven data with a clear error instead of hanging):
+    * ``loop._data_fetcher`` (``loops/evaluation_loop.py`` ``reset``/``run``,
+      ``loops/prediction_loop.py``): created in ``reset``, read by ``run`` after
+      ``on_run_start``, whose ``on_{validation,test,predict}_start`` strategy hooks run
+      in between; the strategy replaces it there.
+    * ``LightningModule._current_fx_name`` (``trainer/call.py``
+      ``_call_strategy_hook``): set to the step name during a dummy step, as for a real one.
+
+Alternatives rejected:
+    * Padding with repeated samples (what ``DistributedSampler`` does for validation):
+      predictions would gain duplicates and differ from DDP's.
+    * Agreeing inside the dataloader iterator: with a known length Lightning's fetcher
+      stops without asking the iterator for more, and with an unknown one it prefetches a
+      batch, so a rank with no batch at all would agree one round early.
+    * Yielding placeholder batches through the loop: every batch hook, logger and
+      prediction writer would see them.
+    * One all-reduce per step of "remaining batches": ranks do not know their remaining
+      count for iterable datasets, and it saves nothing over a flag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import pickle
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+
+from lightning_megatron_fsdp.agreement import Ranks, describe, peer_failures_explained
+
+__all__ = ["UnevenBatchJoin", "join_uneven_batches", "refuse_uneven_batches"]
+
+StepRunner = Callable[[tuple[Any, ...], dict[str, Any]], Any]
+
+# One row per rank in each round's all-gather.
+_HAS_BATCH, _DATALOADER, _HAS_EXAMPLE = range(3)
+
+
+def join_uneven_batches(
+    trainer: pl.Trainer,
+    *,
+    step_name: str,
+    counts: Sequence[float],
+    run_step: StepRunner,
+    device: torch.device,
+    where: str,
+) -> UnevenBatchJoin | None:
+    """Set up the join for the stage that is starting, if ranks' batch counts may differ.
+
+    Call from the strategy's ``on_{validation,test,predict}_start`` on every rank (one
+    collective): the loop has created its fetcher and reads it right after these hooks.
+    Equal, known counts on every rank install nothing, so an even stage runs as it would
+    without this module, with no collective per step.
+
+    Args:
+        trainer: The running Trainer.
+        step_name: ``"validation_step"``, ``"test_step"`` or ``"predict_step"``.
+        counts: This rank's batch count per dataloader (``inf`` when unknown).
+        run_step: Runs the step as the strategy does for a real batch, without
+            :meth:`UnevenBatchJoin.before_step` (what a dummy step runs).
+        device: Device of the per-round tensors (the root device; CUDA for NCCL).
+        where: Prefix of error messages.
+
+    Returns:
+        The join, whose :meth:`~UnevenBatchJoin.before_step` the strategy calls before
+        every real step; ``None`` when nothing needs joining.
+
+    Raises:
+        ValueError: On every rank, if the counts differ and the loop cannot be joined (a
+            ``dataloader_iter`` step).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    gathered = Ranks.of().all_gather([float(c) for c in counts])
+    first = gathered[0]
+    if all(c == first for c in gathered) and float("inf") not in first:
+        return None
+    join = UnevenBatchJoin(
+        step_name=step_name,
+        run_step=run_step,
+        module=trainer.lightning_module,
+        num_dataloaders=len(counts),
+        device=device,
+        where=where,
+    )
+    reason = _install(trainer, join)
+    if reason is not None:
+        raise ValueError(_uneven_message(step_name.removesuffix("_step"), gathered, reason, where))
+    return join
+
+
+def refuse_uneven_batches(stage: str, counts: Sequence[float], *, where: str) -> None:
+    """Raise on every rank if ranks would run different numbers of steps (one collective).
+
+    For training: Lightning pads training samplers, so only a user's own sampler or data
+    split gets here, and a training step cannot be joined by a dummy (its backward and
+    optimizer step would change the weights).
+
+    Raises:
+        ValueError: Naming each rank's batch counts.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    gathered = Ranks.of().all_gather([float(c) for c in counts])
+    if any(c != gathered[0] for c in gathered):
+        why = "a training step cannot be joined (a dummy step would change the weights)"
+        raise ValueError(_uneven_message(stage, gathered, why, where))
+
+
+def _uneven_message(stage: str, gathered: Sequence[Any], why: str, where: str) -> str:
+    per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(gathered))
+    return (
+        f"{where}: the {stage} dataloaders give ranks different numbers of batches "
+        f"({per_rank}), and {why}. Every forward all-gathers parameters from all ranks, so "
+        "every rank must run the same number of steps: give every rank the same number of "
+        "batches (a sampler that pads or drops the remainder)."
+    )
+
+
+def _evaluation_loop_of(trainer: pl.Trainer) -> Any:
+    """The loop now running validation, test or prediction (public attributes only)."""
+    if trainer.predicting:
+        return trainer.predict_loop
+    if trainer.testing:
+        return trainer.test_loop
+    if trainer.state.fn == TrainerFn.FITTING:
+        return trainer.fit_loop.epoch_loop.val_loop
+    return trainer.validate_loop
+
+
+def _install(trainer: pl.Trainer, join: UnevenBatchJoin) -> str | None:
+    """Put ``join`` between the running loop and its data fetcher.
+
+    Returns:
+        ``None`` when installed, else why the loop cannot be joined (a ``dataloader_iter``
+        step, or a Lightning whose loop no longer has the fetcher where expected).
+    """
+    loop = _evaluation_loop_of(trainer)
+    fetcher = getattr(loop, "_data_fetcher", None)  # see the module docstring
+    if fetcher is None:
+        return (
+            f"this Lightning version's {type(loop).__name__} keeps no data fetcher where "
+            "lightning_megatron_fsdp joins uneven ranks (loop._data_fetcher)"
+        )
+    if isinstance(fetcher, _DataLoaderIterDataFetcher):
+        return "a step that takes `dataloader_iter` pulls its own batches and cannot be joined"
+    loop._data_fetcher = _JoiningFetcher(fetcher, join)
+    return None
+
+
+class UnevenBatchJoin:
+    """One stage's join state: which dataloader the rank is in, and its example batches.
+
+    Args:
+        step_name: ``"validation_step"``, ``"test_step"`` or ``"predict_step"``.
+        run_step: Runs the stage's step exactly as the strategy does for a real batch
+            (precision context, root unit), without :meth:`before_step`.
+        module: The LightningModule (its logging is silenced during dummy steps).
+        num_dataloaders: Dataloaders of the stage, the same on every rank.
+        device: Device of the round tensors (the strategy's root device; CUDA for NCCL).
+        where: Prefix of error messages.
+    """
+
+    def __init__(
+        self,
+        *,
+        step_name: str,
+        run_step: StepRunner,
+        module: pl.LightningModule,
+        num_dataloaders: int,
+        device: torch.device,
+        where: str,
+    ) -> None:
+        if num_dataloaders < 1:
+            raise ValueError(f"{where}: num_dataloaders must be >= 1, got {num_dataloaders}.")
+        self.step_name = step_name
+        self.num_dataloaders = num_dataloaders
+        self._run_step = run_step
+        self._module = module
+        self._device = device
+        self._where = where
+        self._dataloader = 0
+        self._examples: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+
+    def before_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Announce a real step (caching its batch as this dataloader's example).
+
+        Collective: every rank is either here or in a join round of the same dataloader.
+        """
+        self._examples.setdefault(self._dataloader, (args, dict(kwargs)))
+        self._round(has_batch=True)
+
+    def enter_dataloader(self, index: int) -> None:
+        """Join the rest of every dataloader before ``index`` (the loop moves on to it).
+
+        Raises:
+            RuntimeError: If ``index`` goes backwards (not a sequential loader).
+        """
+        if index < self._dataloader or index > self.num_dataloaders:
+            raise RuntimeError(
+                f"{self._where}: {self.step_name} moved from dataloader {self._dataloader} to "
+                f"{index}; expected dataloaders in order 0..{self.num_dataloaders - 1} "
+                "(CombinedLoader mode 'sequential')."
+            )
+        while self._dataloader < index:
+            while self._round(has_batch=False):
+                self._dummy_step()
+            self._dataloader += 1
+
+    def _round(self, *, has_batch: bool) -> bool:
+        """One agreement: does any rank run a real step of this dataloader now?
+
+        Every rank sees the same rows, so all take the same decisions, including the
+        broadcast that gives an example batch to ranks that never had one.
+
+        Raises:
+            RuntimeError: On every rank, if ranks are in different dataloaders.
+        """
+        mine = [int(has_batch), self._dataloader, int(self._dataloader in self._examples)]
+        with peer_failures_explained(f"{self._where}: {self.step_name} (uneven batches)"):
+            rows = _all_gather_rows(torch.tensor(mine, dtype=torch.int64, device=self._device))
+        if len({row[_DATALOADER] for row in rows}) != 1:
+            where = ", ".join(f"rank {r}: {row[_DATALOADER]}" for r, row in enumerate(rows))
+            raise RuntimeError(
+                f"{self._where}: ranks are in different dataloaders of {self.step_name} ({where}); "
+                "expected the same dataloaders, in the same order, on every rank."
+            )
+        if not any(row[_HAS_BATCH] for row in rows):
+            return False
+        if not all(row[_HAS_EXAMPLE] for row in rows):
+            source = next(r for r, row in enumerate(rows) if row[_HAS_EXAMPLE])
+            self._share_example(source)
+        return True
+
+    def _share_example(self, source: int) -> None:
+        """Broadcast ``source``'s example batch to the ranks that have none.
+
+        The source serialises first and broadcasts a failure instead of a batch when it
+        cannot, so every rank raises the same error instead of waiting.
+
+        Raises:
+            RuntimeError: On every rank, if the source's batch cannot be pickled.
+        """
+        payload: Any = None
+        if dist.get_rank() == source:
+            try:
+                payload = pickle.dumps(move_data_to_device(self._examples[self._dataloader], "cpu"))
+            except Exception as err:
+                payload = _ShareFailure(describe(err))
+        box = [payload]
+        with peer_failures_explained(f"{self._where}: {self.step_name} (uneven batches)"):
+            dist.broadcast_object_list(box, src=source)
+        (payload,) = box
+        if isinstance(payload, _ShareFailure):
+            raise RuntimeError(
+                f"{self._where}: rank {source} could not send a {self.step_name} batch of "
+                f"dataloader {self._dataloader} to a rank that has none ({payload.error}). A "
+                "rank without batches runs the step on a peer's batch to join its forwards; "
+                "make the batch picklable, or give every rank at least one batch."
+            )
+        if self._dataloader not in self._examples:
+            example = move_data_to_device(pickle.loads(payload), self._device)
+            self._examples[self._dataloader] = example
+
+    def _dummy_step(self) -> None:
+        """Run the step on this dataloader's example batch, dropping every effect we can."""
+        args, kwargs = self._examples[self._dataloader]
+        with _effects_dropped(self._module, self.step_name, self._where):
+            self._run_step(args, dict(kwargs))
+
+
+@contextlib.contextmanager
+def _effects_dropped(module: pl.LightningModule, step_name: str, where: str) -> Iterator[None]:
+    """Silence logging, restore torchmetrics states and mark the step as running."""
+    from torchmetrics import Metric
+
+    saved = [(m, _MetricState.of(m)) for m in module.modules() if isinstance(m, Metric)]
+    previous_fx = module._current_fx_name  # see the module docstring
+    module._current_fx_name = step_name
+    module.__dict__["log"] = _DummyLog(where, step_name, "log")
+    module.__dict__["log_dict"] = _DummyLog(where, step_name, "log_dict")
+    try:
+        yield
+    finally:
+        module.__dict__.pop("log", None)
+        module.__dict__.pop("log_dict", None)
+        module._current_fx_name = previous_fx
+        for metric, state in saved:
+            state.restore(metric)
+
+
+class _MetricState:
+    """A torchmetrics ``Metric``'s states and counters, restorable in place.
+
+    States are restored into their original tensor and list objects (torchmetrics
+    updates some in place, others by re-binding), so a ``MetricCollection`` whose
+    compute groups share state objects keeps sharing them.
+    """
+
+    _COUNTERS = ("_update_count", "_computed", "_forward_cache", "_is_synced", "_should_unsync")
+
+    def __init__(self, states: dict[str, tuple[Any, Any]], counters: dict[str, Any]) -> None:
+        self.states = states
+        self.counters = counters
+
+    @classmethod
+    def of(cls, metric: Any) -> _MetricState:
+        states = {}
+        for name in metric._defaults:  # torchmetrics' registry of state names (add_state)
+            value = getattr(metric, name)
+            if isinstance(value, Tensor):
+                states[name] = (value, value.detach().clone())
+            elif isinstance(value, list):
+                states[name] = (value, list(value))
+        fields = metric.__dict__
+        counters = {name: fields[name] for name in cls._COUNTERS if name in fields}
+        return cls(states, counters)
+
+    def restore(self, metric: Any) -> None:
+        for name, (original, saved) in self.states.items():
+            if isinstance(original, Tensor):
+                original.copy_(saved)
+            else:
+                original[:] = saved
+            setattr(metric, name, original)
+        for name, value in self.counters.items():
+            setattr(metric, name, value)
+
+
+_LOG_SIGNATURES = {
+    "log": inspect.signature(pl.LightningModule.log),
+    "log_dict": inspect.signature(pl.LightningModule.log_dict),
+}
+
+
+class _DummyLog:
+    """``LightningModule.log``/``log_dict`` during a dummy step: nothing is recorded."""
+
+    def __init__(self, where: str, step_name: str, method: str) -> None:
+        self._where = where
+        self._step_name = step_name
+        self._method = method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        arguments = _LOG_SIGNATURES[self._method].bind(None, *args, **kwargs).arguments
+        syncs_now = arguments.get("sync_dist") and arguments.get("on_step")
+        if syncs_now and not arguments.get("rank_zero_only"):
+            raise RuntimeError(
+                f"{self._where}: self.{self._method}(..., sync_dist=True, on_step=True) in "
+                f"{self._step_name} syncs every step, but the ranks have different numbers of "
+                "batches: this rank has run out and cannot contribute a value. Log with "
+                "on_step=False (synced once per epoch, the default in evaluation), or give "
+                "every rank the same number of batches."
+            )
+
+
+class _ShareFailure:
+    """What a source rank broadcasts when its example batch cannot be pickled."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+class _JoiningFetcher(Iterator):
+    """The loop's data fetcher, with joins where this rank's dataloaders end.
+
+    Delegates everything else (``done``, ``teardown``, counters) to the fetcher it wraps.
+    """
+
+    def __init__(self, fetcher: Any, join: UnevenBatchJoin) -> None:
+        self._fetcher = fetcher
+        self._join = join
+
+    def __iter__(self) -> _JoiningFetcher:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            item = next(self._fetcher)
+        except StopIteration:
+            self._join.enter_dataloader(self._join.num_dataloaders)
+            raise
+        self._join.enter_dataloader(item[2])  # (batch, batch_idx, dataloader_idx)
+        return item
+
+    @property
+    def done(self) -> bool:
+        return self._fetcher.done
+
+    def teardown(self) -> None:
+        self._fetcher.teardown()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fetcher, name)
+
+
+def _all_gather_rows(mine: Tensor) -> list[list[int]]:
+    """Every rank's row, by rank (one all-gather on the default group)."""
+    world_size = dist.get_world_size()
+    gathered = torch.empty(world_size * mine.numel(), dtype=mine.dtype, device=mine.device)
+    dist.all_gather_single(gathered, mine)
+    return gathered.view(world_size, -1).tolist()
