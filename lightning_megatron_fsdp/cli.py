@@ -9,7 +9,8 @@ Subcommands (each runs in one process, without a GPU or a process group)::
 ``consolidate`` writes ``OUTPUT`` as safetensors or ``torch.save`` by its suffix
 (:func:`~lightning_megatron_fsdp.export.consolidate_checkpoint`). ``inspect`` prints each
 tensor's global shape, dtype and chunk count and the Lightning metadata; ``--verify``
-also checks completeness, sizes and sha256 checksums against the manifest.
+also checks completeness, sizes and checksums (CRC32C; sha256 in format-1 checkpoints)
+against the manifest.
 
 Exit status: 0 on success, 1 when the checkpoint or output is rejected (or ``--verify``
 finds problems), 2 for a command-line usage error. Errors go to stderr.
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate.add_argument(
         "--skip-checksums",
         action="store_true",
-        help="do not compare sha256 checksums first (sizes and completeness are still checked)",
+        help="do not compare checksums first (sizes and completeness are still checked)",
     )
 
     inspect = commands.add_parser(
@@ -85,12 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--verify",
         action="store_true",
-        help="also check completeness, file sizes and sha256 checksums; exit 1 on problems",
+        help="also check completeness, file sizes and checksums; exit 1 on problems",
     )
     inspect.add_argument(
         "--skip-checksums",
         action="store_true",
-        help="with --verify: check sizes and completeness but not sha256",
+        help="with --verify: check sizes and completeness but not checksums",
     )
     return parser
 
@@ -171,7 +172,7 @@ def _inspect(args: argparse.Namespace) -> int:
                 for problem in problems:
                     print(f"  - {problem}", file=sys.stdout)
             else:
-                what = "sizes" if args.skip_checksums else "sizes and sha256 checksums"
+                what = "sizes" if args.skip_checksums else "sizes and checksums"
                 print(
                     f"{gap}verify: OK (complete; every file matches manifest.json {what}; "
                     "every tensor's chunks tile it exactly once)",
