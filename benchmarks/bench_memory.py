@@ -185,7 +185,7 @@ def _measure(
     return {
         "rank": rank,
         "model": kind,
-        "parameters": sum(p.numel() for p in model.parameters()) * world_size,
+        "parameters": sum(p.numel() for p in model.parameters()),  # global shapes
         "state_bytes": state,
         "largest_bytes": largest,
         "extra_bytes": extras,

@@ -345,13 +345,16 @@ def _save_load_verdicts(data: dict[str, Any]) -> list[Verdict]:
             if not met:
                 checksum = default[f"{key}_s"] - plain[f"{key}_s"]
                 why = (
-                    f"{name}: checksums account for {checksum:+.3f} s of the "
-                    f"{default[f'{key}_s']:.3f} s (without them {plain[f'{key}_ratio']:.2f}x); "
-                    f"the baseline {key}s one file per rank in {base[f'{key}_s']:.3f} s. "
+                    f"{name}: medians with and without checksums differ by {checksum:+.3f} s "
+                    f"of {default[f'{key}_s']:.3f} s (without them {plain[f'{key}_ratio']:.2f}x; "
+                    f"repeats spread {default[f'{key}_spread']} s with, "
+                    f"{plain[f'{key}_spread']} s without); the baseline {key}s one file per "
+                    f"rank in {base[f'{key}_s']:.3f} s ({base[f'{key}_spread']}). "
                     + (
                         f"State dicts {default['state_dict_s']:.3f} s and planning "
                         f"{default['plan_s']:.3f} s are part of ours; the rest is DCP's "
-                        "torch.save per tensor, fsyncs and the commit."
+                        "format (one torch.save per tensor record, where the baseline makes "
+                        "one for all), the fsyncs of the commit, and disk and CPU noise."
                         if key == "save"
                         else "The rest is building targets and applying the optimizer state."
                     )

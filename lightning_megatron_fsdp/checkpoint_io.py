@@ -52,8 +52,8 @@ How (the format is in :mod:`lightning_megatron_fsdp.manifest` and docs/DESIGN.md
   reads into CPU copies of the targets and writes them only once every rank has read
   all its data, so any failure leaves every target as it was, for one more copy of the
   rank's shards in memory. DCP reshards by global offset when the world size changed.
-  Format-1 (sha256) checkpoints, and any checkpoint read through another reader, are
-  verified file by file before reading, the files split across ranks.
+  Records without a CRC32C of their own (format-1 sha256 checkpoints) are verified file by
+  file before any record is read; with another reader, every file is, split across ranks.
 * Async save. Each rank copies its shards to CPU memory itself (DCP's ``DefaultStager``
   fails on packed shards, see :func:`_stage`), keeping the chunk hooks on the copies;
   one background thread of lowered CPU priority then runs ``dcp.save`` on them over a
@@ -499,7 +499,10 @@ def _report_interrupted_saves(parent: Path) -> None:
         )
 
 
+@functools.cache
 def _versions() -> dict[str, str]:
+    """Package versions, looked up once per process (``importlib.metadata`` scans
+    ``sys.path`` on every call); callers copy the dict."""
     versions = {"torch": torch.__version__}
     for key, distribution in (
         ("lightning", "lightning"),
@@ -609,16 +612,17 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
     Args:
         async_save: Write in the background (``dcp.save`` on a thread of lowered CPU
             priority); ``save_checkpoint`` returns once the shards are copied to CPU
-            memory. At most one save is in
-            flight; its error surfaces at the next ``save_checkpoint``, ``load_checkpoint``,
-            :meth:`wait`, :meth:`poll` or :meth:`teardown`.
+            memory. At most one save is in flight; its error surfaces at the next
+            ``save_checkpoint``, ``load_checkpoint``, :meth:`wait`, :meth:`poll` or
+            :meth:`teardown`.
         verify_checksums: On load, check ``meta.pt`` and ``.metadata`` against their
             CRC32C before DCP plans, and every record against its CRC32C as it is read
             (records no rank reads are not checked; ``inspect --verify`` checks every
-            byte). Format-1 checkpoints, and loads through a reader other than a
-            :class:`VerifyingFileSystemReader`, check whole files before reading instead
-            (split across ranks). Sizes are always checked; without checksums a flipped
-            bit in tensor data loads silently.
+            byte). Records without a CRC32C of their own (format-1 checkpoints, files of
+            another writer): each rank checks every file it reads, whole, before any rank
+            reads a record. With a reader other than a :class:`VerifyingFileSystemReader`:
+            every file before reading, split across ranks. Sizes are always checked;
+            without checksums a flipped bit in tensor data loads silently.
         write_checksums: On save, record the CRC32C of every record (in ``.metadata``)
             and of every file (in the manifest), computed as the bytes are written; no
             file is read back. Sizes are always recorded.
@@ -851,7 +855,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             ],
             "world_size": comm.world_size,
             "mesh": mesh_info(tensors),
-            "versions": _versions(),
+            "versions": dict(_versions()),
             "global_step": finite_int_or_none(checkpoint.get("global_step")),
             "epoch": finite_int_or_none(checkpoint.get("epoch")),
         }
@@ -1483,9 +1487,10 @@ def _aftermath(final: Path, states: list[dict[str, Any] | None]) -> str:
         else:
             progress = ReadProgress(**state)
             lines.append(f"  rank {rank}: {progress.describe()}")
+    verb = "may be" if any(state is None for state in states) else "are"
     return (
-        "The targets are partly loaded (atomic_load=False): each rank's reader wrote records "
-        "into its targets in order, and the rest keep their previous values:\n"
+        f"The targets {verb} partly loaded (atomic_load=False): each rank's reader wrote "
+        "records into its targets in order, and the rest keep their previous values:\n"
         + "\n".join(lines)
         + f"\nLoad {final} again once it is intact, or another complete checkpoint, before "
         "training on (atomic_load=True keeps the targets unchanged on any failure, for one "

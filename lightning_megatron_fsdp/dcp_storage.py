@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from crc32c import crc32c as _crc32c_update  # the C function: no Python frame per write
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -155,7 +156,7 @@ class _RecordStream(io.RawIOBase):
         size = view.nbytes
         self._sniff(view, size)
         if self._checksum:
-            self._crc = crc32c(view, self._crc)
+            self._crc = _crc32c_update(view, self._crc)
         self._file.write(view)
         self._position += size
         return size
@@ -468,7 +469,8 @@ class VerifyingFileSystemReader(FileSystemReader):
     @override
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Check, before any rank reads, every file this rank reads records of that carry
-        no CRC32C of their own (a checkpoint written by another writer)."""
+        no CRC32C of their own (format 1, or files of another writer), whole, against the
+        manifest's digest."""
         plan = super().prepare_local_plan(plan)
         if self.verify:
             unannotated = sorted(
@@ -531,8 +533,8 @@ class VerifyingFileSystemReader(FileSystemReader):
         data = bytearray(info.length)
         if _read_exact(fd, [data], info.offset) != info.length:
             raise self._truncated(name, item)
-        if expected is not None and crc32c(data) != expected:
-            raise self._mismatch(name, item, crc32c(data), expected)
+        if expected is not None and (found := crc32c(data)) != expected:
+            raise self._mismatch(name, item, found, expected)
         stream = self.transforms.transform_load_stream(
             item, info.transform_descriptors or (), io.BytesIO(data)
         )

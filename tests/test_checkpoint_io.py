@@ -406,15 +406,20 @@ def _bad_inputs(rank: int, world_size: int, root: str) -> list[str]:
     # Another reader (torch's own) cannot verify records as it reads: the files' CRC32Cs
     # are checked before any read instead, split across ranks, and nothing is written.
     torch_reader = MegatronFSDPCheckpointIO(storage_reader_factory=FileSystemReader)
-    _, state = _targets(world_size)
-    before = _tensor_facts(state)
-    with pytest.raises(
-        CheckpointCorruptedError,
-        match=r"(?s)__0_0\.distcp: crc32c [0-9a-f]{8} on disk, [0-9a-f]{8} in the manifest.*"
-        r"\[rank\(s\) \[\d\]\].*Nothing was loaded",
-    ):
-        load(flipped, plugin=torch_reader, state=state)
-    assert_same_facts(_tensor_facts(state), before)
+
+    def refused_unchanged(path: Path, pattern: str, **kwargs: Any) -> None:
+        _, state = _targets(world_size)
+        before = _tensor_facts(state)
+        with pytest.raises(CheckpointCorruptedError, match=f"(?s){pattern}.*Nothing was loaded"):
+            load(path, state=state, **kwargs)
+        assert_same_facts(_tensor_facts(state), before)
+
+    refused_unchanged(
+        flipped,
+        r"__0_0\.distcp: crc32c [0-9a-f]{8} on disk, [0-9a-f]{8} in the manifest.*"
+        r"\[rank\(s\) \[\d\]\]",
+        plugin=torch_reader,
+    )
     _, state = _targets(world_size)
     load(good, plugin=torch_reader, state=state)
     assert_same_facts(_tensor_facts(state), saved)
@@ -437,15 +442,10 @@ def _bad_inputs(rank: int, world_size: int, root: str) -> list[str]:
     _, state = _targets(world_size)
     load(legacy, state=state)
     assert_same_facts(_tensor_facts(state), saved)
-    _, state = _targets(world_size)
-    before = _tensor_facts(state)
-    with pytest.raises(
-        CheckpointCorruptedError,
-        match=r"(?s)__1_0\.distcp: sha256 [0-9a-f]{64} on disk, [0-9a-f]{64} in the manifest.*"
-        r"Nothing was loaded",
-    ):
-        load(root_path / "legacy-flipped", state=state)
-    assert_same_facts(_tensor_facts(state), before)
+    refused_unchanged(
+        root_path / "legacy-flipped",
+        r"__1_0\.distcp: sha256 [0-9a-f]{64} on disk, [0-9a-f]{64} in the manifest",
+    )
     checked.append("format 1")
 
     # Fingerprint: a missing key, an unexpected key, a shape and a dtype, in one message.
@@ -1013,3 +1013,39 @@ def test_records_carry_their_crc32c_and_any_dcp_reader_reads_them(tmp_path: Path
         plugin.load_checkpoint(path, state={"state_dict": targets})
         for key, value in tensors.items():
             torch.testing.assert_close(targets[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_files_of_another_writer_are_hashed_after_writing_and_checked_before_reading(
+    tmp_path: Path,
+) -> None:
+    """torch's own ``FileSystemWriter`` records no per-record CRC: the plugin hashes its
+    files after writing, and the default reader checks them whole before any record is read,
+    so a damaged one is refused with the targets untouched."""
+    tensors = {"w": torch.arange(12.0).view(3, 4), "b": torch.arange(5, dtype=torch.int32)}
+    path = tmp_path / "other-writer.ckpt"
+    plugin = MegatronFSDPCheckpointIO()
+    plugin.save_checkpoint(
+        {"state_dict": tensors}, path, storage_options={"storage_writer_factory": FileSystemWriter}
+    )
+    manifest = read_manifest(path)
+    for name, record in manifest.files.items():
+        assert record.crc32c == f"{crc32c_package.crc32c((path / name).read_bytes()):08x}", name
+    metadata = FileSystemReader(str(path)).read_metadata()
+    assert not any(hasattr(info, RECORD_ATTR) for info in metadata.storage_data.values())
+    targets = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    plugin.load_checkpoint(path, state={"state_dict": targets})
+    for key, value in tensors.items():
+        torch.testing.assert_close(targets[key], value, rtol=0, atol=0, msg=key)
+
+    shard = path / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-30] ^= 0x01
+    shard.write_bytes(bytes(data))
+    targets = {k: torch.full_like(v, 7) for k, v in tensors.items()}
+    with pytest.raises(
+        CheckpointCorruptedError,
+        match=r"(?s)__0_0\.distcp: crc32c [0-9a-f]{8} on disk, [0-9a-f]{8} in the manifest.*"
+        r"Nothing was loaded: no rank had begun reading tensor data",
+    ):
+        plugin.load_checkpoint(path, state={"state_dict": targets})
+    assert all(torch.equal(t, torch.full_like(t, 7)) for t in targets.values())
