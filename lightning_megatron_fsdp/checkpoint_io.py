@@ -13,10 +13,12 @@ How (the format is in :mod:`lightning_megatron_fsdp.manifest` and docs/DESIGN.md
   writing a checkpoint no rank can load. Every rank then writes only its own shards with
   DCP (the chunk hooks of ``uneven_dtensor`` put each packed shard at its true offset);
   rank 0 writes the non-tensor rest of Lightning's dict to ``meta.pt``. All of it goes
-  into a hidden sibling ``.<name>.tmp-<token>``. Once DCP returns, every rank's data and
-  ``.metadata`` are on disk (DCP's final step gathers every rank's write result before
-  rank 0 writes ``.metadata``); each rank then hashes the files it wrote, rank 0 gathers
-  the digests, writes ``manifest.json`` last and commits::
+  into a hidden sibling ``.<name>.tmp-<token>``. The writer
+  (:class:`~lightning_megatron_fsdp.dcp_storage.ChecksummingFileSystemWriter`) CRC32Cs
+  every record as its bytes go out. Once DCP returns, every rank's data and ``.metadata``
+  are on disk (DCP's final step gathers every rank's write result before rank 0 writes
+  ``.metadata``); rank 0 gathers each rank's file sizes and CRC32Cs, writes
+  ``manifest.json`` last and commits::
 
       1. exchange .<name>.tmp-<token> <-> <name>    (one atomic renameat2(RENAME_EXCHANGE);
                                                       a plain rename if <name> is absent)
@@ -37,18 +39,26 @@ How (the format is in :mod:`lightning_megatron_fsdp.manifest` and docs/DESIGN.md
   commit leaves the old checkpoint in place and a hidden temp directory, which the next
   save of that name deletes and ``load_checkpoint`` reports. Rank 0 broadcasts the
   outcome, so every rank returns or raises together.
-* Load. Before any tensor is read, every rank checks the manifest, file sizes, a share
-  of the sha256 digests, the layout fingerprint against the targets, and reads
-  ``meta.pt``; the problems of all ranks are all-gathered so every rank raises the same
-  error. Then ``dcp.load`` reads into CPU copies of the targets (``atomic_load``), and
-  only once every rank has read all its data are the copies written into the targets:
-  a failure while reading (an I/O error, a file that changed after it was verified, a
-  peer that died) leaves every target as it was. DCP reshards by global offset when the
-  world size changed.
+* Load. Before any tensor is read, every rank checks the manifest, file sizes, the
+  layout fingerprint against the targets, and reads and verifies ``meta.pt``; the
+  problems of all ranks are all-gathered so every rank raises the same error. Then
+  ``dcp.load`` reads with a
+  :class:`~lightning_megatron_fsdp.dcp_storage.VerifyingFileSystemReader`, which
+  verifies ``.metadata`` before DCP plans (a failure there still leaves every target
+  untouched), then reads each record straight into its target and checks its CRC32C
+  over the bytes it read. A failure after the first write (a record that fails its
+  CRC, an I/O error, a peer that died) raises on every rank naming what each rank had
+  already written (see docs/DESIGN.md, "Atomic load"). ``atomic_load=True`` instead
+  reads into CPU copies of the targets and writes them only once every rank has read
+  all its data, so any failure leaves every target as it was, for one more copy of the
+  rank's shards in memory. DCP reshards by global offset when the world size changed.
+  Records without a CRC32C of their own (format-1 sha256 checkpoints) are verified file by
+  file before any record is read; with another reader, every file is, split across ranks.
 * Async save. Each rank copies its shards to CPU memory itself (DCP's ``DefaultStager``
   fails on packed shards, see :func:`_stage`), keeping the chunk hooks on the copies;
-  ``dcp.async_save`` writes them on a background thread over a dedicated gloo group, and a
-  second background thread commits as above.
+  one background thread of lowered CPU priority then runs ``dcp.save`` on them over a
+  dedicated gloo group and commits as above. (``dcp.async_save`` would run the same save
+  on a thread of its own executor, whose priority we do not control.)
 * Lost peers. A rank that dies (or hangs) makes its peers' next collective fail (at the
   latest after the process group's timeout); every collective of a save or load turns
   that into a :class:`CheckpointSaveError` / :class:`CheckpointError` naming the phase,
@@ -57,14 +67,15 @@ How (the format is in :mod:`lightning_megatron_fsdp.manifest` and docs/DESIGN.md
 Alternatives rejected:
     * A marker file instead of renames: a reader must know to look for it, and Lightning's
       ``last*`` lookup and ``os.path.exists`` checks do not.
-    * Hashing while writing, in a custom ``StorageWriter``: ties us to DCP's writer
-      internals; re-reading freshly written (page-cached) files costs about 1 s per GB per
-      rank, all ranks in parallel.
+    * Hashing the files after writing and again before loading (format 1): two extra
+      passes over every byte.
+    * Verifying every file before loading so that a corrupt record never reaches a target:
+      one more full read of the checkpoint; ``atomic_load=True`` gives the stronger
+      guarantee for memory instead.
     * Committing from DCP's ``finish`` on rank 0: it runs before the other ranks have
       hashed their files, and a failure there is not reported to the other ranks.
-    * Loading in place and restoring a snapshot on failure: costs the same copy, and a
-      rank that dies mid-read cannot restore anything; reading into copies never touches
-      the targets until every rank has succeeded.
+    * Loading in place and restoring a snapshot on failure: costs the same copy as
+      ``atomic_load=True``, and a rank that dies mid-read cannot restore anything.
     * Comparing the ranks' full fingerprints on every save: an all-gather of every key;
       a 32-byte digest per rank costs nothing, and the full lists are gathered only to
       explain a mismatch.
@@ -81,11 +92,13 @@ import errno
 import functools
 import hashlib
 import importlib.metadata
+import io
 import json
 import logging
 import os
 import re
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Mapping, MutableMapping
 from datetime import timedelta
@@ -96,15 +109,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_megatron_fsdp.checksums import bytes_digest, crc32c, crc32c_hex, file_digest
+from lightning_megatron_fsdp.dcp_storage import (
+    ChecksummingFileSystemWriter,
+    ReadProgress,
+    VerifyingFileSystemReader,
+)
 from lightning_megatron_fsdp.manifest import (
     ASIDE,
     DCP_METADATA_FILE,
@@ -134,7 +151,6 @@ from lightning_megatron_fsdp.manifest import (
     recover_checkpoint,
     remove_tree,
     resolve_latest_checkpoint,
-    sha256_file,
 )
 from lightning_megatron_fsdp.uneven_dtensor import CHUNK_ATTR
 
@@ -143,10 +159,12 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointSaveError",
+    "ChecksummingFileSystemWriter",
     "MegatronFSDPCheckpointIO",
     "NotACheckpointError",
     "StorageReaderFactory",
     "StorageWriterFactory",
+    "VerifyingFileSystemReader",
     "is_complete_checkpoint",
     "read_manifest",
     "resolve_latest_checkpoint",
@@ -175,8 +193,8 @@ _FAULT_HOOK: Callable[[str], None] | None = None
 
 Fault-injection tests set it inside a rank process to raise, or to kill the process, at
 one step of the commit, which no ``StorageWriter`` can reach (the writer's part is over
-by then). Points, in order: ``"commit:hashed"`` (every rank, its files hashed, before the
-gather), ``"commit:manifest"`` (rank 0, before writing ``manifest.json``),
+by then). Points, in order: ``"commit:hashed"`` (every rank, its files' sizes and digests
+collected, before the gather), ``"commit:manifest"`` (rank 0, before writing ``manifest.json``),
 ``"commit:publish"`` (rank 0, manifest written, before the rename), ``"commit:aside"``
 (rank 0, two-rename fallback only: the previous checkpoint renamed aside, the new one not
 yet in place) and ``"commit:replaced"`` (rank 0, the new checkpoint in place, the previous
@@ -293,21 +311,30 @@ class _SaveJob:
     token: str
     write_checksums: bool
     manifest_fields: dict[str, Any]
+    written: dict[str, FileRecord] = dataclasses.field(default_factory=dict)
+    """Files this rank wrote itself outside DCP (rank 0's ``meta.pt``), as written."""
 
 
-class _PassThroughStager(AsyncStager):
-    """Hands ``dcp.async_save`` a state dict that :func:`_stage` already copied."""
+_BACKGROUND_NICE = 10
+"""Nice increment of the async-save thread (Linux: per thread). Training keeps the core
+when both want it; the save still progresses (weight 110 against 1024 under CFS)."""
 
-    _synchronize_after_execute = False
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return state_dict
+def _lower_thread_priority() -> None:
+    """Lower the calling thread's CPU priority by :data:`_BACKGROUND_NICE`, where the OS
+    allows it per thread (Linux); elsewhere a no-op.
 
-    def synchronize_staging(self) -> None:
-        """Nothing to wait for: staging finished before ``async_save`` was called."""
-
-    def close(self) -> None:
-        """Holds no resources."""
+    The async save's thread writes and hashes hundreds of MB while training runs: where
+    the two share a core, the scheduler should favour training. Raising one's own nice
+    value needs no privilege; the thread lives in the plugin's own one-thread executor,
+    so no other work inherits the priority.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            tid = threading.get_native_id()
+            os.setpriority(
+                os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + _BACKGROUND_NICE
+            )
 
 
 def _copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -472,7 +499,10 @@ def _report_interrupted_saves(parent: Path) -> None:
         )
 
 
+@functools.cache
 def _versions() -> dict[str, str]:
+    """Package versions, looked up once per process (``importlib.metadata`` scans
+    ``sys.path`` on every call); callers copy the dict."""
     versions = {"torch": torch.__version__}
     for key, distribution in (
         ("lightning", "lightning"),
@@ -496,6 +526,20 @@ def _timeout_of(group: dist.ProcessGroup) -> timedelta:
         if isinstance(timeout, timedelta):
             return timeout
     return dist.default_pg_timeout
+
+
+def _write_meta(path: Path, meta: dict[str, Any], job: _SaveJob) -> FileRecord:
+    """``torch.save`` the non-tensor rest to ``path``, fsync'd; its size and CRC32C are
+    taken from the bytes written (pickled in memory first: it is small)."""
+    buffer = io.BytesIO()
+    torch.save(meta, buffer)
+    data = buffer.getbuffer()
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    digest = crc32c_hex(crc32c(data)) if job.write_checksums else None
+    return FileRecord(size=data.nbytes, crc32c=digest)
 
 
 def _fsync(path: Path) -> None:
@@ -566,33 +610,40 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
     Megatron-FSDP DTensor it passes (``MegatronFSDPStrategy`` does).
 
     Args:
-        async_save: Write in the background with ``dcp.async_save``; ``save_checkpoint``
-            returns once the shards are copied to CPU memory. At most one save is in
-            flight; its error surfaces at the next ``save_checkpoint``, ``load_checkpoint``,
-            :meth:`wait`, :meth:`poll` or :meth:`teardown`.
-        verify_checksums: On load, check every file's sha256 (split across ranks) before
-            reading tensor data. Sizes are always checked; without checksums a flipped
-            bit in tensor data loads silently (DCP's files carry no checksum of their own).
-        write_checksums: On save, record each file's sha256 (each rank hashes its own
-            files in parallel; sha256 runs at ~0.9 GB/s per core). Measured on 2 CPU cores,
-            2 ranks, 257 MB: 0.53 s plain ``dcp.save``, 0.55 s without and 0.88 s with
-            checksums; loading 0.09 s without and 0.31 s with verification. Sizes are
-            always recorded.
+        async_save: Write in the background (``dcp.save`` on a thread of lowered CPU
+            priority); ``save_checkpoint`` returns once the shards are copied to CPU
+            memory. At most one save is in flight; its error surfaces at the next
+            ``save_checkpoint``, ``load_checkpoint``, :meth:`wait`, :meth:`poll` or
+            :meth:`teardown`.
+        verify_checksums: On load, check ``meta.pt`` and ``.metadata`` against their
+            CRC32C before DCP plans, and every record against its CRC32C as it is read
+            (records no rank reads are not checked; ``inspect --verify`` checks every
+            byte). Records without a CRC32C of their own (format-1 checkpoints, files of
+            another writer): each rank checks every file it reads, whole, before any rank
+            reads a record. With a reader other than a :class:`VerifyingFileSystemReader`:
+            every file before reading, split across ranks. Sizes are always checked;
+            without checksums a flipped bit in tensor data loads silently.
+        write_checksums: On save, record the CRC32C of every record (in ``.metadata``)
+            and of every file (in the manifest), computed as the bytes are written; no
+            file is read back. Sizes are always recorded.
         process_group: Group of the ranks that save and load together; the default group
             when ``None``. Its timeout bounds every collective of a save or load.
         storage_writer_factory: Builds the DCP writer for a save from the hidden directory
-            it must write into; a ``FileSystemWriter`` when ``None``. It must write DCP's
-            file names (``__<rank>_<n>.distcp``, ``.metadata``) into that directory.
-        thread_count: Writer threads per rank for the default ``FileSystemWriter``.
+            it must write into; a :class:`ChecksummingFileSystemWriter` when ``None``. It
+            must write DCP's file names (``__<rank>_<n>.distcp``, ``.metadata``) into that
+            directory. Files another writer wrote are read back to hash them.
+        thread_count: Writer threads per rank for the default writer.
         storage_reader_factory: Builds the DCP reader for a load from the checkpoint
-            directory; a ``FileSystemReader`` when ``None``.
-        atomic_load: Read into CPU copies of the targets and write them into the
-            targets only once every rank has read all its data, so a load that fails
-            while reading leaves the model and optimizers as they were. Costs one CPU
-            copy of this rank's shards during the load (as ``async_save`` does during a
-            save). ``False`` reads straight into the targets: less memory, but a read
-            failure (validation passed, then an I/O error, a file changed underneath, or
-            a peer died) can leave them partly overwritten.
+            directory; a :class:`VerifyingFileSystemReader` when ``None``.
+        atomic_load: ``False`` (default): read each record straight into its target.
+            Every check that needs no tensor bytes (manifest, sizes, fingerprint,
+            ``meta.pt``, ``.metadata``) passes on every rank before any rank writes into
+            a target; a failure after that (a record failing its CRC32C, an I/O error, a
+            lost peer) raises on every rank saying how many records each rank had
+            written, and the rest keep their previous values. ``True``: read into CPU
+            copies of the targets and write them into the targets only once every rank
+            has read all its data, so any failure leaves the model and optimizers as they
+            were, for one more CPU copy of this rank's shards during the load.
 
     Raises:
         TypeError: If an option has the wrong type.
@@ -609,7 +660,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         storage_writer_factory: StorageWriterFactory | None = None,
         thread_count: int = 1,
         storage_reader_factory: StorageReaderFactory | None = None,
-        atomic_load: bool = True,
+        atomic_load: bool = False,
     ) -> None:
         for name, value in (
             ("async_save", async_save),
@@ -687,16 +738,10 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 comm,
                 lambda: dcp.save(tensors, storage_writer=writer, process_group=comm.group),
             )
-            self._commit(job, metadata, comm)
+            self._commit(job, metadata, comm, writer)
             return
         try:
             background = self._background_comm(comm)
-            upload = dcp.async_save(
-                tensors,
-                storage_writer=writer,
-                process_group=background.group,
-                async_stager=_PassThroughStager(),
-            )
         except Exception as err:
             self._discard(final, job.token, comm)
             raise CheckpointSaveError(
@@ -706,9 +751,13 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             ) from err
         if self._committer is None:
             self._committer = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="lmf-checkpoint-commit"
+                max_workers=1,
+                thread_name_prefix="lmf-checkpoint-save",
+                initializer=_lower_thread_priority,
             )
-        self._in_flight = self._committer.submit(self._finish_background, job, upload, background)
+        self._in_flight = self._committer.submit(
+            self._finish_background, job, tensors, background, writer
+        )
         self._in_flight_path = final
 
     def _prepare_save(
@@ -745,10 +794,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             if comm.rank == 0:
                 _check_replaceable(final)
                 job.staging.mkdir(parents=True)
-                with open(job.staging / META_FILE, "wb") as file:
-                    torch.save(meta, file)
-                    file.flush()
-                    os.fsync(file.fileno())
+                job.written[META_FILE] = _write_meta(job.staging / META_FILE, meta, job)
             writer = (self._writer_factory(storage_options) or self._default_writer)(job.staging)
             if self.async_save:
                 tensors = _stage(tensors)
@@ -795,7 +841,9 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         return storage_options["storage_writer_factory"]
 
     def _default_writer(self, staging: Path) -> StorageWriter:
-        return FileSystemWriter(staging, thread_count=self.thread_count)
+        return ChecksummingFileSystemWriter(
+            staging, checksum=self.write_checksums, thread_count=self.thread_count
+        )
 
     def _manifest_fields(
         self, checkpoint: Mapping[str, Any], tensors: Mapping[str, Any], comm: _Comm
@@ -807,7 +855,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             ],
             "world_size": comm.world_size,
             "mesh": mesh_info(tensors),
-            "versions": _versions(),
+            "versions": dict(_versions()),
             "global_step": finite_int_or_none(checkpoint.get("global_step")),
             "epoch": finite_int_or_none(checkpoint.get("epoch")),
         }
@@ -856,21 +904,30 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             ) from err
 
     def _finish_background(
-        self, job: _SaveJob, upload: concurrent.futures.Future[Metadata], comm: _Comm
+        self, job: _SaveJob, tensors: dict[str, Any], comm: _Comm, writer: StorageWriter
     ) -> None:
-        metadata = self._run_dcp_save(job, comm, upload.result)
-        self._commit(job, metadata, comm)
+        """The background thread's whole save: DCP's write over the background group, then
+        the commit."""
+        metadata = self._run_dcp_save(
+            job,
+            comm,
+            lambda: dcp.save(tensors, storage_writer=writer, process_group=comm.group),
+        )
+        self._commit(job, metadata, comm, writer)
 
-    def _commit(self, job: _SaveJob, metadata: Metadata, comm: _Comm) -> None:
-        """Hash, gather, write the manifest and rename into place; every rank learns how it went.
+    def _commit(
+        self, job: _SaveJob, metadata: Metadata, comm: _Comm, writer: StorageWriter
+    ) -> None:
+        """Gather sizes and digests, write the manifest and rename into place; every rank
+        learns how it went.
 
         Raises:
-            CheckpointSaveError: On every rank if any rank failed to hash its files or
+            CheckpointSaveError: On every rank if any rank failed to describe its files or
                 rank 0 failed to commit; the hidden directory is then deleted.
         """
         error, records = None, {}
         try:
-            records = self._local_records(job, comm.rank)
+            records = self._local_records(job, comm.rank, writer)
             _fault("commit:hashed")
         except Exception as err:
             error = f"rank {comm.rank}: {_describe(err)}"
@@ -933,19 +990,32 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             )
 
     @staticmethod
-    def _local_records(job: _SaveJob, rank: int) -> dict[str, FileRecord]:
-        """Size and digest of the files this rank wrote: its shards; rank 0 also the rest."""
+    def _local_records(job: _SaveJob, rank: int, writer: StorageWriter) -> dict[str, FileRecord]:
+        """Size and CRC32C of the files this rank wrote: its shards; rank 0 also the rest.
+
+        Taken from the bytes as they were written (:class:`ChecksummingFileSystemWriter`,
+        ``meta.pt``); a file written by another writer, or whose size on disk is not what
+        was written, is read back and hashed.
+        """
         pattern = re.compile(_DISTCP_RE.format(rank=rank))
         names = sorted(p.name for p in job.staging.iterdir() if pattern.fullmatch(p.name))
         if rank == 0:
             names += [DCP_METADATA_FILE, META_FILE]
-        return {
-            name: FileRecord(
-                size=(job.staging / name).stat().st_size,
-                sha256=sha256_file(job.staging / name) if job.write_checksums else None,
-            )
-            for name in names
-        }
+        hashed = writer.written_files() if isinstance(writer, ChecksummingFileSystemWriter) else {}
+        records = {}
+        for name in names:
+            size = (job.staging / name).stat().st_size
+            if not job.write_checksums:
+                records[name] = FileRecord(size)
+                continue
+            known = job.written.get(name)
+            if known is None and name in hashed and hashed[name].crc32c is not None:
+                known = FileRecord(hashed[name].size, crc32c=crc32c_hex(hashed[name].crc32c))
+            if known is not None and known.size == size:
+                records[name] = known
+            else:
+                records[name] = FileRecord(size, crc32c=file_digest(job.staging / name, "crc32c"))
+        return records
 
     @staticmethod
     def _check_claims(job: _SaveJob, files: Mapping[str, FileRecord], metadata: Metadata) -> None:
@@ -1101,16 +1171,19 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
 
         Raises:
             NotACheckpointError: ``path`` is not a complete checkpoint directory.
-            CheckpointCorruptedError: Files are missing, truncated, or fail their sha256.
+            CheckpointCorruptedError: Files are missing or truncated, or a file or record
+                fails its checksum.
             CheckpointMismatchError: The fingerprint differs from the targets; the message
                 lists every missing, unexpected, reshaped and retyped key.
             TypeError: ``state`` is malformed.
             CheckpointError: ``meta.pt`` cannot be unpickled (for example with
                 ``weights_only=True``); or DCP failed reading, naming the failing
                 rank(s); or a peer was lost.
-            All of these are raised on every rank together, before any target changes
-            (with ``atomic_load=False``, a failure while DCP reads may leave targets
-            partly overwritten; the message says so).
+            All of these are raised on every rank together. Every failure found before
+            DCP reads tensor data (everything above except a record's checksum, an I/O
+            error or a lost peer while reading) leaves every target unchanged; a later
+            one leaves them unchanged with ``atomic_load=True``, and otherwise says what
+            each rank had already written into them.
         """
         self.wait()
         comm = _Comm.of(self.process_group)
@@ -1124,7 +1197,15 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             _report_interrupted_saves(final.parent)
         try:
             comm.broadcast_from_first(None)  # nobody looks at the path before recovery is done
-            problems, meta = self._validate(final, state, strict, comm, map_location, weights_only)
+            reader, problems = None, []
+            try:
+                reader = (self.storage_reader_factory or self._default_reader)(final)
+            except Exception as err:
+                problems = [(_LOAD_ERRORS.index(CheckpointError), _describe(err))]
+            if reader is not None:
+                problems, meta = self._validate(
+                    final, state, strict, comm, map_location, weights_only, reader
+                )
             gathered = comm.all_gather(problems)
         except _PeerLostError as err:
             raise CheckpointError(
@@ -1140,12 +1221,14 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 manifest.world_size,
                 comm.world_size,
             )
+        assert reader is not None
+        if isinstance(reader, VerifyingFileSystemReader):
+            reader.expect(manifest, verify=self.verify_checksums)
         loaded: dict[str, Any] = {}
         if state is not None:
             targets = {k: state[k] for k in ("state_dict", "optimizer_states") if k in state}
             # Tied entries are one object in both: _stage copies them once, _fill copies twice.
             into = _stage(targets) if self.atomic_load else targets
-            reader = (self.storage_reader_factory or FileSystemReader)(final)
             try:
                 dcp.load(
                     into,
@@ -1154,25 +1237,53 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                     process_group=comm.group,
                 )
             except (CheckpointException, Exception) as err:
-                message = (
-                    _dcp_failure("Loading", final, err)
-                    if isinstance(err, CheckpointException)
-                    else f"Loading checkpoint {final} failed on rank {comm.rank}: "
-                    f"{_describe(err)}\nDCP reports each rank's own errors as one "
-                    f"CheckpointException, so this error most likely means {_LOST_PEER_HINT}."
-                )
-                aftermath = (
-                    "The targets are unchanged (atomic_load)."
-                    if self.atomic_load
-                    else "The targets may be partly overwritten (atomic_load=False); load "
-                    "again from a good checkpoint."
-                )
-                raise CheckpointError(f"{message}\n{aftermath}") from err
+                raise self._load_failure(final, err, reader, comm) from err
             if self.atomic_load:
                 with torch.no_grad():
                     _fill(targets, into)
             loaded = targets
         return {**meta, **loaded}
+
+    def _default_reader(self, final: Path) -> StorageReader:
+        return VerifyingFileSystemReader(final, verify=self.verify_checksums)
+
+    def _load_failure(
+        self, final: Path, err: BaseException, reader: StorageReader, comm: _Comm
+    ) -> CheckpointError:
+        """The error every rank raises when ``dcp.load`` failed: DCP's per-rank errors, and
+        what the targets now hold on each rank.
+
+        Without ``atomic_load`` the ranks all-gather how far their readers got (one more
+        collective, bounded by the group's timeout; a lost peer is reported as unknown),
+        so every rank states the same partial state.
+        """
+        if isinstance(err, CheckpointException):
+            message = _dcp_failure("Loading", final, err)
+            failures = [exc for exc, _ in err.failures.values()]
+        else:
+            message = (
+                f"Loading checkpoint {final} failed on rank {comm.rank}: {_describe(err)}\n"
+                "DCP reports each rank's own errors as one CheckpointException, so this "
+                f"error most likely means {_LOST_PEER_HINT}."
+            )
+            failures = [err]
+        corrupted = all(isinstance(e, CheckpointCorruptedError) for e in failures)
+        error = CheckpointCorruptedError if corrupted else CheckpointError
+        if corrupted:
+            message += (
+                "\nThe files differ from what the save recorded: load an older complete "
+                "checkpoint, or restore these files from an intact copy (check it offline with "
+                f"`lightning-megatron-fsdp inspect --verify {final}`)."
+            )
+        if self.atomic_load:
+            return error(f"{message}\nThe targets are unchanged (atomic_load).")
+        progress = reader.progress if isinstance(reader, VerifyingFileSystemReader) else None
+        try:
+            states = comm.all_gather(None if progress is None else dataclasses.asdict(progress))
+        except _PeerLostError:
+            states = [None] * comm.world_size
+            states[comm.rank] = None if progress is None else dataclasses.asdict(progress)
+        return error(f"{message}\n{_aftermath(final, states)}")
 
     def _validate(
         self,
@@ -1182,9 +1293,15 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         comm: _Comm,
         map_location: Any,
         weights_only: bool | None,
+        reader: StorageReader,
     ) -> tuple[list[tuple[int, str]], dict[str, Any]]:
         """This rank's problems with loading ``final`` into ``state``, as (kind, text),
-        and the checkpoint's ``meta.pt`` (empty if it could not be read)."""
+        and the checkpoint's ``meta.pt`` (empty if it could not be read).
+
+        Sizes always; with ``verify_checksums``, ``meta.pt``'s digest on every rank (it is
+        read here anyway) and, unless ``reader`` verifies as it reads, this rank's share
+        of the other files' digests.
+        """
         kind = {cls: i for i, cls in enumerate(_LOAD_ERRORS)}
         if state is not None:
             shape_error = _state_shape_error(state)
@@ -1195,13 +1312,24 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         except NotACheckpointError as err:
             return [(kind[NotACheckpointError], str(err))], {}
         share = None
-        if self.verify_checksums:
-            hashed = sorted(n for n, r in manifest.files.items() if r.sha256 is not None)
+        if self.verify_checksums and not isinstance(reader, VerifyingFileSystemReader):
+            hashed = sorted(
+                n for n, r in manifest.files.items() if r.digest() is not None and n != META_FILE
+            )
             share = hashed[comm.rank :: comm.world_size]
         try:
             damaged = check_files(final, manifest, checksum_files=share)
+            data = None if damaged else (final / META_FILE).read_bytes()
         except OSError as err:
-            damaged = [f"cannot read a file: {_describe(err)}"]
+            damaged, data = [f"cannot read a file: {_describe(err)}"], None
+        digest = manifest.files[META_FILE].digest() if self.verify_checksums else None
+        if data is not None and digest is not None:
+            found = bytes_digest(data, digest[0])
+            if found != digest[1]:
+                damaged.append(
+                    f"{META_FILE}: {digest[0]} {found} on disk, {digest[1]} in the manifest "
+                    "(the file changed after it was written)"
+                )
         problems = [(kind[CheckpointCorruptedError], line) for line in damaged]
         if state is not None:
             problems += [
@@ -1209,10 +1337,10 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 for line in _fingerprint_problems(manifest, state, strict)
             ]
         meta: dict[str, Any] = {}
-        if not damaged:
+        if not damaged and data is not None:
             try:
                 meta = torch.load(
-                    final / META_FILE, map_location=map_location, weights_only=weights_only
+                    io.BytesIO(data), map_location=map_location, weights_only=weights_only
                 )
             except Exception as err:
                 problems.append(
@@ -1343,6 +1471,31 @@ def _raise_combined(final: Path, gathered: list[list[tuple[int, str]]], world_si
     if advice:
         lines.append(advice.format(final=final))
     raise error(f"Cannot load checkpoint {final}:\n" + "\n".join(lines))
+
+
+def _aftermath(final: Path, states: list[dict[str, Any] | None]) -> str:
+    """What the targets hold after a failed in-place load, from each rank's reader
+    progress (``None``: unknown, another reader or a lost rank)."""
+    if all(s is not None and not s["started"] for s in states):
+        return (
+            "Nothing was loaded: no rank had begun reading tensor data. The targets are unchanged."
+        )
+    lines = []
+    for rank, state in enumerate(states):
+        if state is None:
+            lines.append(f"  rank {rank}: unknown (another storage reader, or the rank was lost)")
+        else:
+            progress = ReadProgress(**state)
+            lines.append(f"  rank {rank}: {progress.describe()}")
+    verb = "may be" if any(state is None for state in states) else "are"
+    return (
+        f"The targets {verb} partly loaded (atomic_load=False): each rank's reader wrote "
+        "records into its targets in order, and the rest keep their previous values:\n"
+        + "\n".join(lines)
+        + f"\nLoad {final} again once it is intact, or another complete checkpoint, before "
+        "training on (atomic_load=True keeps the targets unchanged on any failure, for one "
+        "more copy of the shards in memory)."
+    )
 
 
 # What to do, by error class; every load error leaves the targets untouched.

@@ -20,7 +20,8 @@ Two commands rather than a ``--format`` option of ``consolidate``: their outputs
 different loaders and take different options (a prefix makes no sense for a Lightning
 checkpoint, hyper-parameters none for safetensors). ``inspect`` prints each tensor's
 global shape, dtype and chunk count and the Lightning metadata; ``--verify`` also checks
-completeness, sizes and sha256 checksums against the manifest.
+completeness, sizes and checksums (CRC32C; sha256 in format-1 checkpoints) against the
+manifest.
 
 Exit status: 0 on success, 1 when the checkpoint or output is rejected (or ``--verify``
 finds problems), 2 for a command-line usage error. Errors go to stderr.
@@ -115,12 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--verify",
         action="store_true",
-        help="also check completeness, file sizes and sha256 checksums; exit 1 on problems",
+        help="also check completeness, file sizes and checksums; exit 1 on problems",
     )
     inspect.add_argument(
         "--skip-checksums",
         action="store_true",
-        help="with --verify: check sizes and completeness but not sha256",
+        help="with --verify: check sizes and completeness but not checksums",
     )
     return parser
 
@@ -140,7 +141,7 @@ def _add_output_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-checksums",
         action="store_true",
-        help="do not compare sha256 checksums first (sizes and completeness are still checked)",
+        help="do not compare checksums first (sizes and completeness are still checked)",
     )
 
 
@@ -220,7 +221,7 @@ def _inspect(args: argparse.Namespace) -> int:
                 for problem in problems:
                     print(f"  - {problem}", file=sys.stdout)
             else:
-                what = "sizes" if args.skip_checksums else "sizes and sha256 checksums"
+                what = "sizes" if args.skip_checksums else "sizes and checksums"
                 print(
                     f"{gap}verify: OK (complete; every file matches manifest.json {what}; "
                     "every tensor's chunks tile it exactly once)",

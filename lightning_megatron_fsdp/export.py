@@ -8,7 +8,7 @@ job's world size, nor a process group, nor a GPU, nor memory for the whole model
 
 How: DCP's ``.metadata`` records every tensor's global shape and where each saved chunk
 lies (file, byte range, offsets in the global tensor). :func:`consolidate_checkpoint`
-checks that metadata against the manifest (read and size/sha256-checked by
+checks that metadata against the manifest (read and size/checksum-checked by
 :mod:`lightning_megatron_fsdp.manifest`, as the loader does) and against the files on
 disk, and that every tensor's chunks tile it exactly once; then, for one tensor at
 a time, allocates only that full tensor and has ``dcp.load(..., no_dist=True)`` (no
@@ -560,7 +560,8 @@ def verify_checkpoint(
     """Check a checkpoint's completeness and integrity offline, reading only files.
 
     Checks that ``manifest.json`` parses; that every file it lists exists with the
-    recorded size and (when ``checksums``) sha256; that ``.metadata`` parses, that every
+    recorded size and (when ``checksums``) digest (CRC32C, or sha256 in format-1
+    checkpoints); that ``.metadata`` parses, that every
     item it stores lies inside an existing file the manifest lists, and that every
     tensor's chunks tile its global shape exactly once; and that the manifest's model and
     optimizer fingerprints describe the tensors ``.metadata`` indexes.
@@ -569,7 +570,7 @@ def verify_checkpoint(
 
     Args:
         checkpoint_dir: The checkpoint directory.
-        checksums: Also compare sha256 digests; sizes are always checked.
+        checksums: Also compare the file digests; sizes are always checked.
 
     Returns:
         One line per problem, each naming the file (relative to ``checkpoint_dir``) and
@@ -1152,7 +1153,7 @@ def consolidate_checkpoint(
             the entries left out. Not with ``include_optimizer``: optimizer state is keyed
             by the LightningModule's FQNs.
         overwrite: Replace an existing ``output_path``.
-        verify_checksums: Check every file's sha256 against the manifest first. On by
+        verify_checksums: Check every file's digest against the manifest first. On by
             default although it reads the checkpoint twice: a flipped bit inside a shard
             leaves sizes and structure intact and would be exported silently. Sizes,
             completeness and chunk tiling are always checked.
@@ -1164,7 +1165,7 @@ def consolidate_checkpoint(
         NotACheckpointError: If the directory has no readable manifest (not a complete
             checkpoint written by ``MegatronFSDPCheckpointIO``); the message lists every
             problem found.
-        CheckpointCorruptedError: If files are missing, truncated or fail their sha256,
+        CheckpointCorruptedError: If files are missing, truncated or fail their checksum,
             or ``.metadata`` disagrees with them or with the manifest; the message lists
             each problem and the file it concerns.
         FileExistsError: If ``output_path`` exists and ``overwrite`` is false.

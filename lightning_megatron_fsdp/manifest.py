@@ -8,8 +8,9 @@ neither completeness nor anything a human can check before the tensor reads begi
 How: the last file written into a checkpoint is ``manifest.json`` (see docs/DESIGN.md,
 "On-disk format"). It records the layout fingerprint (every model and optimizer-state
 tensor's global shape and dtype, keyed by FQN), the world size and mesh, package versions,
-the training position, and the size and sha256 of every other file. A directory is a
-complete checkpoint iff its manifest parses and every file it lists has the recorded size.
+the training position, and the size and checksum (CRC32C; sha256 in format 1, see
+:mod:`lightning_megatron_fsdp.checksums`) of every other file. A directory is a complete
+checkpoint iff its manifest parses and every file it lists has the recorded size.
 A checkpoint is written under a hidden temporary name and renamed into place, so a
 complete-looking directory under a final name is never half written::
 
@@ -34,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
-import hashlib
 import json
 import math
 import os
@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_megatron_fsdp.checksums import ALGORITHMS, file_digest
+
 __all__ = [
     "ASIDE",
     "DCP_METADATA_FILE",
@@ -55,6 +57,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_FILE",
     "META_FILE",
+    "READABLE_FORMAT_VERSIONS",
     "STAGING",
     "CheckpointCorruptedError",
     "CheckpointError",
@@ -85,7 +88,10 @@ __all__ = [
 ]
 
 FORMAT_NAME = "lightning-megatron-fsdp"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Written by this version: CRC32C digests and a ``"checksum"`` field naming the algorithm."""
+READABLE_FORMAT_VERSIONS = (1, 2)
+"""Format 1 (sha256 digests, no ``"checksum"`` field) still loads and verifies."""
 MANIFEST_FILE = "manifest.json"
 META_FILE = "meta.pt"
 DCP_METADATA_FILE = ".metadata"
@@ -93,10 +99,9 @@ DCP_METADATA_FILE = ".metadata"
 # Kinds of hidden sibling directories; see the module docstring.
 STAGING, ASIDE, DELETING = "tmp", "old", "del"
 _HIDDEN_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|del)-(?P<token>[0-9a-f]{8,64})$")
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_DIGEST_RE = {"sha256": re.compile(r"^[0-9a-f]{64}$"), "crc32c": re.compile(r"^[0-9a-f]{8}$")}
 # Problems listed by name before the rest is summarised as "... and N more".
 _MAX_LISTED = 20
-_HASH_BLOCK = 8 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -108,7 +113,7 @@ class NotACheckpointError(CheckpointError):
 
 
 class CheckpointCorruptedError(CheckpointError):
-    """A checkpoint's files are missing, truncated, or fail their sha256 check."""
+    """A checkpoint's files are missing, truncated, or fail their checksum."""
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -271,22 +276,45 @@ def compare_fingerprints(
 
 @dataclasses.dataclass(frozen=True)
 class FileRecord:
-    """Size in bytes and (optional) sha256 hex digest of one checkpoint file."""
+    """Size in bytes and (optional) digest of one checkpoint file.
+
+    Attributes:
+        size: Bytes.
+        sha256: Hex sha256 (format 1), or ``None``.
+        crc32c: Hex CRC32C, 8 digits (format 2), or ``None``. At most one digest is set.
+    """
 
     size: int
     sha256: str | None = None
+    crc32c: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 0:
             raise ValueError(f"FileRecord: size must be a non-negative int, got {self.size!r}.")
-        if self.sha256 is not None and not _SHA256_RE.match(self.sha256):
-            raise ValueError(
-                f"FileRecord: sha256 must be 64 lowercase hex digits, got {self.sha256!r}."
-            )
+        if self.sha256 is not None and self.crc32c is not None:
+            raise ValueError("FileRecord: give one digest, sha256 or crc32c, not both.")
+        for algorithm in ALGORITHMS:
+            value = getattr(self, algorithm)
+            if value is not None and not (
+                isinstance(value, str) and _DIGEST_RE[algorithm].match(value)
+            ):
+                digits = 64 if algorithm == "sha256" else 8
+                raise ValueError(
+                    f"FileRecord: {algorithm} must be {digits} lowercase hex digits, got {value!r}."
+                )
+
+    def digest(self) -> tuple[str, str] | None:
+        """``(algorithm, hex digest)``, or ``None`` when none was recorded."""
+        for algorithm in ALGORITHMS:
+            value = getattr(self, algorithm)
+            if value is not None:
+                return algorithm, value
+        return None
 
     def to_json(self) -> dict[str, Any]:
-        """JSON form; ``sha256`` is left out when it was not computed."""
-        return {"size": self.size} | ({} if self.sha256 is None else {"sha256": self.sha256})
+        """JSON form: ``{"size": n}`` plus ``"crc32c"`` or ``"sha256"`` when computed."""
+        digest = self.digest()
+        return {"size": self.size} | ({} if digest is None else {digest[0]: digest[1]})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +332,7 @@ class Manifest:
         global_step: Lightning's ``global_step`` at save time, if the checkpoint had one.
         epoch: Lightning's ``epoch`` at save time, if the checkpoint had one.
         files: Every other file of the checkpoint, by name relative to its directory.
-        format_version: On-disk format version.
+        format_version: On-disk format version (:data:`READABLE_FORMAT_VERSIONS`).
     """
 
     fingerprint: dict[str, TensorSpec]
@@ -339,6 +367,24 @@ class Manifest:
                 f"Manifest: mesh must be {{'shape': [...], 'dim_names': [...]}} or None, got "
                 f"{self.mesh!r}."
             )
+        if self.format_version not in READABLE_FORMAT_VERSIONS:
+            raise ValueError(
+                f"Manifest: format_version must be one of {READABLE_FORMAT_VERSIONS}, got "
+                f"{self.format_version!r}."
+            )
+        algorithms = {d[0] for r in self.files.values() if (d := r.digest()) is not None}
+        if len(algorithms) > 1:
+            raise ValueError(f"Manifest: files mix digest algorithms {sorted(algorithms)}.")
+
+    @property
+    def checksum(self) -> str | None:
+        """The algorithm of the file digests (``"crc32c"``, or ``"sha256"`` in format 1),
+        or ``None`` when saved without checksums."""
+        for record in self.files.values():
+            digest = record.digest()
+            if digest is not None:
+                return digest[0]
+        return None
 
     def to_json(self) -> dict[str, Any]:
         """The ``manifest.json`` document."""
@@ -354,6 +400,7 @@ class Manifest:
             "versions": self.versions,
             "global_step": self.global_step,
             "epoch": self.epoch,
+            **({"checksum": self.checksum} if self.format_version >= 2 else {}),
             "files": {k: v.to_json() for k, v in sorted(self.files.items())},
         }
 
@@ -381,14 +428,16 @@ class Manifest:
             found = data.get("format") if isinstance(data, Mapping) else type(data).__name__
             raise ValueError(f"'format' is {found!r}, expected {FORMAT_NAME!r}")
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
             raise ValueError(
                 f"format_version {version!r} is not supported (this version of "
-                f"lightning-megatron-fsdp reads version {FORMAT_VERSION}); use the version of "
-                f"lightning-megatron-fsdp that wrote it ({data.get('versions')!r})"
+                f"lightning-megatron-fsdp reads versions {list(READABLE_FORMAT_VERSIONS)}); use "
+                f"the version of lightning-megatron-fsdp that wrote it "
+                f"({data.get('versions')!r})"
             )
+        allowed = ("sha256",) if version == 1 else ("crc32c",)
         try:
-            return cls(
+            manifest = cls(
                 fingerprint={
                     str(k): TensorSpec.from_json(v) for k, v in data["fingerprint"].items()
                 },
@@ -402,13 +451,19 @@ class Manifest:
                 global_step=data["global_step"],
                 epoch=data["epoch"],
                 files={
-                    str(k): FileRecord(size=v["size"], sha256=v.get("sha256"))
+                    str(k): FileRecord(size=v["size"], **{a: v.get(a) for a in allowed})
                     for k, v in data["files"].items()
                 },
                 format_version=version,
             )
         except (KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"malformed manifest ({type(err).__name__}: {err})") from err
+        if version >= 2 and data.get("checksum") != manifest.checksum:
+            raise ValueError(
+                f"'checksum' is {data.get('checksum')!r} but the files carry "
+                f"{manifest.checksum!r} digests"
+            )
+        return manifest
 
 
 def _one_per_line(mapping: Mapping[str, Any], indent: str) -> str:
@@ -419,18 +474,8 @@ def _one_per_line(mapping: Mapping[str, Any], indent: str) -> str:
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
-    """Return the sha256 hex digest of a file, read in 8 MiB blocks.
-
-    Costs one sequential read: about 0.9 GB/s per core on a 2-core CI runner (hashlib
-    releases the GIL, so ranks hash in parallel).
-    """
-    digest = hashlib.sha256()
-    buffer = bytearray(_HASH_BLOCK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as file:
-        while n := file.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
+    """Return the sha256 hex digest of a file (format-1 checkpoints), read in 8 MiB blocks."""
+    return file_digest(path, "sha256")
 
 
 def hidden_path(final: str | os.PathLike[str], kind: str, token: str) -> Path:
@@ -529,8 +574,9 @@ def check_files(
     Args:
         path: The checkpoint directory.
         manifest: Its manifest.
-        checksum_files: Files whose sha256 to verify (those with a recorded digest); the
-            caller splits this work across ranks. ``None`` verifies sizes only.
+        checksum_files: Files whose digest (CRC32C, or sha256 in format 1) to verify, each
+            read once; files without a recorded digest are skipped. The caller may split
+            this work across ranks. ``None`` verifies sizes only.
 
     Returns:
         One line per problem, naming the file and what was expected.
@@ -547,14 +593,15 @@ def check_files(
             problems.append(f"{name}: {size} bytes on disk, {record.size} in the manifest")
     if checksum_files and not problems:
         for name in checksum_files:
-            expected = manifest.files[name].sha256
-            if expected is None:
+            digest = manifest.files[name].digest()
+            if digest is None:
                 continue
-            found = sha256_file(path / name)
+            algorithm, expected = digest
+            found = file_digest(path / name, algorithm)
             if found != expected:
                 problems.append(
-                    f"{name}: sha256 {found} on disk, {expected} in the manifest (the file "
-                    "changed after it was written)"
+                    f"{name}: {algorithm} {found} on disk, {expected} in the manifest (the "
+                    "file changed after it was written)"
                 )
     return problems
 

@@ -8,7 +8,8 @@ injected through the plugin's public ``storage_options`` with a real ``FileSyste
 subclass, and crashes are reproduced by leaving the directories a crash would leave.
 
 Oracles, independent of the plugin: the saved model's own local shards (bit-exact), the
-unsharded model's state dict (names, shapes, dtypes), ``hashlib`` over the files on disk,
+unsharded model's state dict (names, shapes, dtypes), the ``crc32c`` package over the files
+on disk (so the writer's combined per-record CRCs are checked against one pass of the file),
 and, for resharding, full tensors assembled in the pytest process from the saving ranks'
 local shards at the row offsets ``uneven_dtensor`` attached (each row covered exactly once).
 Those offsets are the code under test, so the assembled tensors are themselves checked
@@ -19,8 +20,8 @@ pass.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import hashlib
 import io
 import json
 import os
@@ -30,6 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import crc32c as crc32c_package
 import pytest
 import torch
 import torch.distributed as dist
@@ -51,7 +53,9 @@ from lightning_megatron_fsdp.checkpoint_io import (
     CheckpointSaveError,
     MegatronFSDPCheckpointIO,
     NotACheckpointError,
+    VerifyingFileSystemReader,
 )
+from lightning_megatron_fsdp.dcp_storage import RECORD_ATTR
 from lightning_megatron_fsdp.manifest import (
     ASIDE,
     MANIFEST_FILE,
@@ -68,6 +72,7 @@ from lightning_megatron_fsdp.manifest import (
 )
 from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import run_distributed
+from tests.legacy_format import downgrade_to_format_1
 from tests.models import (
     build_packed_lm,
     dp_mesh,
@@ -397,11 +402,13 @@ def _bad_inputs(rank: int, world_size: int, root: str) -> list[str]:
             file.seek(700)
             file.write(bytes([byte[0] ^ 0xFF]))
     dist.barrier()
-    # One rank hashes the file; every rank raises, and the message says which rank found it.
+    # Found while reading, by every rank that reads that record; every rank raises, and the
+    # message names the record and what each rank had already written into its targets.
     with pytest.raises(
         CheckpointCorruptedError,
-        match=r"__0_0\.distcp: sha256 [0-9a-f]{64} on disk, [0-9a-f]{64} in the manifest.*"
-        r"\[rank\(s\) \[\d\]\]",
+        match=r"(?s)__0_0\.distcp: crc32c [0-9a-f]{8} read, [0-9a-f]{8} recorded for the record "
+        r"of '[^']+' \(chunk at \[[0-9, ]*\]\), bytes \[\d+, \d+\).*The targets are partly "
+        r"loaded \(atomic_load=False\).*rank 0: wrote \d+ of \d+ records",
     ):
         load(flipped)
     checked.append("checksum")
@@ -416,6 +423,51 @@ def _bad_inputs(rank: int, world_size: int, root: str) -> list[str]:
     with pytest.raises(CheckpointError, match=r"Loading checkpoint .*zeroed failed on rank\(s\)"):
         load(zeroed, plugin=MegatronFSDPCheckpointIO(verify_checksums=False))
     checked.append("dcp failure")
+
+    # Another reader (torch's own) cannot verify records as it reads: the files' CRC32Cs
+    # are checked before any read instead, split across ranks, and nothing is written.
+    torch_reader = MegatronFSDPCheckpointIO(storage_reader_factory=FileSystemReader)
+
+    def refused_unchanged(path: Path, pattern: str, **kwargs: Any) -> None:
+        _, state = _targets(world_size)
+        before = _tensor_facts(state)
+        with pytest.raises(CheckpointCorruptedError, match=f"(?s){pattern}.*Nothing was loaded"):
+            load(path, state=state, **kwargs)
+        assert_same_facts(_tensor_facts(state), before)
+
+    refused_unchanged(
+        flipped,
+        r"__0_0\.distcp: crc32c [0-9a-f]{8} on disk, [0-9a-f]{8} in the manifest.*"
+        r"\[rank\(s\) \[\d\]\]",
+        plugin=torch_reader,
+    )
+    _, state = _targets(world_size)
+    load(good, plugin=torch_reader, state=state)
+    assert_same_facts(_tensor_facts(state), saved)
+    checked.append("another reader")
+
+    # Format 1 (sha256, no per-record checksums) loads bit-exactly; damage is found before
+    # any read, so even the in-place load changes nothing.
+    legacy = root_path / "legacy"
+    if rank == 0:
+        shutil.copytree(good, legacy)
+        downgrade_to_format_1(legacy)
+        shutil.copytree(legacy, root_path / "legacy-flipped")
+        with open(root_path / "legacy-flipped" / "__1_0.distcp", "r+b") as file:
+            file.seek(700)
+            byte = file.read(1)
+            file.seek(700)
+            file.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+    assert read_manifest(legacy).checksum == "sha256"
+    _, state = _targets(world_size)
+    load(legacy, state=state)
+    assert_same_facts(_tensor_facts(state), saved)
+    refused_unchanged(
+        root_path / "legacy-flipped",
+        r"__1_0\.distcp: sha256 [0-9a-f]{64} on disk, [0-9a-f]{64} in the manifest",
+    )
+    checked.append("format 1")
 
     # Fingerprint: a missing key, an unexpected key, a shape and a dtype, in one message.
     _, state = _targets(world_size)
@@ -592,7 +644,7 @@ def assert_same_save(sync: Path, asynchronous: Path, world_size: int) -> None:
 
 
 def assert_manifest(path: Path, world_size: int) -> Manifest:
-    """The manifest against independent oracles: the unsharded model and hashlib."""
+    """The manifest against independent oracles: the unsharded model and crc32c."""
     manifest = read_manifest(path)
     reference = build_packed_lm(0).state_dict(keep_vars=False)
     assert manifest.fingerprint == {
@@ -620,7 +672,9 @@ def assert_manifest(path: Path, world_size: int) -> Manifest:
     for name, record in manifest.files.items():
         data = (path / name).read_bytes()
         assert record.size == len(data), name
-        assert record.sha256 == hashlib.sha256(data).hexdigest(), name
+        assert record.crc32c == f"{crc32c_package.crc32c(data):08x}", name
+        assert record.sha256 is None, name
+    assert manifest.format_version == 2 and manifest.checksum == "crc32c"
     return manifest
 
 
@@ -715,6 +769,8 @@ def test_bad_inputs_raise_on_every_rank(tmp_path: Path) -> None:
         "truncated",
         "checksum",
         "dcp failure",
+        "another reader",
+        "format 1",
         "fingerprint",
         "other model",
         "one rank",
@@ -837,7 +893,8 @@ def test_save_replaces_a_single_file_checkpoint_and_validates_options(tmp_path: 
     torch.save({"state_dict": {}}, path)  # e.g. from a run with another strategy
     plugin.save_checkpoint(_plain_checkpoint(2), path)
     manifest = read_manifest(path)
-    assert all(record.sha256 is None for record in manifest.files.values())
+    assert all(record.digest() is None for record in manifest.files.values())
+    assert manifest.checksum is None
     torch.testing.assert_close(_load_plain(plugin, path), torch.full((4, 3), 2.0), rtol=0, atol=0)
     with pytest.raises(CheckpointSaveError, match=r"rank 0: TypeError: checkpoint\['state_dict'\]"):
         plugin.save_checkpoint({"state_dict": [1]}, tmp_path / "bad")
@@ -879,13 +936,24 @@ def test_manifest_parsing_and_fingerprint_messages() -> None:
         versions={"torch": torch.__version__},
         global_step=4,
         epoch=0,
-        files={".metadata": FileRecord(10, "0" * 64), "meta.pt": FileRecord(3)},
+        files={".metadata": FileRecord(10, crc32c="0" * 8), "meta.pt": FileRecord(3)},
     )
     assert Manifest.from_json(json.loads(manifest.dumps())) == manifest
     document = manifest.to_json()
+    assert (document["format_version"], document["checksum"]) == (2, "crc32c")
+    # Format 1 (sha256, no "checksum" field) still parses; its digests stay sha256.
+    legacy = dataclasses.replace(
+        manifest,
+        format_version=1,
+        files={".metadata": FileRecord(10, "0" * 64), "meta.pt": FileRecord(3)},
+    )
+    assert "checksum" not in legacy.to_json()
+    assert Manifest.from_json(json.loads(legacy.dumps())) == legacy
+    assert legacy.checksum == "sha256"
     for change, message in [
         ({"format": "other"}, r"'format' is 'other', expected 'lightning-megatron-fsdp'"),
-        ({"format_version": 2}, r"format_version 2 is not supported"),
+        ({"format_version": 3}, r"format_version 3 is not supported"),
+        ({"checksum": "sha256"}, r"'checksum' is 'sha256' but the files carry 'crc32c'"),
         ({"world_size": 0}, r"world_size must be an int >= 1, got 0"),
         ({"files": {"meta.pt": {"size": 1}}}, r"files must list '.metadata' and 'meta.pt'"),
         ({"fingerprint": {"w": {"shape": [2]}}}, r"expected \{'shape': ..., 'dtype': ...\}"),
@@ -934,3 +1002,77 @@ def test_async_save_equals_sync_save_on_gpu(tmp_path: Path) -> None:
     )
     assert_ran_on_cuda(devices, world_size)
     assert_same_save(tmp_path / "sync", tmp_path / "async", world_size)
+
+
+def test_records_carry_their_crc32c_and_any_dcp_reader_reads_them(tmp_path: Path) -> None:
+    """Every record's CRC32C (checked here with the ``crc32c`` package over the bytes on
+    disk) and its tensor payload offset ride in ``.metadata``; torch's own reader and ours
+    both load the files bit-exactly, including a view into a packed buffer, a transposed
+    tensor, bf16, an empty and a 0-d tensor."""
+    packed = torch.arange(40, dtype=torch.float32)
+    tensors = {
+        "view": packed[10:22].view(3, 4),
+        "transposed": torch.arange(6.0).view(2, 3).t(),
+        "bf16": torch.randn(5, generator=torch.Generator().manual_seed(0)).bfloat16(),
+        "empty": torch.empty(0, 2),
+        "scalar": torch.tensor(7),
+        "ints": torch.arange(9, dtype=torch.int64),
+    }
+    path = tmp_path / "records.ckpt"
+    MegatronFSDPCheckpointIO().save_checkpoint({"state_dict": tensors, "global_step": 1}, path)
+    metadata = FileSystemReader(str(path)).read_metadata()
+    payloads = 0
+    for index, info in metadata.storage_data.items():
+        record = getattr(info, RECORD_ATTR)
+        data = (path / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+        assert record["crc32c"] == crc32c_package.crc32c(data), index.fqn
+        tensor = tensors[index.fqn.removeprefix("state_dict.")].contiguous()
+        raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        _, payload = record["payload"]
+        assert data[payload : payload + len(raw)] == raw, index.fqn
+        payloads += 1
+    assert payloads == len(tensors)
+
+    for reader in (FileSystemReader, VerifyingFileSystemReader):
+        plugin = MegatronFSDPCheckpointIO(storage_reader_factory=reader)
+        targets = {k: torch.zeros_like(v) for k, v in tensors.items()}
+        targets["transposed"] = torch.zeros(3, 2)  # contiguous target, transposed source
+        plugin.load_checkpoint(path, state={"state_dict": targets})
+        for key, value in tensors.items():
+            torch.testing.assert_close(targets[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_files_of_another_writer_are_hashed_after_writing_and_checked_before_reading(
+    tmp_path: Path,
+) -> None:
+    """torch's own ``FileSystemWriter`` records no per-record CRC: the plugin hashes its
+    files after writing, and the default reader checks them whole before any record is read,
+    so a damaged one is refused with the targets untouched."""
+    tensors = {"w": torch.arange(12.0).view(3, 4), "b": torch.arange(5, dtype=torch.int32)}
+    path = tmp_path / "other-writer.ckpt"
+    plugin = MegatronFSDPCheckpointIO()
+    plugin.save_checkpoint(
+        {"state_dict": tensors}, path, storage_options={"storage_writer_factory": FileSystemWriter}
+    )
+    manifest = read_manifest(path)
+    for name, record in manifest.files.items():
+        assert record.crc32c == f"{crc32c_package.crc32c((path / name).read_bytes()):08x}", name
+    metadata = FileSystemReader(str(path)).read_metadata()
+    assert not any(hasattr(info, RECORD_ATTR) for info in metadata.storage_data.values())
+    targets = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    plugin.load_checkpoint(path, state={"state_dict": targets})
+    for key, value in tensors.items():
+        torch.testing.assert_close(targets[key], value, rtol=0, atol=0, msg=key)
+
+    shard = path / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-30] ^= 0x01
+    shard.write_bytes(bytes(data))
+    targets = {k: torch.full_like(v, 7) for k, v in tensors.items()}
+    with pytest.raises(
+        CheckpointCorruptedError,
+        match=r"(?s)__0_0\.distcp: crc32c [0-9a-f]{8} on disk, [0-9a-f]{8} in the manifest.*"
+        r"Nothing was loaded: no rank had begun reading tensor data",
+    ):
+        plugin.load_checkpoint(path, state={"state_dict": targets})
+    assert all(torch.equal(t, torch.full_like(t, 7)) for t in targets.values())

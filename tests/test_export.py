@@ -21,7 +21,6 @@ no process group and checks, bit for bit:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import pickle
@@ -33,6 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import crc32c as crc32c_package
 import lightning
 import numpy as np
 import pytest
@@ -59,6 +59,7 @@ from lightning_megatron_fsdp.export import (
 )
 from lightning_megatron_fsdp.manifest import CheckpointCorruptedError, NotACheckpointError
 from tests.harness import THIRD_PARTY_WARNINGS, run_distributed, spawned
+from tests.legacy_format import downgrade_to_format_1
 from tests.models import (
     PackedLM,
     build_packed_lm,
@@ -274,7 +275,7 @@ def _rewrite_metadata(directory: Path, edit: Callable[[Metadata], None]) -> None
     data = file.read_bytes()
     manifest["files"][".metadata"] = {
         "size": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
+        "crc32c": f"{crc32c_package.crc32c(data):08x}",
     }
     (directory / "manifest.json").write_text(json.dumps(manifest))
 
@@ -455,7 +456,7 @@ def test_console_script(saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixt
     assert cli_out.read_bytes() == api_out.read_bytes()
     status, out, err = results["module"]
     file = _shard_files(good)[0]
-    assert status == 1 and "verify: FAILED" in out and f"{file}: sha256 " in out, out + err
+    assert status == 1 and "verify: FAILED" in out and f"{file}: crc32c " in out, out + err
 
 
 def test_bad_input_is_refused_and_nothing_is_written(saved3: dict, tmp_path: Path) -> None:
@@ -501,7 +502,7 @@ def test_bad_input_is_refused_and_nothing_is_written(saved3: dict, tmp_path: Pat
         "flipped": (
             _copy(good, tmp_path / "e", _flip_byte),
             corrupted,
-            r"__0_0\.distcp: sha256 [0-9a-f]{64} on disk, [0-9a-f]{64} in the manifest",
+            r"__0_0\.distcp: crc32c [0-9a-f]{8} on disk, [0-9a-f]{8} in the manifest",
         ),
         "gap": (
             _copy(good, tmp_path / "f", lambda d: _rewrite_metadata(d, drop_chunk)),
@@ -549,3 +550,27 @@ def test_bad_input_is_refused_and_nothing_is_written(saved3: dict, tmp_path: Pat
         consolidate_checkpoint(good, out_dir / "missing" / "model.pt")
     assert sorted(os.listdir(out_dir)) == ["model.safetensors"]
     assert verify_checkpoint(good) == [], "the fixture checkpoint itself must verify clean"
+
+
+def test_verify_and_export_a_format_1_sha256_checkpoint(
+    saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checkpoints written before CRC32C (sha256 digests) verify and export as before."""
+    legacy = _copy(saved2["dir"], tmp_path / "legacy", downgrade_to_format_1)
+    assert json.loads((legacy / "manifest.json").read_text())["format_version"] == 1
+    assert verify_checkpoint(legacy) == []
+    status, out, err = _main(capsys, "inspect", "--verify", str(legacy))
+    assert status == 0 and "verify: OK" in out, out + err
+    exported = consolidate_checkpoint(legacy, tmp_path / "legacy.safetensors")
+    fresh = consolidate_checkpoint(saved2["dir"], tmp_path / "fresh.safetensors")
+    assert exported.read_bytes() == fresh.read_bytes()
+
+    flipped = _copy(legacy, tmp_path / "legacy-flipped", _flip_byte)
+    file = _shard_files(flipped)[0]
+    pattern = rf"{file}: sha256 [0-9a-f]{{64}} on disk, [0-9a-f]{{64}} in the manifest"
+    assert any(re.search(pattern, p) for p in verify_checkpoint(flipped))
+    status, out, err = _main(capsys, "inspect", "--verify", str(flipped))
+    assert status == 1 and f"{file}: sha256 " in out, out + err
+    with pytest.raises(CheckpointCorruptedError, match=pattern):
+        consolidate_checkpoint(flipped, tmp_path / "never.pt")
+    assert not (tmp_path / "never.pt").exists()

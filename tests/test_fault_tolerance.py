@@ -18,7 +18,7 @@ a ``CheckpointError`` (not hang: the harness would report it as unfinished), and
 * that run is told about the interrupted save, and its next save removes the debris.
 
 A rank killed in the middle of a *load* leaves the survivor's live model and optimizer
-untouched (``atomic_load``). The last scenario kills a rank in the middle of an *async*
+untouched (``atomic_load=True``). The last scenario kills a rank in the middle of an *async*
 save and resumes on 3 ranks: the last complete checkpoint is chosen and resharded
 bit-exactly (the 2-rank tensors it must equal are checked against one unsharded process).
 
@@ -165,7 +165,7 @@ def _crash_during_load(rank: int, world_size: int, root: str) -> str:
     step(model, adam, 2)
     live = facts(live_state(model, adam))
     loader = MegatronFSDPCheckpointIO(
-        storage_reader_factory=reader_factory(Fault("read:after", 1, "kill"))
+        storage_reader_factory=reader_factory(Fault("read:after", 1, "kill")), atomic_load=True
     )
     try:
         loader.load_checkpoint(path, state=live_state(model, adam))

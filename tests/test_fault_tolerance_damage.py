@@ -1,4 +1,5 @@
-"""Damaged checkpoints are refused before any weight is touched; a soak leaks nothing.
+"""Damaged checkpoints are refused on every rank, before any weight is touched where no
+tensor byte is needed to see the damage; a soak leaks nothing.
 
 Damage: a 2-rank run saves a good checkpoint and, one step later, "another run's", then
 trains on so the live model differs from both. Copies of the good checkpoint are damaged
@@ -6,10 +7,14 @@ the ways checkpoints get damaged -- a truncated or deleted shard, a deleted ``.m
 or ``manifest.json``, a shard / ``.metadata`` / ``meta.pt`` / manifest copied over from
 the other run, a directory that is no checkpoint, one flipped bit -- and loaded into the
 *live* model and optimizer. Each load must raise the documented error on both ranks,
-naming the file, and leave every live tensor bit-identical. The offline check
-(``lightning-megatron-fsdp inspect --verify``) must flag the same files and pass the
-good checkpoint. ``verify_checksums=False`` must let the flipped bit through (the switch
-works, and only the checksum catches a flip DCP cannot see).
+naming the file. Damage visible without reading tensor data (sizes, the manifest,
+``meta.pt``, ``.metadata``) must leave every live tensor bit-identical. Damage inside a
+shard's tensor data (a shard from another run, a flipped bit) is found by the record's
+CRC32C while it is read: the error names the record and says what each rank had written
+by then; with ``atomic_load=True`` the same loads leave every live tensor bit-identical.
+The offline check (``lightning-megatron-fsdp inspect --verify``) must flag the same files
+and pass the good checkpoint. ``verify_checksums=False`` must let the flipped bit through
+(the switch works, and only the checksum catches a flip DCP cannot see).
 
 Soak: 20 save/load cycles in one 2-rank run, sync and async alternating, each loaded
 bit-exactly into zeroed targets; open file descriptors, Python threads and the process's
@@ -99,23 +104,24 @@ DAMAGE: list[tuple[str, Callable[[Path, Path], None], str]] = [
     (
         "shard from another run",
         _copy_from_other("__1_0.distcp"),
-        r"CheckpointCorruptedError: .*__1_0\.distcp: sha256 [0-9a-f]{64} on disk, [0-9a-f]{64} "
-        r"in the manifest \(the file changed after it was written\)",
+        r"CheckpointCorruptedError: .*__1_0\.distcp: crc32c [0-9a-f]{8} read, [0-9a-f]{8} "
+        r"recorded for the record of '[^']+' \(chunk at \[[0-9, ]*\]\), bytes \[\d+, \d+\) \(the "
+        r"file changed after it was written\)",
     ),
     (
         ".metadata from another run",
         _copy_from_other(".metadata"),
-        r"CheckpointCorruptedError: .*\.metadata: (sha256 [0-9a-f]{64} on disk|\d+ bytes on disk)",
+        r"CheckpointCorruptedError: .*\.metadata: (crc32c [0-9a-f]{8} on disk|\d+ bytes on disk)",
     ),
     (
         "meta.pt from another run",
         _copy_from_other("meta.pt"),
-        r"CheckpointCorruptedError: .*meta\.pt: (sha256 [0-9a-f]{64} on disk|\d+ bytes on disk)",
+        r"CheckpointCorruptedError: .*meta\.pt: (crc32c [0-9a-f]{8} on disk|\d+ bytes on disk)",
     ),
     (
         "manifest from another run",
         _copy_from_other("manifest.json"),
-        r"CheckpointCorruptedError: .*: (sha256 [0-9a-f]{64} on disk|\d+ bytes on disk)",
+        r"CheckpointCorruptedError: .*: (crc32c [0-9a-f]{8} on disk|\d+ bytes on disk)",
     ),
     (
         "not a checkpoint",
@@ -126,9 +132,12 @@ DAMAGE: list[tuple[str, Callable[[Path, Path], None], str]] = [
     (
         "one flipped bit",
         lambda path, other: None,  # done by _flip_bit, which knows where the data lies
-        r"CheckpointCorruptedError: .*__0_0\.distcp: sha256 [0-9a-f]{64} on disk",
+        r"CheckpointCorruptedError: .*__0_0\.distcp: crc32c [0-9a-f]{8} read, [0-9a-f]{8} "
+        r"recorded for the record of 'state_dict\.blocks\.0\.mix'",
     ),
 ]
+# Damage inside tensor data: found while reading, after the first write into a target.
+WHILE_READING = ("shard from another run", "one flipped bit")
 
 
 def _flip_bit(path: Path, local: Any) -> int:
@@ -143,6 +152,34 @@ def _flip_bit(path: Path, local: Any) -> int:
     data[at + element * local.itemsize + 1] ^= 0x10  # a mantissa bit: still a finite float
     file.write_bytes(data)
     return element
+
+
+def _snapshot(state: Any) -> Any:
+    """A deep copy of every tensor of a state (DTensors: their local shards)."""
+    if isinstance(state, DTensor):
+        return state._local_tensor.clone()
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {key: _snapshot(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [_snapshot(value) for value in state]
+    return state
+
+
+def _restore(state: Any, snapshot: Any) -> None:
+    """Copy a :func:`_snapshot` back into the live tensors of ``state``, in place."""
+    with torch.no_grad():
+        if isinstance(state, DTensor):
+            state._local_tensor.copy_(snapshot)
+        elif isinstance(state, torch.Tensor):
+            state.copy_(snapshot)
+        elif isinstance(state, dict):
+            for key, value in state.items():
+                _restore(value, snapshot[key])
+        elif isinstance(state, list):
+            for value, saved in zip(state, snapshot, strict=True):
+                _restore(value, saved)
 
 
 def _load_into(plugin: MegatronFSDPCheckpointIO, path: Path, state: dict) -> str:
@@ -165,6 +202,8 @@ def _damaged(rank: int, world_size: int, root: str) -> dict[str, Any]:
     plugin.save_checkpoint(checkpoint_dict(model, adam, 3), other)  # "another run"
     step(model, adam, 3)
     live = facts(live_state(model, adam))
+    live_copy = _snapshot(live_state(model, adam))
+    atomic = MegatronFSDPCheckpointIO(atomic_load=True)
     out: dict[str, Any] = {}
     for case, damage, _ in DAMAGE:
         path = base / case.replace(" ", "-")
@@ -178,6 +217,12 @@ def _damaged(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "message": _load_into(plugin, path, live_state(model, adam)),
             "changed": differing(facts(live_state(model, adam)), live),
         }
+        if case in WHILE_READING:  # put the partly loaded live state back, then atomically
+            _restore(live_state(model, adam), live_copy)
+            out[f"{case}, atomic_load=True"] = {
+                "message": _load_into(atomic, path, live_state(model, adam)),
+                "changed": differing(facts(live_state(model, adam)), live),
+            }
     # Checksums off: the flipped bit loads silently. Only the checksum could have caught it.
     _, _, state = target_state(world_size)
     unchecked = MegatronFSDPCheckpointIO(verify_checksums=False)
@@ -196,10 +241,20 @@ def test_damaged_checkpoints_are_refused_before_any_weight_changes(
         for rank, result in enumerate(seen):
             assert re.search(f"(?s){pattern}", result["message"]), (case, rank, result["message"])
             assert str(path) in result["message"], case
-            advice = "Nothing was loaded. The files differ from what the save recorded"
             if "CheckpointCorruptedError" in result["message"]:
-                assert advice in result["message"], case
-            assert result["changed"] == [], (case, rank, result["changed"][:5])
+                assert "inspect --verify" in result["message"], case
+            if case in WHILE_READING:
+                assert "The targets are partly loaded (atomic_load=False)" in result["message"]
+                assert re.search(r"rank \d: wrote \d+ of \d+ records", result["message"]), case
+                assert result["changed"], (case, rank)  # in place: the check is not vacuous
+                atomic = results[rank][f"{case}, atomic_load=True"]
+                assert re.search(f"(?s){pattern}", atomic["message"]), (case, atomic["message"])
+                assert "The targets are unchanged (atomic_load)." in atomic["message"], case
+                assert atomic["changed"] == [], (case, rank, atomic["changed"][:5])
+            else:
+                if "CheckpointCorruptedError" in result["message"]:
+                    assert "Nothing was loaded" in result["message"], (case, result["message"])
+                assert result["changed"] == [], (case, rank, result["changed"][:5])
         # One rank may have found a bad checksum ("[rank(s) [r]]"), but both raised it.
         assert seen[0]["message"] == seen[1]["message"], case
         # The offline check flags the same damage.

@@ -9,8 +9,11 @@ failing background save; then at every phase of a load: reading DCP's metadata, 
 and global planning, before and after reading this rank's data. Each must raise on
 *both* ranks naming the failing rank and the injected error (a rank left behind would
 hang the next collective, and the harness would report it), leave ``last.ckpt``
-byte-identical with no debris, and, for loads, leave every tensor of the live model and
-optimizer bit-identical. ``atomic_load=False`` shows the last check is not vacuous.
+byte-identical with no debris, and, for loads with ``atomic_load=True``, leave every tensor
+of the live model and optimizer bit-identical. With the default ``atomic_load=False`` a
+failure before DCP reads (planning) still changes nothing, and one after the reads says on
+every rank what each rank had written (and the live state did change: the check is not
+vacuous).
 
 A second run makes the ranks disagree: one rank's optimizer lacks state for a parameter,
 one passes another dtype, one built a model with an extra block.
@@ -201,7 +204,7 @@ def _phase_faults(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
     live = facts(live_state(model, adam))
     assert differing(live, saved), "the live state must differ from the checkpoint"
-    for phase, failing in [*LOAD_PHASES, ("read:after", 1)]:
+    for phase, failing in [*LOAD_PHASES, ("read:plan", 1), ("read:after", 1)]:
         atomic = len(out["load"]) < len(LOAD_PHASES)
         loader = MegatronFSDPCheckpointIO(
             storage_reader_factory=reader_factory(Fault(phase, failing)), atomic_load=atomic
@@ -211,7 +214,7 @@ def _phase_faults(rank: int, world_size: int, root: str) -> dict[str, Any]:
             message = "no error"
         except CheckpointError as err:
             message = str(err)
-        key = phase if atomic else "read:after, atomic_load=False"
+        key = phase if atomic else f"{phase}, atomic_load=False"
         out["load"][key] = {
             "message": message,
             "changed": differing(facts(live_state(model, adam)), live),
@@ -271,10 +274,24 @@ def test_a_failure_in_any_phase_raises_on_every_rank_and_changes_nothing(tmp_pat
             assert re.search(f"(?s){pattern}", seen["message"]), (phase, rank, seen["message"])
             assert "The targets are unchanged (atomic_load)." in seen["message"]
             assert seen["changed"] == [], (phase, rank, seen["changed"][:5])
-    # Without atomic_load the same failure leaves the live model and optimizer overwritten.
+    # In place (the default), a failure before any rank reads tensor data changes nothing;
+    # after the reads, every rank says what each rank had written, and the live model and
+    # optimizer were overwritten.
     for rank, result in enumerate(results):
+        seen = result["load"]["read:plan, atomic_load=False"]
+        assert re.search(
+            r"failed on rank\(s\) \[1\]:\n  rank 1: OSError: .*at read:plan", seen["message"]
+        )
+        assert "Nothing was loaded: no rank had begun reading tensor data." in seen["message"]
+        assert seen["changed"] == [], (rank, seen["changed"][:5])
         seen = result["load"]["read:after, atomic_load=False"]
-        assert "may be partly overwritten (atomic_load=False)" in seen["message"]
+        assert "The targets are partly loaded (atomic_load=False)" in seen["message"]
+        assert re.search(
+            r"rank 0: wrote all \d+ of its records\n  rank 1: wrote all", seen["message"]
+        )
+        assert (
+            seen["message"] == results[1 - rank]["load"]["read:after, atomic_load=False"]["message"]
+        )
         changed = seen["changed"]
         assert any(k.startswith("state_dict/") for k in changed), (rank, changed)
         assert any(k.startswith("optimizer_states/0/state/") for k in changed), (rank, changed)
@@ -396,7 +413,7 @@ def _gpu_failed_load_keeps_targets(rank: int, world_size: int, root: str) -> dic
     adam.step()
     live = facts(live_state(model, adam))
     failing = MegatronFSDPCheckpointIO(
-        storage_reader_factory=reader_factory(Fault("read:after", 0))
+        storage_reader_factory=reader_factory(Fault("read:after", 0)), atomic_load=True
     )
     try:
         failing.load_checkpoint(path, state=live_state(model, adam))

@@ -6,10 +6,12 @@ commit -- on one chosen rank of a real process group, without mocking torch or D
 
 How: every injector is a real DCP component or a documented seam of our own:
 
-* :class:`FaultyWriter` is torch's ``FileSystemWriter`` and :class:`FaultyReader` its
-  ``FileSystemReader``; each runs the real method and, on the chosen rank at the chosen
-  phase, raises an ``OSError`` or SIGKILLs its own process. They reach the plugin through
-  its public ``storage_writer_factory`` / ``storage_reader_factory``.
+* :class:`FaultyWriter` is the plugin's default writer (``ChecksummingFileSystemWriter``,
+  a torch ``FileSystemWriter``) and :class:`FaultyReader` its default reader
+  (``VerifyingFileSystemReader``, a torch ``FileSystemReader``); each runs the real method
+  and, on the chosen rank at the chosen phase, raises an ``OSError`` or SIGKILLs its own
+  process. They reach the plugin through its public ``storage_writer_factory`` /
+  ``storage_reader_factory``.
 * Commit steps, which no writer sees, go through ``checkpoint_io._FAULT_HOOK``
   (:func:`arm_commit_fault`).
 * A full disk is the kernel's: :func:`file_size_limit` sets ``RLIMIT_FSIZE``, so the real
@@ -49,7 +51,6 @@ from typing import Any, Literal, NoReturn
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -61,6 +62,10 @@ from lightning_megatron_fsdp import (
     attach_uneven_dtensor_metadata,
     enable_cpu_execution,
     ensure_optimizer_state,
+)
+from lightning_megatron_fsdp.checkpoint_io import (
+    ChecksummingFileSystemWriter,
+    VerifyingFileSystemReader,
 )
 from tests.models import (
     build_packed_lm,
@@ -134,8 +139,8 @@ class Fault:
         raise OSError(errno.ENOSPC, f"injected failure at {phase} on rank {self.rank}")
 
 
-class FaultyWriter(FileSystemWriter):
-    """torch's ``FileSystemWriter``, with :class:`Fault` injected at the save phases."""
+class FaultyWriter(ChecksummingFileSystemWriter):
+    """The default writer, with :class:`Fault` injected at the save phases."""
 
     def __init__(self, path: Path, *, fault: Fault) -> None:
         super().__init__(path)
@@ -161,8 +166,8 @@ class FaultyWriter(FileSystemWriter):
         super().finish(metadata, results)
 
 
-class FaultyReader(FileSystemReader):
-    """torch's ``FileSystemReader``, with :class:`Fault` injected at the load phases."""
+class FaultyReader(VerifyingFileSystemReader):
+    """The default reader, with :class:`Fault` injected at the load phases."""
 
     def __init__(self, path: Path, *, fault: Fault) -> None:
         super().__init__(path)

@@ -1,0 +1,636 @@
+"""DCP storage that checksums records as it writes them and verifies them as it reads them.
+
+Problem: checking a checkpoint's integrity used to cost two extra passes over every byte
+(hash the files after writing; hash them again before loading), and DCP's own reader
+pays a full ``torch.load`` per tensor record (zip parsing and the weights-only
+unpickler, about a millisecond each) plus a fresh allocation and a copy per record.
+
+How: torch's ``FileSystemWriter`` writes each item of a rank's plan as one record of a
+shard file (a ``torch.save`` zip for a tensor, raw bytes for an object); every record
+starts and ends with a ``stream.tell()``.
+
+* :class:`ChecksummingFileSystemWriter` hands DCP a file system whose output streams
+  CRC32C every write as it passes, cut at each ``tell()`` into records, and note where
+  each record's one tensor payload starts (from the zip local header of its
+  ``data/<n>`` entry). The writer puts each record's CRC32C and payload offset on DCP's
+  own storage entry (an extra attribute of ``_StorageInfo``, pickled into ``.metadata``;
+  torch's readers ignore it) and combines the records' CRCs into each file's CRC, which
+  the manifest lists. It also saves a view into a packed buffer through a storage of
+  exactly its size, so DCP does not clone it first. Nothing is read back.
+* :class:`VerifyingFileSystemReader` checks ``.metadata`` against the manifest as it
+  reads it; then, for a tensor record with a known payload offset, reads the record with
+  one ``preadv`` straight into the target's memory (or into a buffer of the stored chunk
+  when the target is another shard, dtype or device) and checks its CRC32C over exactly
+  the bytes it read: no ``torch.load``, no extra copy, no second pass. Records without an
+  annotation (written by another writer) are read whole and ``torch.load``\\ ed, after
+  their file's digest is checked before any record is read.
+
+What a load guarantees (see docs/DESIGN.md, "Atomic load"): every check that needs no
+tensor bytes passes on every rank before any rank writes into a target; a record that
+fails its CRC raises :class:`~lightning_megatron_fsdp.manifest.CheckpointCorruptedError`
+naming the file and key, and :attr:`VerifyingFileSystemReader.progress` says how many of
+the rank's records were already written.
+
+Alternatives rejected:
+    * Hashing whole files after writing and before loading: two extra passes.
+    * Per-record checksums in a sidecar file: more files to list, claim and verify, for
+      data DCP's ``.metadata`` indexes record by record anyway.
+    * ``torch.load(map_location="meta")`` per record to find the payload (as the
+      exporter does): the per-record unpickling this module exists to avoid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import io
+import math
+import os
+import pickle
+import re
+import struct
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from crc32c import crc32c as _crc32c_update  # the C function: no Python frame per write
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+from typing_extensions import override
+
+from lightning_megatron_fsdp.checksums import (
+    bytes_digest,
+    crc32c,
+    crc32c_combine,
+    crc32c_hex,
+    file_digest,
+)
+from lightning_megatron_fsdp.manifest import (
+    DCP_METADATA_FILE,
+    CheckpointCorruptedError,
+    Manifest,
+    NotACheckpointError,
+    read_manifest,
+)
+
+__all__ = [
+    "RECORD_ATTR",
+    "ChecksummingFileSystemWriter",
+    "ReadProgress",
+    "VerifyingFileSystemReader",
+    "WrittenFile",
+]
+
+RECORD_ATTR = "lmf_record"
+"""Name of the attribute a :class:`ChecksummingFileSystemWriter` adds to each DCP storage
+entry: ``{"crc32c": int}`` (absent without checksums) plus, for a tensor record,
+``"payload": [local header offset, payload offset]`` (relative to the record) and
+``"byteorder"``."""
+
+_LOCAL_HEADER = b"PK\x03\x04"
+_LOCAL_HEADER_SIZE = 30
+_STORAGE_NAME = re.compile(rb"(?:^|/)data/\d+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class WrittenFile:
+    """Size and (with checksums) CRC32C of a file a :class:`ChecksummingFileSystemWriter`
+    wrote, both taken from the bytes as they were written."""
+
+    size: int
+    crc32c: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    start: int
+    length: int
+    crc: int | None
+    storages: tuple[tuple[int, int], ...]  # (local header, payload), relative to start
+
+
+class _RecordStream(io.RawIOBase):
+    """A binary output file that CRC32Cs bytes as they pass and cuts them into records.
+
+    DCP calls ``tell()`` right before and right after writing each item, so the bytes
+    between two ``tell()`` calls are one record. Within a record, a 30-byte zip local
+    header followed by a ``.../data/<n>`` name announces a tensor payload.
+    """
+
+    def __init__(self, file: Any, checksum: bool) -> None:
+        super().__init__()
+        self._file = file
+        self._checksum = checksum
+        self._position = 0
+        self._start = 0
+        self._crc = 0
+        self._storages: list[tuple[int, int]] = []
+        self._header: tuple[int, int, int] | None = None
+        self.records: list[_Record] = []
+
+    @override
+    def writable(self) -> bool:
+        return True
+
+    @override
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        size = view.nbytes
+        self._sniff(view, size)
+        if self._checksum:
+            self._crc = _crc32c_update(view, self._crc)
+        self._file.write(view)
+        self._position += size
+        return size
+
+    def _sniff(self, view: memoryview, size: int) -> None:
+        at = self._position - self._start
+        if self._header is not None:
+            header, name_length, extra_length = self._header
+            self._header = None
+            if (
+                at == header + _LOCAL_HEADER_SIZE
+                and size == name_length
+                and _STORAGE_NAME.search(view.tobytes())
+            ):
+                payload = header + _LOCAL_HEADER_SIZE + name_length + extra_length
+                self._storages.append((header, payload))
+        if size == _LOCAL_HEADER_SIZE and view[:4] == _LOCAL_HEADER:
+            name_length, extra_length = struct.unpack_from("<HH", view, 26)
+            self._header = (at, name_length, extra_length)
+
+    @override
+    def tell(self) -> int:
+        self._cut()
+        return self._position
+
+    def _cut(self) -> None:
+        if self._position > self._start:
+            self.records.append(
+                _Record(
+                    self._start,
+                    self._position - self._start,
+                    self._crc if self._checksum else None,
+                    tuple(self._storages),
+                )
+            )
+        self._start, self._crc, self._storages, self._header = self._position, 0, [], None
+
+    @override
+    def flush(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+
+    @override
+    def fileno(self) -> int:
+        return cast(int, self._file.fileno())
+
+    @override
+    def close(self) -> None:
+        if not self.closed:
+            self._cut()
+            self._file.close()
+        super().close()
+
+    def written(self) -> WrittenFile:
+        """The whole file: its size and the combination of its records' CRCs."""
+        value = None
+        if self._checksum:
+            value = 0
+            for record in self.records:
+                assert record.crc is not None
+                value = crc32c_combine(value, record.crc, record.length)
+        return WrittenFile(self._position, value)
+
+
+class _RecordingFileSystem(FileSystem):
+    """torch's local ``FileSystem`` whose write streams are :class:`_RecordStream`\\ s."""
+
+    def __init__(self, checksum: bool) -> None:
+        super().__init__()
+        self.checksum = checksum
+        self.files: dict[str, WrittenFile] = {}
+        self.records: dict[str, dict[int, _Record]] = {}
+
+    @override
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        path = Path(path)
+        stream = _RecordStream(open(path, "wb"), self.checksum)  # noqa: SIM115 (closed below)
+        try:
+            yield stream
+        finally:
+            stream.close()
+            self.files[path.name] = stream.written()
+            self.records[path.name] = {r.start: r for r in stream.records}
+
+    @override
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)
+        old, new = Path(path).name, Path(new_path).name
+        if old in self.files:
+            self.files[new] = self.files.pop(old)
+            self.records[new] = self.records.pop(old)
+
+
+def _exact(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``tensor`` as ``torch.save`` should write it for a direct read: contiguous, and on
+    CPU backed by a storage of exactly its bytes, so DCP neither clones it nor saves the
+    rest of a packed buffer. Returns the tensor and whether it is such a tensor."""
+    if type(tensor) is not torch.Tensor:
+        return tensor, False
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return tensor, True  # DCP copies device tensors into fresh CPU memory itself
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.untyped_storage().nbytes() != nbytes:
+        start = tensor.storage_offset() * tensor.element_size()
+        storage = tensor.untyped_storage()[start : start + nbytes]  # a view, no copy
+        tensor = torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape)
+    return tensor, True
+
+
+class _ExactPlanner:
+    """Wraps DCP's save planner for one ``write_data``: resolves tensors through
+    :func:`_exact` and remembers which items were written that way."""
+
+    def __init__(self, planner: SavePlanner) -> None:
+        self._planner = planner
+        self.exact: dict[Any, int] = {}  # item index -> payload bytes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def resolve_data(self, item: WriteItem) -> Any:
+        data = self._planner.resolve_data(item)
+        if isinstance(data, torch.Tensor):
+            data, exact = _exact(data.detach())
+            if exact:
+                self.exact[item.index] = data.numel() * data.element_size()
+        return data
+
+
+class ChecksummingFileSystemWriter(FileSystemWriter):
+    """torch's ``FileSystemWriter`` that records a CRC32C of every record and file as it
+    writes them (see the module docstring); the files are byte-identical to torch's.
+
+    Args:
+        path: Directory to write into.
+        checksum: Compute CRC32Cs; ``False`` still records payload offsets (they make
+            loading fast) and file sizes.
+        **kwargs: ``FileSystemWriter``'s options (``thread_count``, ...).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, checksum: bool = True, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self.fs = _RecordingFileSystem(checksum)
+
+    @override
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        exact = _ExactPlanner(planner)
+        written = super().write_data(plan, cast(SavePlanner, exact))
+        for result in written.wait():
+            self._annotate(result, exact.exact.get(result.index))
+        return written
+
+    def _annotate(self, result: WriteResult, payload_bytes: int | None) -> None:
+        info = result.storage_data
+        record = self.fs.records.get(getattr(info, "relative_path", ""), {}).get(
+            getattr(info, "offset", -1)
+        )
+        if record is None or record.length != info.length:
+            return
+        annotation: dict[str, Any] = {}
+        if record.crc is not None:
+            annotation["crc32c"] = record.crc
+        if payload_bytes is not None and len(record.storages) == 1:
+            header, payload = record.storages[0]
+            if payload + payload_bytes <= record.length:
+                annotation["payload"] = [header, payload]
+                annotation["byteorder"] = sys.byteorder
+        with contextlib.suppress(AttributeError):  # a future torch with slots: no annotation
+            setattr(info, RECORD_ATTR, annotation)
+
+    def written_files(self) -> dict[str, WrittenFile]:
+        """Every file this writer wrote (this rank's shards; on the coordinator also
+        ``.metadata``), by name, as written."""
+        return dict(self.fs.files)
+
+
+@dataclasses.dataclass
+class ReadProgress:
+    """How far a :class:`VerifyingFileSystemReader` got writing into the load targets."""
+
+    started: bool = False
+    total: int = 0
+    written: int = 0
+    last: str | None = None
+    current: str | None = None
+    """The record being read when the reader stopped: its target may hold part of it."""
+
+    def describe(self) -> str:
+        """E.g. ``"wrote 7 of 24 records (last 'w'); 'v' failed, its target may hold
+        unverified bytes"``."""
+        if not self.started:
+            return "had not begun reading tensor data"
+        if self.written == self.total:
+            return f"wrote all {self.total} of its records"
+        text = f"wrote {self.written} of {self.total} records"
+        if self.last:
+            text += f" (last {self.last!r})"
+        if self.current:
+            text += f"; {self.current!r} failed, its target may hold unverified bytes"
+        return text
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes (the tensor must outlive it)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _read_exact(fd: int, buffers: list[Any], offset: int) -> int:
+    """``preadv`` until every buffer is full or the file ends; returns bytes read."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    views = [v for v in views if v.nbytes]
+    total = 0
+    while views:
+        n = os.preadv(fd, views, offset + total)
+        if n == 0:
+            break
+        total += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+    return total
+
+
+class VerifyingFileSystemReader(FileSystemReader):
+    """torch's ``FileSystemReader`` that verifies what it reads as it reads it.
+
+    Standalone (``dcp.load(..., storage_reader=VerifyingFileSystemReader(path))``) it
+    reads the checkpoint's manifest itself; :class:`MegatronFSDPCheckpointIO` hands it
+    the manifest it already validated (:meth:`expect`).
+
+    Args:
+        path: The checkpoint directory.
+        verify: Check ``.metadata``'s digest and every record's CRC32C (records without
+            one: their file's digest, before any record is read). ``False`` still reads
+            records directly into their targets.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
+        super().__init__(path)
+        self.verify = verify
+        self.progress = ReadProgress()
+        self._manifest: Manifest | None = None
+        self._manifest_read = False
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]] = {}
+
+    def expect(self, manifest: Manifest, *, verify: bool) -> None:
+        """Verify against ``manifest`` (already read and validated), or not at all."""
+        self._manifest, self._manifest_read, self.verify = manifest, True, verify
+
+    def _checkpoint_manifest(self) -> Manifest | None:
+        if not self._manifest_read:
+            self._manifest_read = True
+            with contextlib.suppress(NotACheckpointError):
+                self._manifest = read_manifest(self.path)
+        return self._manifest
+
+    def _expected_digest(self, name: str) -> tuple[str, str] | None:
+        manifest = self._checkpoint_manifest() if self.verify else None
+        record = None if manifest is None else manifest.files.get(name)
+        return None if record is None else record.digest()
+
+    def _corrupted(self, name: str, what: str) -> CheckpointCorruptedError:
+        return CheckpointCorruptedError(f"{Path(self.path) / name}: {what}")
+
+    @override
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:  # DCP's no-collective per-rank metadata
+            return super().read_metadata(*args, **kwargs)
+        data = Path(self._get_metadata_path()).read_bytes()
+        expected = self._expected_digest(DCP_METADATA_FILE)
+        if expected is not None:
+            algorithm, digest = expected
+            found = bytes_digest(data, algorithm)
+            if found != digest:
+                raise self._corrupted(
+                    DCP_METADATA_FILE,
+                    f"{algorithm} {found} on disk, {digest} in the manifest (the file changed "
+                    "after it was written)",
+                )
+        metadata = pickle.loads(data)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    @override
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._chunks = {}
+        for fqn, entry in metadata.state_dict_metadata.items():
+            if isinstance(entry, TensorStorageMetadata):
+                for chunk in entry.chunks:
+                    key = (fqn, tuple(chunk.offsets))
+                    self._chunks[key] = (tuple(chunk.sizes), entry.properties.dtype)
+
+    @override
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Check, before any rank reads, every file this rank reads records of that carry
+        no CRC32C of their own (format 1, or files of another writer), whole, against the
+        manifest's digest."""
+        plan = super().prepare_local_plan(plan)
+        if self.verify:
+            unannotated = sorted(
+                {
+                    self.storage_data[item.storage_index].relative_path
+                    for item in plan.items
+                    if "crc32c" not in self._annotation(item)
+                }
+            )
+            for name in unannotated:
+                expected = self._expected_digest(name)
+                if expected is None:
+                    continue
+                found = file_digest(Path(self.path) / name, expected[0])
+                if found != expected[1]:
+                    raise self._corrupted(
+                        name,
+                        f"{expected[0]} {found} on disk, {expected[1]} in the manifest (the "
+                        "file changed after it was written)",
+                    )
+        return plan
+
+    def _annotation(self, item: ReadItem) -> dict[str, Any]:
+        return getattr(self.storage_data[item.storage_index], RECORD_ATTR, None) or {}
+
+    @override
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self.progress = ReadProgress(started=True, total=len(plan.items))
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            name = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(name, []).append(item)
+        for name, items in per_file.items():
+            items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
+            fd = os.open(Path(self.path) / name, os.O_RDONLY)
+            try:
+                for item in items:
+                    self.progress.current = item.dest_index.fqn
+                    self._read_record(fd, name, item, planner)
+                    self.progress.written += 1
+                    self.progress.last, self.progress.current = item.dest_index.fqn, None
+            finally:
+                os.close(fd)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_record(self, fd: int, name: str, item: ReadItem, planner: LoadPlanner) -> None:
+        info = self.storage_data[item.storage_index]
+        annotation = self._annotation(item)
+        expected = annotation.get("crc32c") if self.verify else None
+        if (
+            item.type == LoadItemType.TENSOR
+            and "payload" in annotation
+            and annotation.get("byteorder") == sys.byteorder
+            and not info.transform_descriptors
+        ):
+            self._read_payload(fd, name, item, planner, annotation, expected)
+            return
+        data = bytearray(info.length)
+        if _read_exact(fd, [data], info.offset) != info.length:
+            raise self._truncated(name, item)
+        if expected is not None and (found := crc32c(data)) != expected:
+            raise self._mismatch(name, item, found, expected)
+        stream = self.transforms.transform_load_stream(
+            item, info.transform_descriptors or (), io.BytesIO(data)
+        )
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(stream.read(-1)))
+            return
+        seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
+        stored = torch.load(seekable, map_location="cpu", weights_only=True)
+        source = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != source.size():
+            raise AssertionError(
+                f"req {item.storage_index} mismatch sizes {target.size()} vs {source.size()}"
+            )
+        target.copy_(source)
+        planner.commit_tensor(item, target)
+
+    def _read_payload(
+        self,
+        fd: int,
+        name: str,
+        item: ReadItem,
+        planner: LoadPlanner,
+        annotation: dict[str, Any],
+        expected: int | None,
+    ) -> None:
+        """Read a tensor record in one ``preadv``: header, payload, trailer; the payload
+        straight into the target when it is this exact chunk, else into a buffer."""
+        info = self.storage_data[item.storage_index]
+        key = (item.storage_index.fqn, tuple(item.storage_index.offset or ()))
+        if key not in self._chunks:
+            raise self._corrupted(name, f"{key[0]!r}: no chunk at {list(key[1])} in .metadata")
+        sizes, dtype = self._chunks[key]
+        nbytes = math.prod(sizes) * dtype.itemsize
+        header, payload = (int(v) for v in annotation["payload"])
+        if not 0 <= header < payload or payload + nbytes > info.length:
+            raise self._corrupted(name, f"{key[0]!r}: payload outside its record")
+        target = planner.resolve_tensor(item).detach()
+        whole = all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == sizes
+        direct = (
+            whole
+            and type(target) is torch.Tensor
+            and target.device.type == "cpu"
+            and target.dtype == dtype
+            and target.is_contiguous()
+        )
+        chunk = target if direct else torch.empty(sizes, dtype=dtype)
+        head, tail = bytearray(payload), bytearray(info.length - payload - nbytes)
+        body = _tensor_bytes(chunk)
+        if _read_exact(fd, [head, body, tail], info.offset) != info.length:
+            raise self._truncated(name, item)
+        if expected is not None:
+            found = crc32c(tail, crc32c(body, crc32c(head)))
+            if found != expected:
+                raise self._mismatch(name, item, found, expected)
+        if not _is_storage_header(head, header, payload):
+            raise self._corrupted(
+                name,
+                f"{item.storage_index.fqn!r}: no zip entry data/<n> starts the payload at "
+                f"record offset {payload}; the record is not a torch.save of one tensor",
+            )
+        if not direct:
+            source = narrow_tensor_by_index(chunk, item.storage_offsets, item.lengths)
+            if target.size() != source.size():
+                raise AssertionError(
+                    f"req {item.storage_index} mismatch sizes {target.size()} vs {source.size()}"
+                )
+            target.copy_(source)
+        planner.commit_tensor(item, target)
+
+    def _where(self, item: ReadItem) -> str:
+        info = self.storage_data[item.storage_index]
+        offset = list(item.storage_index.offset or ())
+        return (
+            f"record of {item.storage_index.fqn!r} (chunk at {offset}), bytes "
+            f"[{info.offset}, {info.offset + info.length})"
+        )
+
+    def _truncated(self, name: str, item: ReadItem) -> CheckpointCorruptedError:
+        return self._corrupted(name, f"the file ends inside the {self._where(item)}")
+
+    def _mismatch(
+        self, name: str, item: ReadItem, found: int, expected: int
+    ) -> CheckpointCorruptedError:
+        return self._corrupted(
+            name,
+            f"crc32c {crc32c_hex(found)} read, {crc32c_hex(expected)} recorded for the "
+            f"{self._where(item)} (the file changed after it was written)",
+        )
+
+
+def _is_storage_header(head: bytearray, header: int, payload: int) -> bool:
+    if header + _LOCAL_HEADER_SIZE > payload or head[header : header + 4] != _LOCAL_HEADER:
+        return False
+    name_length, extra_length = struct.unpack_from("<HH", head, header + 26)
+    start = header + _LOCAL_HEADER_SIZE
+    if start + name_length + extra_length != payload:
+        return False
+    return _STORAGE_NAME.search(bytes(head[start : start + name_length])) is not None
