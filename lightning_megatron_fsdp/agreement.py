@@ -32,7 +32,14 @@ import torch.distributed as dist
 
 from lightning_megatron_fsdp.manifest import CheckpointError
 
-__all__ = ["PeerLostError", "Problem", "Ranks", "describe", "peer_failures_explained"]
+__all__ = [
+    "PeerLostError",
+    "Problem",
+    "Ranks",
+    "dcp_failure_message",
+    "describe",
+    "peer_failures_explained",
+]
 
 LOST_PEER_HINT = (
     "a collective with the other ranks failed; another rank probably crashed or timed out "
@@ -80,9 +87,29 @@ def peer_failures_explained(what: str) -> Iterator[None]:
         ) from err
 
 
+_MAX_DETAIL = 600  # characters of one error's text in a message
+
+
 def describe(err: BaseException) -> str:
-    """``"<type>: <message>"``, without a final period (callers go on with their own)."""
-    return f"{type(err).__name__}: {str(err).rstrip().rstrip('.')}"
+    """``"<type>: <message>"``, without a final period, at most ~600 characters."""
+    text = f"{type(err).__name__}: {str(err).rstrip().rstrip('.')}"
+    return text if len(text) <= _MAX_DETAIL else text[:_MAX_DETAIL] + " ..."
+
+
+def dcp_failure_message(action: str, path: object, err: BaseException) -> str:
+    """Name the checkpoint, the failing ranks and their errors from DCP's exception.
+
+    Args:
+        action: ``"Saving"`` or ``"Loading"``.
+        path: The checkpoint.
+        err: torch DCP's ``CheckpointException`` (its ``failures`` map rank to error).
+    """
+    failures = getattr(err, "failures", None) or {}
+    details = "\n".join(
+        f"  rank {rank}: {describe(failure[0] if isinstance(failure, tuple) else failure)}"
+        for rank, failure in sorted(failures.items())
+    )
+    return f"{action} checkpoint {path} failed on rank(s) {sorted(failures)}:\n{details or err}"
 
 
 @dataclasses.dataclass(frozen=True, order=True)

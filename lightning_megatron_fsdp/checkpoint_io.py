@@ -85,13 +85,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import copy
 import ctypes
 import dataclasses
 import errno
 import functools
 import hashlib
-import importlib.metadata
 import io
 import json
 import logging
@@ -100,8 +98,7 @@ import re
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Mapping, MutableMapping
-from datetime import timedelta
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -113,14 +110,35 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_megatron_fsdp.agreement import (
+    LOST_PEER_HINT,
+    PeerLostError,
+    Ranks,
+    dcp_failure_message,
+    describe,
+)
+from lightning_megatron_fsdp.checkpoint_parts import (
+    _fill,
+    _layout_disagreement,
+    _layout_summary,
+    _split_checkpoint,
+    _stage,
+    _timeout_of,
+    _versions,
+)
 from lightning_megatron_fsdp.checksums import bytes_digest, crc32c, crc32c_hex, file_digest
 from lightning_megatron_fsdp.dcp_storage import (
     ChecksummingFileSystemWriter,
-    ReadProgress,
     VerifyingFileSystemReader,
+)
+from lightning_megatron_fsdp.load_checks import (
+    _LOAD_ERRORS,
+    _aftermath,
+    _fingerprint_problems,
+    _raise_combined,
+    _state_shape_error,
 )
 from lightning_megatron_fsdp.manifest import (
     ASIDE,
@@ -136,12 +154,11 @@ from lightning_megatron_fsdp.manifest import (
     FileRecord,
     Manifest,
     NotACheckpointError,
-    TensorSpec,
     check_files,
-    compare_fingerprints,
+    check_replaceable,
     finite_int_or_none,
+    fsync_path,
     hidden_path,
-    interrupted_saves,
     is_complete_checkpoint,
     mesh_info,
     model_fingerprint,
@@ -150,9 +167,9 @@ from lightning_megatron_fsdp.manifest import (
     read_manifest,
     recover_checkpoint,
     remove_tree,
+    report_interrupted_saves,
     resolve_latest_checkpoint,
 )
-from lightning_megatron_fsdp.uneven_dtensor import CHUNK_ATTR
 
 __all__ = [
     "CheckpointCorruptedError",
@@ -180,14 +197,6 @@ StorageReaderFactory = Callable[[Path], StorageReader]
 
 # DCP's FileSystemWriter names rank r's files __<r>_<n>.distcp.
 _DISTCP_RE = r"__{rank}_\d+\.distcp"
-# Attributes uneven_dtensor attaches to a local shard; the staging copy keeps them.
-_HOOK_ATTRS = ("__create_chunk_list__", "__create_write_items__", CHUNK_ATTR)
-_MAX_DETAIL = 600
-_LOST_PEER_HINT = (
-    "a collective with the other ranks failed: another rank probably crashed or timed "
-    "out (check its log)"
-)
-
 _FAULT_HOOK: Callable[[str], None] | None = None
 """Test seam: when set, called with the name of each commit step as it is reached.
 
@@ -252,56 +261,6 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, f"renameat2(RENAME_EXCHANGE): {os.strerror(code)}", str(a), None, str(b))
 
 
-class _PeerLostError(RuntimeError):
-    """A collective of a save or load failed: a peer died, hung, or the network broke."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Comm:
-    """Object collectives over a process group, or their one-process identity without one."""
-
-    group: dist.ProcessGroup | None
-    rank: int
-    world_size: int
-
-    @classmethod
-    def of(cls, group: dist.ProcessGroup | None) -> _Comm:
-        if not (dist.is_available() and dist.is_initialized()):
-            return cls(None, 0, 1)
-        group = group if group is not None else dist.group.WORLD
-        return cls(group, dist.get_rank(group), dist.get_world_size(group))
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, by rank.
-
-        Raises:
-            _PeerLostError: If the collective failed (within the group's timeout).
-        """
-        if self.group is None:
-            return [obj]
-        gathered: list[Any] = [None] * self.world_size
-        try:
-            dist.all_gather_object(gathered, obj, group=self.group)
-        except RuntimeError as err:  # gloo/NCCL errors and timeouts are RuntimeErrors
-            raise _PeerLostError(f"{_LOST_PEER_HINT}: {_describe(err)}") from err
-        return gathered
-
-    def broadcast_from_first(self, obj: Any) -> Any:
-        """Rank 0's ``obj``.
-
-        Raises:
-            _PeerLostError: If the collective failed (within the group's timeout).
-        """
-        if self.group is None:
-            return obj
-        box = [obj]
-        try:
-            dist.broadcast_object_list(box, group=self.group, group_src=0)
-        except RuntimeError as err:
-            raise _PeerLostError(f"{_LOST_PEER_HINT}: {_describe(err)}") from err
-        return box[0]
-
-
 @dataclasses.dataclass(frozen=True)
 class _SaveJob:
     """Everything the commit of one save needs, computed on the calling thread."""
@@ -337,197 +296,6 @@ def _lower_thread_priority() -> None:
             )
 
 
-def _copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    staged = tensor.detach().to("cpu", copy=True)
-    if staged.is_floating_point() or staged.is_complex():
-        staged.requires_grad_(tensor.requires_grad)  # DCP records it in TensorProperties
-    return staged
-
-
-def _stage(obj: Any, memo: dict[int, Any] | None = None) -> Any:
-    """Copy a nested state dict so training can go on while a background thread writes it.
-
-    Tensors are copied to CPU memory. A DTensor is rebuilt around a copy of its local
-    shard with the same spec, and the chunk hooks of ``uneven_dtensor`` are carried over
-    unchanged, so DCP plans exactly the writes a synchronous save plans (the tests compare
-    the files byte for byte). Tensors seen twice (tied weights) are copied once.
-
-    Alternative rejected: torch's ``DefaultStager``. It copies whole storages and re-views
-    them, which raises "invalid python storage" for shards that are views at an offset into
-    a packed Megatron-FSDP buffer (torch 2.13), and it keeps the hooks only as a side
-    effect of copying ``__dict__``.
-    """
-    memo = {} if memo is None else memo
-    if id(obj) in memo:
-        return memo[id(obj)]
-    if isinstance(obj, DTensor):
-        local = obj._local_tensor
-        staged_local = _copy_tensor(local)
-        for attr in _HOOK_ATTRS:
-            if attr in vars(local):
-                setattr(staged_local, attr, vars(local)[attr])
-        # DTensor.from_local would move the copy back to the mesh's device.
-        staged: Any = DTensor(staged_local, obj._spec, requires_grad=False)
-    elif isinstance(obj, torch.Tensor):
-        staged = _copy_tensor(obj)
-    elif isinstance(obj, Mapping):
-        staged = {key: _stage(value, memo) for key, value in obj.items()}
-    elif isinstance(obj, list):
-        staged = [_stage(value, memo) for value in obj]
-    elif isinstance(obj, tuple):
-        staged = tuple(_stage(value, memo) for value in obj)
-    else:
-        staged = copy.deepcopy(obj)
-    memo[id(obj)] = staged
-    return staged
-
-
-def _split_checkpoint(checkpoint: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split Lightning's checkpoint dict into DCP's tensor part and ``meta.pt``'s rest.
-
-    Raises:
-        TypeError: If the dict does not have the shape the strategy promises.
-    """
-    if not isinstance(checkpoint, Mapping):
-        raise TypeError(f"checkpoint must be a dict, got {type(checkpoint).__name__}.")
-    model = checkpoint.get("state_dict")
-    if not isinstance(model, Mapping):
-        raise TypeError(
-            "checkpoint['state_dict'] must be an FQN-keyed model state dict (from "
-            f"get_model_state_dict), got {type(model).__name__}."
-        )
-    tensors: dict[str, Any] = {"state_dict": model}
-    if "optimizer_states" in checkpoint:
-        optimizers = checkpoint["optimizer_states"]
-        if not isinstance(optimizers, (list, tuple)) or not all(
-            isinstance(o, Mapping) for o in optimizers
-        ):
-            raise TypeError(
-                "checkpoint['optimizer_states'] must be a list of FQN-keyed optimizer state "
-                f"dicts (from get_optimizer_state_dict), got {optimizers!r:.200}."
-            )
-        tensors["optimizer_states"] = list(optimizers)
-    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-    return tensors, meta
-
-
-def _layout_summary(tensors: Mapping[str, Any]) -> dict[str, str]:
-    """Every leaf of the state to save, DCP-flattened (``state_dict.<fqn>``,
-    ``optimizer_states.<i>.state.<fqn>.<name>``, ...), with its global shape and dtype.
-
-    Rank-local; identical on every rank that saves the same model and optimizer state.
-    Non-tensor values count by key only (``lr`` may be a float or a tensor).
-    """
-    summary: dict[str, str] = {}
-
-    def visit(value: Any, path: tuple[str, ...]) -> None:
-        if isinstance(value, Mapping):
-            for key, item in value.items():
-                visit(item, (*path, str(key)))
-        elif isinstance(value, list) and any(isinstance(v, (Mapping, list)) for v in value):
-            for index, item in enumerate(value):
-                visit(item, (*path, str(index)))
-        else:
-            summary[".".join(path)] = TensorSpec.of(value).describe()
-
-    visit(tensors, ())
-    return summary
-
-
-def _listed(keys: list[str], limit: int = 10) -> str:
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return f"[{shown}{f', ... and {len(keys) - limit} more' if len(keys) > limit else ''}]"
-
-
-def _layout_disagreement(layouts: list[dict[str, str]]) -> list[str]:
-    """Say how each rank's layout differs from rank 0's (see :func:`_layout_summary`)."""
-    reference, lines = layouts[0], []
-    for rank, layout in enumerate(layouts[1:], start=1):
-        extra = sorted(set(layout) - set(reference))
-        lacking = sorted(set(reference) - set(layout))
-        differ = sorted(k for k in set(layout) & set(reference) if layout[k] != reference[k])
-        if extra:
-            lines.append(f"rank {rank} has {len(extra)} key(s) rank 0 has not: {_listed(extra)}")
-        if lacking:
-            lines.append(f"rank {rank} lacks {len(lacking)} key(s) of rank 0: {_listed(lacking)}")
-        lines += [
-            f"rank {rank} {key!r}: {layout[key]}, rank 0: {reference[key]}" for key in differ[:10]
-        ]
-    lines.append(
-        "The ranks disagree on the state to save. Every rank must pass the same keys with "
-        "the same global shapes and dtypes: build the same model on every rank, and give "
-        "every optimizer state for every parameter (ensure_optimizer_state) before saving."
-    )
-    return lines
-
-
-def _fill(target: Any, source: Any) -> None:
-    """Write what DCP read into ``source`` (a :func:`_stage` copy of ``target``) into
-    ``target``, in place: tensors by ``copy_`` (a DTensor's local shard, no collective),
-    other leaves by assignment, as an in-place ``dcp.load`` would have left them."""
-    items = source.items() if isinstance(source, Mapping) else enumerate(source)
-    for key, value in items:
-        current = target[key]
-        if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
-            if isinstance(current, DTensor):
-                local = value._local_tensor if isinstance(value, DTensor) else value
-                current._local_tensor.copy_(local)
-            else:
-                current.copy_(value)
-        elif (isinstance(current, MutableMapping) and isinstance(value, Mapping)) or (
-            isinstance(current, list) and isinstance(value, list) and len(current) == len(value)
-        ):
-            _fill(current, value)
-        else:
-            target[key] = value
-
-
-def _report_interrupted_saves(parent: Path) -> None:
-    """Log the hidden directories of saves that never finished (rank 0, on load)."""
-    try:
-        leftovers = interrupted_saves(parent)
-    except OSError:
-        return
-    if leftovers:
-        log.warning(
-            "%d hidden directory(ies) left by interrupted saves in %s: %s. None of them is "
-            "ever loaded; the next save under the same name deletes them (or delete them by "
-            "hand while no save is running).",
-            len(leftovers),
-            parent,
-            ", ".join(p.name for p in leftovers),
-        )
-
-
-@functools.cache
-def _versions() -> dict[str, str]:
-    """Package versions, looked up once per process (``importlib.metadata`` scans
-    ``sys.path`` on every call); callers copy the dict."""
-    versions = {"torch": torch.__version__}
-    for key, distribution in (
-        ("lightning", "lightning"),
-        ("megatron_fsdp", "megatron-fsdp"),
-        ("lightning_megatron_fsdp", "lightning-megatron-fsdp"),
-    ):
-        try:
-            versions[key] = importlib.metadata.version(distribution)
-        except importlib.metadata.PackageNotFoundError:
-            versions[key] = "unknown"
-    return versions
-
-
-def _timeout_of(group: dist.ProcessGroup) -> timedelta:
-    """The collective timeout of ``group``'s backend, or torch's default."""
-    for device in getattr(group, "_device_types", []):
-        try:
-            timeout = group._get_backend(device).options._timeout
-        except (AttributeError, RuntimeError):
-            continue
-        if isinstance(timeout, timedelta):
-            return timeout
-    return dist.default_pg_timeout
-
-
 def _write_meta(path: Path, meta: dict[str, Any], job: _SaveJob) -> FileRecord:
     """``torch.save`` the non-tensor rest to ``path``, fsync'd; its size and CRC32C are
     taken from the bytes written (pickled in memory first: it is small)."""
@@ -540,62 +308,6 @@ def _write_meta(path: Path, meta: dict[str, Any], job: _SaveJob) -> FileRecord:
         os.fsync(file.fileno())
     digest = crc32c_hex(crc32c(data)) if job.write_checksums else None
     return FileRecord(size=data.nbytes, crc32c=digest)
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file's or directory's entry to disk (directories: not on Windows)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _describe(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}"
-    return text if len(text) <= _MAX_DETAIL else text[:_MAX_DETAIL] + " ..."
-
-
-def _dcp_failure(action: str, path: Path, err: CheckpointException) -> str:
-    """Name the checkpoint, the failing ranks and their errors from DCP's exception."""
-    ranks = sorted(err.failures)
-    details = "\n".join(
-        f"  rank {rank}: {_describe(exc)}" for rank, (exc, _) in sorted(err.failures.items())
-    )
-    return f"{action} checkpoint {path} failed on rank(s) {ranks}:\n{details}"
-
-
-def _check_replaceable(final: Path) -> None:
-    """Refuse to overwrite anything but one of our checkpoints, a plain file or a link.
-
-    A plain file is a single-file checkpoint (say from another strategy), which Lightning
-    would overwrite too; a link (Lightning's ``save_last="link"``) is replaced, never its
-    target.
-
-    Raises:
-        CheckpointSaveError: If ``final`` is a directory without a readable manifest.
-    """
-    if final.is_symlink() or not final.exists() or final.is_file():
-        return
-    with contextlib.suppress(NotACheckpointError):
-        read_manifest(final)
-        return
-    raise CheckpointSaveError(
-        f"Refusing to overwrite {final}: it exists and is not a checkpoint written by "
-        "MegatronFSDPCheckpointIO (no readable manifest.json). Move it away or save "
-        "under another name."
-    )
-
-
-# Problem kinds of a load, most fundamental first; the first kind present picks the error.
-_LOAD_ERRORS: tuple[type[Exception], ...] = (
-    TypeError,
-    NotACheckpointError,
-    CheckpointCorruptedError,
-    CheckpointMismatchError,
-    CheckpointError,  # meta.pt does not unpickle
-)
 
 
 class MegatronFSDPCheckpointIO(CheckpointIO):
@@ -723,11 +435,11 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 With ``async_save``, also the error of the previous background save.
         """
         self.wait()
-        comm = _Comm.of(self.process_group)
+        comm = Ranks.of(self.process_group)
         final = Path(os.path.abspath(os.fspath(path)))
         try:
             job, tensors, writer = self._prepare_save(checkpoint, final, storage_options, comm)
-        except _PeerLostError as err:
+        except PeerLostError as err:
             raise CheckpointSaveError(
                 f"Saving checkpoint {final} failed before any tensor was written: {err}. The "
                 "previous checkpoint there, if any, is untouched."
@@ -746,7 +458,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             self._discard(final, job.token, comm)
             raise CheckpointSaveError(
                 f"Saving checkpoint {final} failed starting the background save on rank "
-                f"{comm.rank}: {_describe(err)}. The previous checkpoint there, if any, is "
+                f"{comm.rank}: {describe(err)}. The previous checkpoint there, if any, is "
                 "untouched."
             ) from err
         if self._committer is None:
@@ -761,7 +473,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         self._in_flight_path = final
 
     def _prepare_save(
-        self, checkpoint: Any, final: Path, storage_options: Any, comm: _Comm
+        self, checkpoint: Any, final: Path, storage_options: Any, comm: Ranks
     ) -> tuple[_SaveJob, dict[str, Any], StorageWriter]:
         """Check and set up a save on every rank; all ranks go on, or all raise.
 
@@ -772,7 +484,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         Raises:
             CheckpointSaveError: Naming each failing rank and its error, or the ranks
                 whose state differs from rank 0's; rank 0's hidden directory is removed.
-            _PeerLostError: If a peer is gone.
+            PeerLostError: If a peer is gone.
         """
         # Agree on the hidden directory first.
         token = comm.broadcast_from_first(uuid.uuid4().hex)
@@ -792,14 +504,14 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 self._manifest_fields(checkpoint, tensors, comm),
             )
             if comm.rank == 0:
-                _check_replaceable(final)
+                check_replaceable(final)
                 job.staging.mkdir(parents=True)
                 job.written[META_FILE] = _write_meta(job.staging / META_FILE, meta, job)
             writer = (self._writer_factory(storage_options) or self._default_writer)(job.staging)
             if self.async_save:
                 tensors = _stage(tensors)
         except Exception as err:
-            error = f"rank {comm.rank}: {_describe(err)}"
+            error = f"rank {comm.rank}: {describe(err)}"
         try:
             gathered = comm.all_gather((error, digest))
             errors = [e for e, _ in gathered if e is not None]
@@ -807,7 +519,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 # Rare and fatal: now gather the full layouts to say exactly what differs.
                 layouts = comm.all_gather(_layout_summary(tensors))
                 errors = _layout_disagreement(layouts)
-        except _PeerLostError:
+        except PeerLostError:
             self._discard(final, token, comm)
             raise
         if errors:
@@ -820,7 +532,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         return job, tensors, writer
 
     @staticmethod
-    def _discard(final: Path, token: str, comm: _Comm) -> None:
+    def _discard(final: Path, token: str, comm: Ranks) -> None:
         if comm.rank == 0:
             with contextlib.suppress(OSError):
                 remove_tree(hidden_path(final, STAGING, token))
@@ -846,7 +558,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         )
 
     def _manifest_fields(
-        self, checkpoint: Mapping[str, Any], tensors: Mapping[str, Any], comm: _Comm
+        self, checkpoint: Mapping[str, Any], tensors: Mapping[str, Any], comm: Ranks
     ) -> dict[str, Any]:
         return {
             "fingerprint": model_fingerprint(tensors["state_dict"]),
@@ -860,7 +572,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             "epoch": finite_int_or_none(checkpoint.get("epoch")),
         }
 
-    def _background_comm(self, comm: _Comm) -> _Comm:
+    def _background_comm(self, comm: Ranks) -> Ranks:
         """A gloo group of the same ranks for the background thread's collectives.
 
         Its own group, even when the default group is gloo already: collectives issued
@@ -877,9 +589,9 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 timeout=_timeout_of(comm.group),
                 use_local_synchronization=len(ranks) != dist.get_world_size(),
             )
-        return _Comm(self._background_group, comm.rank, comm.world_size)
+        return Ranks(self._background_group, comm.rank, comm.world_size)
 
-    def _run_dcp_save(self, job: _SaveJob, comm: _Comm, save: Callable[[], Metadata]) -> Metadata:
+    def _run_dcp_save(self, job: _SaveJob, comm: Ranks, save: Callable[[], Metadata]) -> Metadata:
         """Run a DCP save, turning its failure into a ``CheckpointSaveError``.
 
         DCP gathers every rank's failure and raises ``CheckpointException`` (a
@@ -893,18 +605,18 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 with contextlib.suppress(OSError):
                     remove_tree(job.staging)
             message = (
-                _dcp_failure("Saving", job.final, err)
+                dcp_failure_message("Saving", job.final, err)
                 if isinstance(err, CheckpointException)
-                else f"Saving checkpoint {job.final} failed on rank {comm.rank}: {_describe(err)}"
+                else f"Saving checkpoint {job.final} failed on rank {comm.rank}: {describe(err)}"
                 f"\nDCP reports each rank's own errors as one CheckpointException, so this "
-                f"error most likely means {_LOST_PEER_HINT}."
+                f"error most likely means {LOST_PEER_HINT}."
             )
             raise CheckpointSaveError(
                 message + "\nThe previous checkpoint there, if any, is untouched."
             ) from err
 
     def _finish_background(
-        self, job: _SaveJob, tensors: dict[str, Any], comm: _Comm, writer: StorageWriter
+        self, job: _SaveJob, tensors: dict[str, Any], comm: Ranks, writer: StorageWriter
     ) -> None:
         """The background thread's whole save: DCP's write over the background group, then
         the commit."""
@@ -916,7 +628,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         self._commit(job, metadata, comm, writer)
 
     def _commit(
-        self, job: _SaveJob, metadata: Metadata, comm: _Comm, writer: StorageWriter
+        self, job: _SaveJob, metadata: Metadata, comm: Ranks, writer: StorageWriter
     ) -> None:
         """Gather sizes and digests, write the manifest and rename into place; every rank
         learns how it went.
@@ -930,10 +642,10 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             records = self._local_records(job, comm.rank, writer)
             _fault("commit:hashed")
         except Exception as err:
-            error = f"rank {comm.rank}: {_describe(err)}"
+            error = f"rank {comm.rank}: {describe(err)}"
         try:
             gathered = comm.all_gather((error, records))
-        except _PeerLostError as err:
+        except PeerLostError as err:
             if comm.rank == 0:
                 with contextlib.suppress(OSError):
                     remove_tree(job.staging)
@@ -960,12 +672,12 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 _fault("commit:publish")
                 self._publish(job)
             except Exception as err:
-                outcome = _describe(err)
+                outcome = describe(err)
                 with contextlib.suppress(OSError):
                     remove_tree(job.staging)
         try:
             outcome = comm.broadcast_from_first(outcome)
-        except _PeerLostError as err:
+        except PeerLostError as err:
             if comm.rank == 0 and outcome is None:
                 raise CheckpointError(
                     f"Checkpoint {job.final} was saved and committed, but the other ranks "
@@ -1046,7 +758,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             file.flush()
             os.fsync(file.fileno())
         os.replace(partial, staging / MANIFEST_FILE)
-        _fsync(staging)
+        fsync_path(staging)
 
     @staticmethod
     def _publish(job: _SaveJob) -> None:
@@ -1059,7 +771,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         """
         final = job.final
         if final.exists() or final.is_symlink():
-            _check_replaceable(final)
+            check_replaceable(final)
             if not _exchange(job.staging, final):
                 aside = hidden_path(final, ASIDE, job.token)
                 os.rename(final, aside)
@@ -1074,7 +786,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         # Committed: from here on only space can be lost, so nothing may fail the save.
         try:
             _fault("commit:replaced")
-            _fsync(final.parent)
+            fsync_path(final.parent)
             for sibling in list(final.parent.iterdir()):
                 hidden = parse_hidden_name(sibling.name)
                 if hidden is not None and hidden[0] == final.name:
@@ -1086,7 +798,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             log.warning(
                 "Checkpoint %s is committed, but cleaning up after it failed: %s",
                 final,
-                _describe(err),
+                describe(err),
             )
 
     # ----------------------------------------------------------------------------- async
@@ -1186,7 +898,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             each rank had already written into them.
         """
         self.wait()
-        comm = _Comm.of(self.process_group)
+        comm = Ranks.of(self.process_group)
         final = Path(os.path.abspath(os.fspath(path)))
         if comm.rank == 0:
             try:
@@ -1194,20 +906,20 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                     log.warning("Restored %s, which an interrupted save had renamed aside.", final)
             except OSError as err:
                 log.warning("Could not restore %s from a renamed-aside copy: %s", final, err)
-            _report_interrupted_saves(final.parent)
+            report_interrupted_saves(final.parent)
         try:
             comm.broadcast_from_first(None)  # nobody looks at the path before recovery is done
             reader, problems = None, []
             try:
                 reader = (self.storage_reader_factory or self._default_reader)(final)
             except Exception as err:
-                problems = [(_LOAD_ERRORS.index(CheckpointError), _describe(err))]
+                problems = [(_LOAD_ERRORS.index(CheckpointError), describe(err))]
             if reader is not None:
                 problems, meta = self._validate(
                     final, state, strict, comm, map_location, weights_only, reader
                 )
             gathered = comm.all_gather(problems)
-        except _PeerLostError as err:
+        except PeerLostError as err:
             raise CheckpointError(
                 f"Loading checkpoint {final} failed before any tensor was read: {err}. The "
                 "targets are unchanged."
@@ -1248,7 +960,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         return VerifyingFileSystemReader(final, verify=self.verify_checksums)
 
     def _load_failure(
-        self, final: Path, err: BaseException, reader: StorageReader, comm: _Comm
+        self, final: Path, err: BaseException, reader: StorageReader, comm: Ranks
     ) -> CheckpointError:
         """The error every rank raises when ``dcp.load`` failed: DCP's per-rank errors, and
         what the targets now hold on each rank.
@@ -1258,13 +970,13 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         so every rank states the same partial state.
         """
         if isinstance(err, CheckpointException):
-            message = _dcp_failure("Loading", final, err)
+            message = dcp_failure_message("Loading", final, err)
             failures = [exc for exc, _ in err.failures.values()]
         else:
             message = (
-                f"Loading checkpoint {final} failed on rank {comm.rank}: {_describe(err)}\n"
+                f"Loading checkpoint {final} failed on rank {comm.rank}: {describe(err)}\n"
                 "DCP reports each rank's own errors as one CheckpointException, so this "
-                f"error most likely means {_LOST_PEER_HINT}."
+                f"error most likely means {LOST_PEER_HINT}."
             )
             failures = [err]
         corrupted = all(isinstance(e, CheckpointCorruptedError) for e in failures)
@@ -1280,7 +992,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         progress = reader.progress if isinstance(reader, VerifyingFileSystemReader) else None
         try:
             states = comm.all_gather(None if progress is None else dataclasses.asdict(progress))
-        except _PeerLostError:
+        except PeerLostError:
             states = [None] * comm.world_size
             states[comm.rank] = None if progress is None else dataclasses.asdict(progress)
         return error(f"{message}\n{_aftermath(final, states)}")
@@ -1290,7 +1002,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         final: Path,
         state: dict[str, Any] | None,
         strict: bool,
-        comm: _Comm,
+        comm: Ranks,
         map_location: Any,
         weights_only: bool | None,
         reader: StorageReader,
@@ -1321,7 +1033,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             damaged = check_files(final, manifest, checksum_files=share)
             data = None if damaged else (final / META_FILE).read_bytes()
         except OSError as err:
-            damaged, data = [f"cannot read a file: {_describe(err)}"], None
+            damaged, data = [f"cannot read a file: {describe(err)}"], None
         digest = manifest.files[META_FILE].digest() if self.verify_checksums else None
         if data is not None and digest is not None:
             found = bytes_digest(data, digest[0])
@@ -1347,7 +1059,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                     (
                         kind[CheckpointError],
                         f"{META_FILE}: torch.load(weights_only={weights_only}) failed: "
-                        f"{_describe(err)}. If it holds objects the weights-only unpickler "
+                        f"{describe(err)}. If it holds objects the weights-only unpickler "
                         "refuses and you trust the checkpoint, load with weights_only=False.",
                     )
                 )
@@ -1397,116 +1109,6 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         if hidden is None:
             trash = hidden_path(target, DELETING, uuid.uuid4().hex)
             os.rename(target, trash)
-            _fsync(target.parent)
+            fsync_path(target.parent)
             target = trash
         remove_tree(target)
-
-
-def _state_shape_error(state: Any) -> str | None:
-    if not isinstance(state, Mapping) or not isinstance(state.get("state_dict"), Mapping):
-        return (
-            "state must be {'state_dict': model_state_dict, 'optimizer_states': [...]} "
-            f"(optimizer_states optional), got {state!r:.200}"
-        )
-    optimizers = state.get("optimizer_states", [])
-    if not isinstance(optimizers, (list, tuple)) or not all(
-        isinstance(o, Mapping) for o in optimizers
-    ):
-        return (
-            "state['optimizer_states'] must be a list of optimizer state dicts, got "
-            f"{optimizers!r:.200}"
-        )
-    return None
-
-
-def _fingerprint_problems(manifest: Manifest, state: Mapping[str, Any], strict: bool) -> list[str]:
-    problems = compare_fingerprints(
-        manifest.fingerprint, model_fingerprint(state["state_dict"]), what="model", strict=strict
-    )
-    if "optimizer_states" not in state:
-        return problems
-    targets, saved = state["optimizer_states"], manifest.optimizer_fingerprints
-    if targets and not saved:
-        problems.append(
-            f"the checkpoint holds no optimizer state (it was saved weights-only), but "
-            f"{len(targets)} optimizer state dict(s) were given to fill. Load weights only: "
-            "leave 'optimizer_states' out of state (the strategy's weights-only load)."
-        )
-    elif len(targets) != len(saved):
-        problems.append(
-            f"the checkpoint holds state for {len(saved)} optimizer(s), but {len(targets)} "
-            "optimizer state dict(s) were given; configure the same optimizers as when saving"
-        )
-    else:
-        for i, (fingerprint, target) in enumerate(zip(saved, targets, strict=True)):
-            problems += compare_fingerprints(
-                fingerprint, optimizer_fingerprint(target), what=f"optimizer {i}", strict=strict
-            )
-    return problems
-
-
-def _raise_combined(final: Path, gathered: list[list[tuple[int, str]]], world_size: int) -> None:
-    """Raise, identically on every rank, the problems all ranks found; else return.
-
-    Raises:
-        TypeError | NotACheckpointError | CheckpointCorruptedError | CheckpointMismatchError:
-            The class of the most fundamental problem kind found, listing every problem
-            and, where not all ranks saw it, which ranks did.
-    """
-    ranks_by_problem: dict[tuple[int, str], list[int]] = {}
-    for rank, problems in enumerate(gathered):
-        for problem in problems:
-            ranks_by_problem.setdefault(problem, []).append(rank)
-    if not ranks_by_problem:
-        return
-    kinds = sorted({kind for kind, _ in ranks_by_problem})
-    lines = []
-    for kind in kinds:
-        for (k, text), ranks in ranks_by_problem.items():
-            if k == kind:
-                where = "" if len(ranks) == world_size else f" [rank(s) {ranks}]"
-                lines.append(f"  - {text}{where}")
-    error = _LOAD_ERRORS[kinds[0]]
-    advice = _LOAD_ADVICE.get(error)
-    if advice:
-        lines.append(advice.format(final=final))
-    raise error(f"Cannot load checkpoint {final}:\n" + "\n".join(lines))
-
-
-def _aftermath(final: Path, states: list[dict[str, Any] | None]) -> str:
-    """What the targets hold after a failed in-place load, from each rank's reader
-    progress (``None``: unknown, another reader or a lost rank)."""
-    if all(s is not None and not s["started"] for s in states):
-        return (
-            "Nothing was loaded: no rank had begun reading tensor data. The targets are unchanged."
-        )
-    lines = []
-    for rank, state in enumerate(states):
-        if state is None:
-            lines.append(f"  rank {rank}: unknown (another storage reader, or the rank was lost)")
-        else:
-            progress = ReadProgress(**state)
-            lines.append(f"  rank {rank}: {progress.describe()}")
-    verb = "may be" if any(state is None for state in states) else "are"
-    return (
-        f"The targets {verb} partly loaded (atomic_load=False): each rank's reader wrote "
-        "records into its targets in order, and the rest keep their previous values:\n"
-        + "\n".join(lines)
-        + f"\nLoad {final} again once it is intact, or another complete checkpoint, before "
-        "training on (atomic_load=True keeps the targets unchanged on any failure, for one "
-        "more copy of the shards in memory)."
-    )
-
-
-# What to do, by error class; every load error leaves the targets untouched.
-_LOAD_ADVICE: dict[type[Exception], str] = {
-    CheckpointCorruptedError: (
-        "Nothing was loaded. The files differ from what the save recorded: load an older "
-        "complete checkpoint, or restore these files from an intact copy (check it offline "
-        "with `lightning-megatron-fsdp inspect --verify {final}`)."
-    ),
-    CheckpointMismatchError: (
-        "Nothing was loaded. Build the model and optimizers the checkpoint was saved from "
-        "(strict=False tolerates missing and unexpected keys, not other shapes or dtypes)."
-    ),
-}

@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import json
+import logging
 import math
 import os
 import re
@@ -68,8 +69,10 @@ __all__ = [
     "NotACheckpointError",
     "TensorSpec",
     "check_files",
+    "check_replaceable",
     "compare_fingerprints",
     "finite_int_or_none",
+    "fsync_path",
     "hidden_path",
     "interrupted_saves",
     "is_complete_checkpoint",
@@ -83,9 +86,12 @@ __all__ = [
     "recover_checkpoint",
     "recover_matching",
     "remove_tree",
+    "report_interrupted_saves",
     "resolve_latest_checkpoint",
     "sha256_file",
 ]
+
+log = logging.getLogger(__name__)
 
 FORMAT_NAME = "lightning-megatron-fsdp"
 FORMAT_VERSION = 2
@@ -794,3 +800,52 @@ def finite_int_or_none(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return int(value) if math.isfinite(value) and float(value).is_integer() else None
+
+
+def report_interrupted_saves(parent: Path) -> None:
+    """Log the hidden directories of saves that never finished (rank 0, on load)."""
+    try:
+        leftovers = interrupted_saves(parent)
+    except OSError:
+        return
+    if leftovers:
+        log.warning(
+            "%d hidden directory(ies) left by interrupted saves in %s: %s. None of them is "
+            "ever loaded; the next save under the same name deletes them (or delete them by "
+            "hand while no save is running).",
+            len(leftovers),
+            parent,
+            ", ".join(p.name for p in leftovers),
+        )
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or directory's entry to disk (directories: not on Windows)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def check_replaceable(final: Path) -> None:
+    """Refuse to overwrite anything but one of our checkpoints, a plain file or a link.
+
+    A plain file is a single-file checkpoint (say from another strategy), which Lightning
+    would overwrite too; a link (Lightning's ``save_last="link"``) is replaced, never its
+    target.
+
+    Raises:
+        CheckpointSaveError: If ``final`` is a directory without a readable manifest.
+    """
+    if final.is_symlink() or not final.exists() or final.is_file():
+        return
+    with contextlib.suppress(NotACheckpointError):
+        read_manifest(final)
+        return
+    raise CheckpointSaveError(
+        f"Refusing to overwrite {final}: it exists and is not a checkpoint written by "
+        "MegatronFSDPCheckpointIO (no readable manifest.json). Move it away or save "
+        "under another name."
+    )

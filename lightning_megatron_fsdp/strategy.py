@@ -89,7 +89,7 @@ from typing_extensions import override
 
 from lightning_megatron_fsdp import _megatron
 from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
-from lightning_megatron_fsdp.agreement import Ranks, describe, peer_failures_explained
+from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
 from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
 from lightning_megatron_fsdp.gather import bind_full_tensor, lightning_grad_norm_explained
 from lightning_megatron_fsdp.join import (
@@ -784,7 +784,9 @@ class MegatronFSDPStrategy(ParallelStrategy):
                 # teardown): the checkpoint must be committed when the call returns.
                 self.checkpoint_io.teardown()
         except CheckpointException as err:  # a BaseException: never let it escape as is
-            raise CheckpointSaveError(_dcp_exception_message("Saving", path, err)) from err
+            raise CheckpointSaveError(
+                f"{_STRATEGY}: " + dcp_failure_message("Saving", path, err)
+            ) from err
 
     def _stage_running(self) -> bool:
         """Whether a Trainer stage (fit, validate, ...) is running, so its teardown will come."""
@@ -834,7 +836,9 @@ class MegatronFSDPStrategy(ParallelStrategy):
                 allow_missing_optimizers=self.allow_weights_only_resume or not fitting,
             )
         except CheckpointException as err:  # a BaseException: never let it escape as is
-            raise CheckpointError(_dcp_exception_message("Loading", path, err)) from err
+            raise CheckpointError(
+                f"{_STRATEGY}: " + dcp_failure_message("Loading", path, err)
+            ) from err
         checkpoint = result.checkpoint
         if fitting and not result.optimizers_loaded:
             checkpoint = self._weights_only_resume(checkpoint, path)
@@ -968,20 +972,6 @@ def _loss_of(output: Any) -> Tensor | None:
     if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
         return output["loss"]
     return None
-
-
-def _dcp_exception_message(action: str, path: str, err: CheckpointException) -> str:
-    """Name the failing ranks and their errors from DCP's ``CheckpointException``."""
-    failures = getattr(err, "failures", None) or {}
-    details = []
-    for rank, failure in sorted(failures.items()):
-        cause = failure[0] if isinstance(failure, tuple) else failure
-        details.append(f"rank {rank}: {describe(cause)}")
-    listed = "; ".join(details) or str(err)
-    return (
-        f"{_STRATEGY}: {action} checkpoint {path} failed in torch.distributed.checkpoint on "
-        f"rank(s) {sorted(failures)}: {listed}"
-    )
 
 
 MegatronFSDPStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,207 @@
+"""What a save writes: Lightning's dict split into tensors and the rest, and their digests.
+
+Problem: Lightning hands the checkpoint IO one nested dict mixing sharded DTensors, plain
+tensors and Python objects; DCP must get only the tensors, ``meta.pt`` the rest, an async
+save a private copy of every tensor (training goes on mutating the live ones), and the ranks
+one digest of every key, shape and dtype to agree on before anything is written.
+
+How: pure functions over the dict, rank-local, no collective: :func:`_split_checkpoint`,
+:func:`_stage` (copies that keep the chunk hooks), :func:`_layout_summary` and
+:func:`_layout_disagreement`, :func:`_fill` (copy loaded values into the live targets), and
+the package versions a manifest records.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.metadata
+from collections.abc import Mapping, MutableMapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from lightning_megatron_fsdp.manifest import (
+    TensorSpec,
+)
+from lightning_megatron_fsdp.uneven_dtensor import CHUNK_ATTR
+
+# Attributes uneven_dtensor attaches to a local shard; the staging copy keeps them.
+_HOOK_ATTRS = ("__create_chunk_list__", "__create_write_items__", CHUNK_ATTR)
+
+
+def _copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    staged = tensor.detach().to("cpu", copy=True)
+    if staged.is_floating_point() or staged.is_complex():
+        staged.requires_grad_(tensor.requires_grad)  # DCP records it in TensorProperties
+    return staged
+
+
+def _stage(obj: Any, memo: dict[int, Any] | None = None) -> Any:
+    """Copy a nested state dict so training can go on while a background thread writes it.
+
+    Tensors are copied to CPU memory. A DTensor is rebuilt around a copy of its local
+    shard with the same spec, and the chunk hooks of ``uneven_dtensor`` are carried over
+    unchanged, so DCP plans exactly the writes a synchronous save plans (the tests compare
+    the files byte for byte). Tensors seen twice (tied weights) are copied once.
+
+    Alternative rejected: torch's ``DefaultStager``. It copies whole storages and re-views
+    them, which raises "invalid python storage" for shards that are views at an offset into
+    a packed Megatron-FSDP buffer (torch 2.13), and it keeps the hooks only as a side
+    effect of copying ``__dict__``.
+    """
+    memo = {} if memo is None else memo
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, DTensor):
+        local = obj._local_tensor
+        staged_local = _copy_tensor(local)
+        for attr in _HOOK_ATTRS:
+            if attr in vars(local):
+                setattr(staged_local, attr, vars(local)[attr])
+        # DTensor.from_local would move the copy back to the mesh's device.
+        staged: Any = DTensor(staged_local, obj._spec, requires_grad=False)
+    elif isinstance(obj, torch.Tensor):
+        staged = _copy_tensor(obj)
+    elif isinstance(obj, Mapping):
+        staged = {key: _stage(value, memo) for key, value in obj.items()}
+    elif isinstance(obj, list):
+        staged = [_stage(value, memo) for value in obj]
+    elif isinstance(obj, tuple):
+        staged = tuple(_stage(value, memo) for value in obj)
+    else:
+        staged = copy.deepcopy(obj)
+    memo[id(obj)] = staged
+    return staged
+
+
+def _split_checkpoint(checkpoint: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split Lightning's checkpoint dict into DCP's tensor part and ``meta.pt``'s rest.
+
+    Raises:
+        TypeError: If the dict does not have the shape the strategy promises.
+    """
+    if not isinstance(checkpoint, Mapping):
+        raise TypeError(f"checkpoint must be a dict, got {type(checkpoint).__name__}.")
+    model = checkpoint.get("state_dict")
+    if not isinstance(model, Mapping):
+        raise TypeError(
+            "checkpoint['state_dict'] must be an FQN-keyed model state dict (from "
+            f"get_model_state_dict), got {type(model).__name__}."
+        )
+    tensors: dict[str, Any] = {"state_dict": model}
+    if "optimizer_states" in checkpoint:
+        optimizers = checkpoint["optimizer_states"]
+        if not isinstance(optimizers, (list, tuple)) or not all(
+            isinstance(o, Mapping) for o in optimizers
+        ):
+            raise TypeError(
+                "checkpoint['optimizer_states'] must be a list of FQN-keyed optimizer state "
+                f"dicts (from get_optimizer_state_dict), got {optimizers!r:.200}."
+            )
+        tensors["optimizer_states"] = list(optimizers)
+    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    return tensors, meta
+
+
+def _layout_summary(tensors: Mapping[str, Any]) -> dict[str, str]:
+    """Every leaf of the state to save, DCP-flattened (``state_dict.<fqn>``,
+    ``optimizer_states.<i>.state.<fqn>.<name>``, ...), with its global shape and dtype.
+
+    Rank-local; identical on every rank that saves the same model and optimizer state.
+    Non-tensor values count by key only (``lr`` may be a float or a tensor).
+    """
+    summary: dict[str, str] = {}
+
+    def visit(value: Any, path: tuple[str, ...]) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                visit(item, (*path, str(key)))
+        elif isinstance(value, list) and any(isinstance(v, (Mapping, list)) for v in value):
+            for index, item in enumerate(value):
+                visit(item, (*path, str(index)))
+        else:
+            summary[".".join(path)] = TensorSpec.of(value).describe()
+
+    visit(tensors, ())
+    return summary
+
+
+def _listed(keys: list[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return f"[{shown}{f', ... and {len(keys) - limit} more' if len(keys) > limit else ''}]"
+
+
+def _layout_disagreement(layouts: list[dict[str, str]]) -> list[str]:
+    """Say how each rank's layout differs from rank 0's (see :func:`_layout_summary`)."""
+    reference, lines = layouts[0], []
+    for rank, layout in enumerate(layouts[1:], start=1):
+        extra = sorted(set(layout) - set(reference))
+        lacking = sorted(set(reference) - set(layout))
+        differ = sorted(k for k in set(layout) & set(reference) if layout[k] != reference[k])
+        if extra:
+            lines.append(f"rank {rank} has {len(extra)} key(s) rank 0 has not: {_listed(extra)}")
+        if lacking:
+            lines.append(f"rank {rank} lacks {len(lacking)} key(s) of rank 0: {_listed(lacking)}")
+        lines += [
+            f"rank {rank} {key!r}: {layout[key]}, rank 0: {reference[key]}" for key in differ[:10]
+        ]
+    lines.append(
+        "The ranks disagree on the state to save. Every rank must pass the same keys with "
+        "the same global shapes and dtypes: build the same model on every rank, and give "
+        "every optimizer state for every parameter (ensure_optimizer_state) before saving."
+    )
+    return lines
+
+
+def _fill(target: Any, source: Any) -> None:
+    """Write what DCP read into ``source`` (a :func:`_stage` copy of ``target``) into
+    ``target``, in place: tensors by ``copy_`` (a DTensor's local shard, no collective),
+    other leaves by assignment, as an in-place ``dcp.load`` would have left them."""
+    items = source.items() if isinstance(source, Mapping) else enumerate(source)
+    for key, value in items:
+        current = target[key]
+        if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+            if isinstance(current, DTensor):
+                local = value._local_tensor if isinstance(value, DTensor) else value
+                current._local_tensor.copy_(local)
+            else:
+                current.copy_(value)
+        elif (isinstance(current, MutableMapping) and isinstance(value, Mapping)) or (
+            isinstance(current, list) and isinstance(value, list) and len(current) == len(value)
+        ):
+            _fill(current, value)
+        else:
+            target[key] = value
+
+
+@functools.cache
+def _versions() -> dict[str, str]:
+    """Package versions, looked up once per process (``importlib.metadata`` scans
+    ``sys.path`` on every call); callers copy the dict."""
+    versions = {"torch": torch.__version__}
+    for key, distribution in (
+        ("lightning", "lightning"),
+        ("megatron_fsdp", "megatron-fsdp"),
+        ("lightning_megatron_fsdp", "lightning-megatron-fsdp"),
+    ):
+        try:
+            versions[key] = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            versions[key] = "unknown"
+    return versions
+
+
+def _timeout_of(group: dist.ProcessGroup) -> timedelta:
+    """The collective timeout of ``group``'s backend, or torch's default."""
+    for device in getattr(group, "_device_types", []):
+        try:
+            timeout = group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return dist.default_pg_timeout
