@@ -86,6 +86,7 @@ from lightning_megatron_fsdp import _megatron
 from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.agreement import Ranks, describe, peer_failures_explained
 from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
+from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY, ExactResume
 from lightning_megatron_fsdp.launcher import resolving_last_launcher
 from lightning_megatron_fsdp.manifest import CheckpointError, CheckpointSaveError
 from lightning_megatron_fsdp.mesh import (
@@ -224,6 +225,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         self._timeout = timeout
         self._device_mesh: DeviceMesh | None = None
         self._sharding: contextlib.ExitStack | None = None
+        self._exact_resume = ExactResume(_STRATEGY)
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ properties
@@ -607,12 +609,34 @@ class MegatronFSDPStrategy(ParallelStrategy):
     def on_train_start(self) -> None:
         trainer = self._trainer()
         self._check_equal_batch_counts("training", [trainer.num_training_batches])
+        # Last of the on_train_start hooks, right before the first batch: see exact_resume.
+        self._exact_resume.train_starting(self.root_device)
 
     @override
     def on_validation_start(self) -> None:
         trainer = self._trainer()
         counts = trainer.num_sanity_val_batches if trainer.sanity_checking else None
         self._check_equal_batch_counts("validation", counts or trainer.num_val_batches)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._exact_resume.validation_started(self.root_device)
+
+    @override
+    def on_validation_end(self) -> None:
+        # Validation inside fit does not shift the training random streams (exact_resume).
+        self._exact_resume.validation_ended(self.root_device)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Give the train loader's sampler its epoch before Lightning restores the loader.
+
+        Lightning restores a resumable loader's position and creates its iterator before it
+        calls ``set_epoch``, so a resume in epoch >= 1 would replay epoch 0's order; see
+        :meth:`~lightning_megatron_fsdp.exact_resume.ExactResume.train_loader`.
+        """
+        trainer = self._trainer()
+        if trainer.state.fn == TrainerFn.FITTING and trainer.training:
+            self._exact_resume.train_loader(trainer, dataloader, self.root_device)
+        return dataloader
 
     @override
     def on_test_start(self) -> None:
@@ -751,6 +775,8 @@ class MegatronFSDPStrategy(ParallelStrategy):
             attach_uneven_dtensor_metadata(model, checkpoint.get("state_dict", {}), {})
             for optimizer_state in checkpoint.get("optimizer_states", []):
                 attach_uneven_dtensor_metadata(model, {}, optimizer_state)
+            # Every rank's random streams, gathered into rank 0's (meta.pt) part.
+            checkpoint[RNG_STATES_KEY] = self._exact_resume.gather_for_checkpoint(self.root_device)
         except Exception as err:
             error = err
         Ranks.of().raise_together(
@@ -818,6 +844,9 @@ class MegatronFSDPStrategy(ParallelStrategy):
         except CheckpointException as err:  # a BaseException: never let it escape as is
             raise CheckpointError(_dcp_exception_message("Loading", path, err)) from err
         checkpoint = result.checkpoint
+        self._exact_resume.checkpoint_loaded(
+            checkpoint, fitting=model.trainer.state.fn == TrainerFn.FITTING
+        )
         if fitting and not result.optimizers_loaded:
             checkpoint = self._weights_only_resume(checkpoint, path)
         return checkpoint
@@ -876,6 +905,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         checkpoint IO finishes an async save and drops its background group here.
         """
         self._close_sharding(RuntimeError("teardown before setup finished sharding"))
+        self._exact_resume.reset()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         self.precision_plugin.teardown()
