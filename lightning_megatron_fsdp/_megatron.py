@@ -30,7 +30,8 @@ import contextlib
 import dataclasses
 import importlib
 import threading
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -400,6 +401,60 @@ def fully_shard(
     module.__class__ = _shared_fsdp_class(original_cls)
     if aliases:
         _install_aliases(module, aliases)
+    module.register_forward_hook(_pre_backward_for_structured_output)
+
+
+# ---------------------------------------------------------------------- structured outputs
+
+
+def _tensors_in(output: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every tensor in ``output``: nested tuples, lists, mappings and dataclasses."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif depth > 8:
+        return
+    elif isinstance(output, Mapping):  # Hugging Face ModelOutput is a Mapping
+        for value in output.values():
+            yield from _tensors_in(value, depth + 1)
+    elif isinstance(output, (tuple, list)):
+        for value in output:
+            yield from _tensors_in(value, depth + 1)
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        for field in dataclasses.fields(output):
+            yield from _tensors_in(getattr(output, field.name, None), depth + 1)
+
+
+def _pre_backward_for_structured_output(module: nn.Module, _args: Any, output: Any) -> None:
+    """Unshard ``module`` for backward when its output hides tensors from torch's hooks.
+
+    Upstream unshards a unit for backward from a full backward pre-hook (module.py
+    ``_register_hooks``, both versions). torch attaches those only to an output that is a
+    tensor or to the top-level tensors of a tuple (torch/utils/hooks.py
+    ``BackwardHook.setup_output_hook``); a Hugging Face model returns a ``ModelOutput``
+    (a dict), so the hook never fires, the unit's parameters stay released, and backward
+    fails reading them (``setStorage ... storage of size 0``). For such outputs this
+    registers the unit's ``pre_backward`` on every grad-requiring tensor inside, to run
+    once, when the first of their gradients is computed, as FSDP2 does for its outputs.
+    A tensor or tuple of tensors is left to upstream's hook (a tuple that also nests
+    tensors gets both; a second ``pre_backward`` in one backward is a no-op).
+    """
+    if not torch.is_grad_enabled():
+        return
+    tensors = [t for t in _tensors_in(output) if t.requires_grad]
+    if not tensors:
+        return
+    top_level = output if isinstance(output, tuple) else (output,)
+    covered = {id(t) for t in top_level if isinstance(t, torch.Tensor) and t.requires_grad}
+    if all(id(t) in covered for t in tensors):
+        return
+    unit = weakref.ref(module)
+
+    def pre_backward(_grads: Any) -> None:
+        hooked = unit()
+        if hooked is not None:
+            hooked.pre_backward()  # type: ignore[attr-defined]  # module.py, both versions
+
+    torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
 
 
 # ---------------------------------------------------------------------- 0.6.1 ties
