@@ -402,6 +402,28 @@ def fully_shard(
     if aliases:
         _install_aliases(module, aliases)
     module.register_forward_hook(_pre_backward_for_structured_output)
+    _hide_hooks_from_dynamo(module)
+
+
+def _hide_hooks_from_dynamo(module: nn.Module) -> None:
+    """Run the unit's hooks eagerly when the unit is compiled, outside the traced graph.
+
+    ``module.compile()`` traces ``_call_impl``, hooks included. Upstream's hooks
+    (module.py ``_register_hooks``) are runtime bookkeeping: collectives, stream events,
+    and an NVTX label made of the unit's name, so dynamo guards on that name
+    (``self._name == 'layers.0'``) and compiles every layer again, up to its recompile
+    limit, after which the remaining layers silently run eagerly. Wrapped in
+    ``torch._dynamo.disable``, the hooks run as in eager mode (a graph break on each
+    side of the forward) and identical layers share their compiled graphs.
+    """
+    for hooks in (
+        module._forward_pre_hooks,
+        module._forward_hooks,
+        module._backward_pre_hooks,
+        module._backward_hooks,
+    ):
+        for key, hook in list(hooks.items()):
+            hooks[key] = torch._dynamo.disable(hook, recursive=True)
 
 
 # ---------------------------------------------------------------------- structured outputs
@@ -438,14 +460,12 @@ def _pre_backward_for_structured_output(module: nn.Module, _args: Any, output: A
     A tensor or tuple of tensors is left to upstream's hook (a tuple that also nests
     tensors gets both; a second ``pre_backward`` in one backward is a no-op).
     """
-    if not torch.is_grad_enabled():
-        return
+    if isinstance(output, torch.Tensor) or not torch.is_grad_enabled():
+        return  # upstream's hook fires (the common case; cheap under torch.compile too)
     tensors = [t for t in _tensors_in(output) if t.requires_grad]
-    if not tensors:
-        return
-    top_level = output if isinstance(output, tuple) else (output,)
-    covered = {id(t) for t in top_level if isinstance(t, torch.Tensor) and t.requires_grad}
-    if all(id(t) in covered for t in tensors):
+    top_level = output if isinstance(output, tuple) else ()
+    # Identity tests, not id(): dynamo traces this hook when a unit is compiled.
+    if all(any(t is top for top in top_level) for t in tensors):
         return
     unit = weakref.ref(module)
 
