@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import importlib
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -401,14 +402,87 @@ def fully_shard(
         _reattach_aliases(module, aliases)
         raise
     module.__class__ = _shared_fsdp_class(original_cls)
+    if aliases:
+        _install_aliases(module, aliases)
     module.register_forward_hook(_pre_backward_for_structured_output)
     setattr(
         module,
         _UNIT_HOOKS_ATTR,
         {name: set(getattr(module, name)) - before[name] for name in _HOOK_DICTS},
     )
-    if aliases:
-        _install_aliases(module, aliases)
+    _hide_hooks_from_dynamo(module)
+
+
+def _hide_hooks_from_dynamo(module: nn.Module) -> None:
+    """Run the unit's hooks eagerly when the unit is compiled, outside the traced graph.
+
+    ``module.compile()`` traces ``_call_impl``, hooks included. Upstream's hooks
+    (module.py ``_register_hooks``) are runtime bookkeeping: collectives, stream events,
+    and an NVTX label made of the unit's name, so dynamo guards on that name
+    (``self._name == 'layers.0'``) and compiles every layer again, up to its recompile
+    limit, after which the remaining layers silently run eagerly. Wrapped in
+    ``torch._dynamo.disable``, the hooks run as in eager mode (a graph break on each
+    side of the forward) and identical layers share their compiled graphs.
+    """
+    for hooks in (
+        module._forward_pre_hooks,
+        module._forward_hooks,
+        module._backward_pre_hooks,
+        module._backward_hooks,
+    ):
+        for key, hook in list(hooks.items()):
+            hooks[key] = torch._dynamo.disable(hook, recursive=True)
+
+
+# ---------------------------------------------------------------------- structured outputs
+
+
+def _tensors_in(output: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every tensor in ``output``: nested tuples, lists, mappings and dataclasses."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif depth > 8:
+        return
+    elif isinstance(output, Mapping):  # Hugging Face ModelOutput is a Mapping
+        for value in output.values():
+            yield from _tensors_in(value, depth + 1)
+    elif isinstance(output, (tuple, list)):
+        for value in output:
+            yield from _tensors_in(value, depth + 1)
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        for field in dataclasses.fields(output):
+            yield from _tensors_in(getattr(output, field.name, None), depth + 1)
+
+
+def _pre_backward_for_structured_output(module: nn.Module, _args: Any, output: Any) -> None:
+    """Unshard ``module`` for backward when its output hides tensors from torch's hooks.
+
+    Upstream unshards a unit for backward from a full backward pre-hook (module.py
+    ``_register_hooks``, both versions). torch attaches those only to an output that is a
+    tensor or to the top-level tensors of a tuple (torch/utils/hooks.py
+    ``BackwardHook.setup_output_hook``); a Hugging Face model returns a ``ModelOutput``
+    (a dict), so the hook never fires, the unit's parameters stay released, and backward
+    fails reading them (``setStorage ... storage of size 0``). For such outputs this
+    registers the unit's ``pre_backward`` on every grad-requiring tensor inside, to run
+    once, when the first of their gradients is computed, as FSDP2 does for its outputs.
+    A tensor or tuple of tensors is left to upstream's hook (a tuple that also nests
+    tensors gets both; a second ``pre_backward`` in one backward is a no-op).
+    """
+    if isinstance(output, torch.Tensor) or not torch.is_grad_enabled():
+        return  # upstream's hook fires (the common case; cheap under torch.compile too)
+    tensors = [t for t in _tensors_in(output) if t.requires_grad]
+    top_level = output if isinstance(output, tuple) else ()
+    # Identity tests, not id(): dynamo traces this hook when a unit is compiled.
+    if all(any(t is top for top in top_level) for t in tensors):
+        return
+    unit = weakref.ref(module)
+
+    def pre_backward(_grads: Any) -> None:
+        hooked = unit()
+        if hooked is not None:
+            hooked.pre_backward()  # type: ignore[attr-defined]  # module.py, both versions
+
+    torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
 
 
 # The module hook dicts ``FsdpModule._register_hooks`` fills (module.py), and the ids of the
@@ -438,46 +512,6 @@ def unit_hooks_suspended(module: nn.Module) -> Iterator[None]:
     finally:
         for name, hooks in set_aside.items():
             getattr(module, name).update(hooks)
-
-
-def _output_tensors(output: Any) -> list[torch.Tensor]:
-    """Tensors inside a structured output (mappings, sequences, dataclasses, ModelOutput)."""
-    found: list[torch.Tensor] = []
-    stack = [output]
-    seen: set[int] = set()
-    while stack:
-        value = stack.pop()
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, Mapping):
-            stack.extend(value.values())
-        elif isinstance(value, list | tuple | set):
-            stack.extend(value)
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            stack.extend(getattr(value, f.name) for f in dataclasses.fields(value))
-    return found
-
-
-def _pre_backward_for_structured_output(module: nn.Module, args: Any, output: Any) -> None:
-    """Unshard ``module`` for backward when its output is not a tensor or a tuple.
-
-    Upstream triggers ``FsdpModule.pre_backward`` with a full backward pre-hook
-    (module.py ``_register_hooks``), which torch attaches only to a Tensor or a tuple of
-    Tensors; a Hugging Face model returns a ``ModelOutput`` (a dict), so its unit would
-    enter backward with its parameters' storage released. For such outputs this attaches
-    the same trigger to the output's tensors (fired by the first gradient to arrive), as
-    torch's FSDP2 does with its pytree of outputs.
-    """
-    if isinstance(output, torch.Tensor | tuple) or not torch.is_grad_enabled():
-        return
-    tensors = [t for t in _output_tensors(output) if t.requires_grad]
-    if tensors:
-        torch.autograd.graph.register_multi_grad_hook(
-            tensors, lambda _grads: module.pre_backward(), mode="any"
-        )
 
 
 # ---------------------------------------------------------------------- 0.6.1 ties

@@ -91,6 +91,7 @@ from lightning_megatron_fsdp import _megatron
 from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
 from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
+from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY, ExactResume
 from lightning_megatron_fsdp.gather import bind_full_tensor, lightning_grad_norm_explained
 from lightning_megatron_fsdp.join import (
     UnevenBatchJoin,
@@ -236,6 +237,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._sharding: contextlib.ExitStack | None = None
         self._join: UnevenBatchJoin | None = None
+        self._exact_resume = ExactResume(_STRATEGY)
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ properties
@@ -637,6 +639,26 @@ class MegatronFSDPStrategy(ParallelStrategy):
     def on_train_start(self) -> None:
         trainer = self._trainer()
         refuse_uneven_batches("training", [trainer.num_training_batches], where=_STRATEGY)
+        # Last of the on_train_start hooks, right before the first batch: see exact_resume.
+        self._exact_resume.train_starting(self.root_device)
+
+    @override
+    def on_validation_end(self) -> None:
+        # Validation inside fit does not shift the training random streams (exact_resume).
+        self._exact_resume.validation_ended(self.root_device)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Give the train loader's sampler its epoch before Lightning restores the loader.
+
+        Lightning restores a resumable loader's position and creates its iterator before it
+        calls ``set_epoch``, so a resume in epoch >= 1 would replay epoch 0's order; see
+        :meth:`~lightning_megatron_fsdp.exact_resume.ExactResume.train_loader`.
+        """
+        trainer = self._trainer()
+        if trainer.state.fn == TrainerFn.FITTING and trainer.training:
+            self._exact_resume.train_loader(trainer, dataloader, self.root_device)
+        return dataloader
 
     def _trainer(self) -> pl.Trainer:
         assert self.lightning_module is not None
@@ -649,6 +671,8 @@ class MegatronFSDPStrategy(ParallelStrategy):
         trainer = self._trainer()
         counts = trainer.num_sanity_val_batches if trainer.sanity_checking else None
         self._start_join("validation_step", counts or trainer.num_val_batches)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._exact_resume.validation_started(self.root_device)
 
     @override
     def on_test_start(self) -> None:
@@ -700,17 +724,6 @@ class MegatronFSDPStrategy(ParallelStrategy):
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
-
-    #: Let ``fit(ckpt_path=...)`` start from a checkpoint that holds no optimizer state
-    #: (one saved with ``weights_only=True`` or ``ModelCheckpoint(save_weights_only=True)``).
-    #: ``False`` (the default) refuses such a resume on every rank with an error that says
-    #: so, because continuing with fresh optimizer state is not the run that was saved.
-    #: ``True`` loads the weights and the training position (loops, epoch, global step,
-    #: callbacks if saved), leaves the optimizers as freshly created (all-zero state, see
-    #: :func:`~lightning_megatron_fsdp.ensure_optimizer_state`) and the LR schedulers as
-    #: configured, and warns. A checkpoint that does hold optimizer state always resumes
-    #: fully.
-    allow_weights_only_resume: bool = False
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -769,6 +782,8 @@ class MegatronFSDPStrategy(ParallelStrategy):
             attach_uneven_dtensor_metadata(model, checkpoint.get("state_dict", {}), {})
             for optimizer_state in checkpoint.get("optimizer_states", []):
                 attach_uneven_dtensor_metadata(model, {}, optimizer_state)
+            # Every rank's random streams, gathered into rank 0's (meta.pt) part.
+            checkpoint[RNG_STATES_KEY] = self._exact_resume.gather_for_checkpoint(self.root_device)
         except Exception as err:
             error = err
         Ranks.of().raise_together(
@@ -840,6 +855,9 @@ class MegatronFSDPStrategy(ParallelStrategy):
                 f"{_STRATEGY}: " + dcp_failure_message("Loading", path, err)
             ) from err
         checkpoint = result.checkpoint
+        self._exact_resume.checkpoint_loaded(
+            checkpoint, fitting=model.trainer.state.fn == TrainerFn.FITTING
+        )
         if fitting and not result.optimizers_loaded:
             checkpoint = self._weights_only_resume(checkpoint, path)
         return checkpoint
@@ -899,6 +917,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         """
         self._close_sharding(RuntimeError("teardown before setup finished sharding"))
         self._join = None  # the stage's join and its cached batches (the next stage makes its own)
+        self._exact_resume.reset()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         self.precision_plugin.teardown()

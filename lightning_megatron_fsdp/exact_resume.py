@@ -1,0 +1,346 @@
+"""What a resumed ``fit`` needs beyond tensors to continue exactly: random streams and data order.
+
+Problem: model and optimizer state alone do not make a resume bit-exact.
+
+* Dropout, sampling and random augmentation draw from per-process random streams (torch's
+  CPU generator, the device's CUDA generator, numpy's and Python's ``random``). Lightning
+  does not checkpoint them, so a resumed run draws other dropout masks from its first step.
+  Each rank has its own streams, so they must be saved and restored per rank.
+* When to restore them matters as much as what: between the save and the next training
+  batch the uninterrupted run may draw for things a resumed run never repeats (a
+  validation run Lightning skips on resume, whose loader draws a seed; a sampling
+  callback), and a resumed run draws for things the uninterrupted run did before the save
+  (creating the train loader's iterator mid-epoch).
+* Lightning (2.6) restores a resumable loader (torchdata's ``StatefulDataLoader``) and
+  creates its iterator in ``FitLoop.setup_data``, but calls ``DistributedSampler.set_epoch``
+  only later, in ``FitLoop.on_advance_start``: a resume in epoch ``e >= 1`` fast-forwards
+  through epoch 0's shuffle order (Lightning's DDP strategy behaves the same).
+* A checkpoint written after the last batch of an epoch (``every_n_train_steps`` dividing
+  the epoch, ``on_train_epoch_end``, validation at the epoch end) holds the loader's
+  position *at the end* of the finished epoch. Lightning restores that exhausted position
+  and runs an empty epoch with it, so the next epoch gets the sampler epoch one too high;
+  with ``max_steps`` it also re-runs the finished epoch's end hooks.
+
+How (:class:`ExactResume`, driven by the strategy's hooks):
+
+* Saving: every rank's streams are gathered to rank 0, which writes them into the
+  non-tensor part of Lightning's checkpoint dict (``meta.pt``) under
+  :data:`RNG_STATES_KEY`, one entry per rank. Loading for ``fit`` at the same world size,
+  each rank keeps its own entry; at another world size nothing is restored and one warning
+  says so.
+* Validation inside ``fit`` runs on a copy of the streams: captured at
+  ``on_validation_start``, put back at ``on_validation_end`` (Lightning does the same for
+  the sanity check); a save during validation records the captured training streams. So
+  validation never shifts the training streams, and a resume is exact whether the
+  checkpoint was written before or after a validation run.
+* The strategy's ``process_dataloader`` runs for the train loader inside ``setup_data``,
+  before Lightning restores the loader's position and creates its iterator. There,
+  :meth:`ExactResume.train_loader` makes a ``StatefulDataLoader(shuffle=True)`` shuffle
+  by epoch like a ``DataLoader(shuffle=True)`` (:func:`shuffle_by_epoch`) and sets the
+  sampler's epoch to the epoch about to run.
+  After a mid-epoch save that is the saved epoch, and the streams are restored later, in
+  the strategy's ``on_train_start`` (after the iterator exists and after the user's own
+  ``on_train_start`` hooks: where the uninterrupted run stood at its save). After an
+  end-of-epoch save the next epoch starts as in the uninterrupted run: the exhausted
+  loader position is dropped, the sampler gets the next epoch, a ``max_steps`` run is not
+  marked as restarting a finished epoch (as a ``max_epochs`` run already is not), and the
+  streams are restored at once, because the uninterrupted run also created the next
+  epoch's iterator after its save.
+
+What is not restored: random streams on a resume at another world size (warned); the
+state of other random generators (a ``torch.Generator`` of your own, a loader's
+``generator``: checkpoint those in your module); a dataset's own state at an epoch
+boundary (the next epoch starts fresh, as in the uninterrupted run, but a stateful
+``IterableDataset`` that carries state across epochs would lose it); with a plain
+``DataLoader``, the position inside an epoch (Lightning warns; the epoch restarts).
+
+Alternatives rejected:
+    * Per-rank side files listed in the manifest: every rank would write one file per save
+      and the manifest format would change; the states are a few kilobytes per rank, so
+      one gather into ``meta.pt`` costs less and needs no format change. ``meta.pt`` grows
+      by about 8 kB per rank.
+    * Restoring the streams when the checkpoint is loaded: the train iterator created
+      afterwards draws a seed from torch's generator, which after a mid-epoch save the
+      uninterrupted run drew before it, so every later dropout mask would differ.
+    * A ``DistributedSampler`` subclass whose ``state_dict`` carries its epoch: it only
+      helps loaders that save sampler state (``StatefulDataLoader`` fast-forwards a
+      non-stateful sampler instead), would have to replace the sampler Lightning injects,
+      and does not fix the end-of-epoch case. Setting the epoch before the restore works
+      for any sampler with ``set_epoch``.
+    * Lightning's ``_collect_rng_states``: it reads the CUDA state of every visible device
+      (touching devices that belong to other ranks) and keeps numpy's state as an
+      ``ndarray``, which ``torch.load(weights_only=True)`` refuses.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.pytorch.loops.loop import _Loop
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DistributedSampler
+
+__all__ = [
+    "RNG_STATES_KEY",
+    "ExactResume",
+    "align_sampler_epoch",
+    "capture_rng_states",
+    "restore_rng_states",
+    "shuffle_by_epoch",
+]
+
+#: Key of the per-rank random states in Lightning's checkpoint dict (written to ``meta.pt``):
+#: ``{"world_size": N, "states": [rank 0's states, ..., rank N-1's]}``, each as
+#: :func:`capture_rng_states` returns them.
+RNG_STATES_KEY = "megatron_fsdp_rng_states"
+
+_STREAMS = {
+    "torch": "torch CPU",
+    "cuda": "torch CUDA",
+    "numpy": "numpy",
+    "python": "Python random",
+}
+
+
+def capture_rng_states(device: torch.device) -> dict[str, Any]:
+    """This process's random states, in a form ``torch.load(weights_only=True)`` accepts.
+
+    Args:
+        device: The rank's device; its CUDA generator is included when it is a CUDA device
+            (only that device's, never other ranks').
+
+    Returns:
+        ``{"torch": ByteTensor, "python": tuple, "numpy": dict, "cuda": ByteTensor}``
+        (``numpy`` without numpy, ``cuda`` on other devices are left out).
+    """
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    numpy = _numpy()
+    if numpy is not None:
+        kind, keys, position, has_gauss, cached = numpy.random.get_state()
+        states["numpy"] = {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def restore_rng_states(states: dict[str, Any], device: torch.device) -> list[str]:
+    """Set this process's random streams from :func:`capture_rng_states`' output.
+
+    Args:
+        states: One rank's states.
+        device: The rank's device (its CUDA generator is set when both sides have one).
+
+    Returns:
+        The streams that could not be restored, as readable names (empty when all were):
+        the CUDA stream when one side ran on CUDA and the other did not, numpy when it is
+        missing on either side.
+    """
+    torch.set_rng_state(states["torch"])
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    missing = []
+    numpy = _numpy()
+    saved_numpy = states.get("numpy")
+    if numpy is not None and saved_numpy is not None:
+        numpy.random.set_state(
+            (
+                saved_numpy["kind"],
+                saved_numpy["keys"].numpy().astype("uint32"),
+                saved_numpy["pos"],
+                saved_numpy["has_gauss"],
+                saved_numpy["cached_gaussian"],
+            )
+        )
+    elif numpy is not None or saved_numpy is not None:
+        missing.append(_STREAMS["numpy"])
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
+    elif device.type == "cuda" or "cuda" in states:
+        missing.append(_STREAMS["cuda"])
+    return missing
+
+
+def shuffle_by_epoch(dataloader: object) -> None:
+    """Shuffle a ``StatefulDataLoader(shuffle=True)`` as Lightning shuffles a ``DataLoader``.
+
+    Lightning replaces torch's ``RandomSampler`` with a ``DistributedSampler(shuffle=True)``
+    (its order is a function of seed and epoch, so a restored position replays it), but it
+    does not recognise torchdata's ``RandomSampler`` and wraps it in a
+    ``DistributedSamplerWrapper`` instead: each epoch first draws a permutation from the
+    inner sampler's own generator, which nothing checkpoints, so a resumed run's epochs
+    get other orders. This puts the ``DistributedSampler`` Lightning would have built in
+    the wrapper's place (same replicas, rank, seed, ``drop_last``). Only that exact case
+    is changed: torchdata's ``RandomSampler`` without replacement over the whole dataset.
+    """
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    wrapper = getattr(batch_sampler, "sampler", None)
+    if not isinstance(wrapper, DistributedSamplerWrapper):
+        return
+    try:
+        from torchdata.stateful_dataloader.sampler import RandomSampler
+    except ImportError:
+        return
+    inner = getattr(wrapper.dataset, "_sampler", None)
+    if type(inner) is not RandomSampler or inner.replacement or inner._num_samples is not None:
+        return
+    batch_sampler.sampler = DistributedSampler(  # type: ignore[union-attr]
+        inner.data_source,
+        num_replicas=wrapper.num_replicas,
+        rank=wrapper.rank,
+        shuffle=True,
+        seed=wrapper.seed,
+        drop_last=wrapper.drop_last,
+    )
+
+
+def align_sampler_epoch(dataloader: object, epoch: int) -> None:
+    """Set the epoch of ``dataloader``'s sampler (and batch sampler's sampler) to ``epoch``.
+
+    Called for the train loader before Lightning restores its state and creates its
+    iterator, with the epoch Lightning will pass to ``set_epoch`` right after; a sampler
+    without ``set_epoch`` is left alone.
+    """
+    _set_sampler_epoch(dataloader, epoch)
+
+
+class ExactResume:
+    """A ``fit``'s random streams and data position across saves, resumes and validation.
+
+    One per strategy; see the module docstring for when each method runs and why.
+
+    Args:
+        where: Name used in warnings (the strategy's).
+    """
+
+    def __init__(self, where: str) -> None:
+        self._where = where
+        self._validation_snapshot: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None
+        self._resuming = False
+
+    def gather_for_checkpoint(self, device: torch.device) -> dict[str, Any] | None:
+        """Every rank's training streams, on rank 0 (``None`` elsewhere). Collective.
+
+        During a validation run inside ``fit`` the streams captured when it began are
+        recorded (the training run's), not the live ones validation has advanced.
+
+        Raises:
+            RuntimeError: If the gather fails (a peer died or timed out).
+        """
+        own = self._validation_snapshot or capture_rng_states(device)
+        if not (dist.is_available() and dist.is_initialized()):
+            return {"world_size": 1, "states": [own]}
+        world_size = dist.get_world_size()
+        gathered: list[Any] | None = [None] * world_size if dist.get_rank() == 0 else None
+        dist.gather_object(own, gathered, dst=0)
+        if gathered is None:
+            return None
+        return {"world_size": world_size, "states": gathered}
+
+    def checkpoint_loaded(self, checkpoint: dict[str, Any], *, fitting: bool) -> None:
+        """Keep this rank's saved streams for the resume (a ``fit`` only).
+
+        Warns once (rank 0) when they cannot be restored: saved at another world size, or
+        not saved at all (another strategy's checkpoint, or one older than this feature).
+        """
+        self._pending = None
+        self._resuming = fitting
+        if not fitting:
+            return
+        saved = checkpoint.get(RNG_STATES_KEY)
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        streams = ", ".join(_STREAMS.values())
+        if not isinstance(saved, dict) or not isinstance(saved.get("states"), list):
+            rank_zero_warn(
+                f"{self._where}: the checkpoint holds no random states, so the {streams} "
+                "random streams were not restored: each rank continues from its seed, and "
+                "dropout masks and other random draws after the resume differ from an "
+                "uninterrupted run's. Checkpoints this strategy writes hold them."
+            )
+            return
+        if saved.get("world_size") != world_size or len(saved["states"]) != world_size:
+            rank_zero_warn(
+                f"{self._where}: the checkpoint's random states were saved by "
+                f"{saved.get('world_size')} ranks and this run has {world_size}, so the "
+                f"{streams} random streams were not restored (they belong to ranks that no "
+                "longer exist): each rank continues from its seed, and dropout masks and "
+                "other random draws after the resume differ from an uninterrupted run's. "
+                "Model, optimizer, loop and data-loader state were restored."
+            )
+            return
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self._pending = saved["states"][rank]
+
+    def train_loader(self, trainer: pl.Trainer, dataloader: object, device: torch.device) -> None:
+        """Prepare a train loader of ``fit`` before Lightning restores its position.
+
+        Makes a ``StatefulDataLoader(shuffle=True)`` shuffle by epoch
+        (:func:`shuffle_by_epoch`) and sets the sampler's epoch to the one about to run
+        (in every fit, resumed or not, so both shuffle alike). On the first call after a
+        checkpoint saved after the last batch of an epoch, also drops the saved loader
+        positions, keeps a ``max_steps`` run from restarting the finished epoch, and
+        restores the random streams (see the module docstring).
+        """
+        fit_loop = trainer.fit_loop
+        progress = fit_loop.epoch_progress.current
+        epoch = progress.processed
+        if self._resuming and fit_loop.epoch_loop.batch_progress.is_last_batch:
+            epoch = progress.ready  # every batch of the last started epoch was trained
+            fit_loop._combined_loader_states_to_load = []  # the finished epoch's end
+            if progress.processed == progress.ready:
+                # Saved at or after on_train_epoch_end: nothing of that epoch is left to
+                # restart. FitLoop's own setter forces restarting under max_steps.
+                _Loop.restarting.fset(fit_loop, False)  # type: ignore[attr-defined]
+            self.train_starting(device)
+        shuffle_by_epoch(dataloader)
+        align_sampler_epoch(dataloader, epoch)
+
+    def train_starting(self, device: torch.device) -> None:
+        """Restore the streams a checkpoint load kept (once), right before training resumes."""
+        self._resuming = False
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        missing = restore_rng_states(pending, device)
+        if missing:
+            rank_zero_warn(
+                f"{self._where}: restored the random states saved in the checkpoint except "
+                f"{', '.join(missing)}, which only one of the saving and the resuming run "
+                "had; that stream continues from its seed."
+            )
+
+    def validation_started(self, device: torch.device) -> None:
+        """Capture the training streams before a validation run inside ``fit``."""
+        self._validation_snapshot = capture_rng_states(device)
+
+    def validation_ended(self, device: torch.device) -> None:
+        """Put the training streams back as they were when validation started."""
+        snapshot, self._validation_snapshot = self._validation_snapshot, None
+        if snapshot is not None:
+            restore_rng_states(snapshot, device)
+
+    def reset(self) -> None:
+        """Forget anything a stage left (called at teardown)."""
+        self._validation_snapshot = None
+        self._pending = None
+        self._resuming = False
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy comes with Lightning
+        return None
+    return numpy
