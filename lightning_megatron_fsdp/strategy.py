@@ -554,7 +554,8 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
         def forward(*forward_args: Any, **forward_kwargs: Any) -> Any:
             module.__dict__.pop("forward", None)
-            output = getattr(module, method_name)(*forward_args, **forward_kwargs)
+            with _megatron.nested_calls_unhooked(module):  # the step's own self(x) calls
+                output = getattr(module, method_name)(*forward_args, **forward_kwargs)
             outputs.append(output)
             loss = _loss_of(output)
             return loss if loss is not None else ()
