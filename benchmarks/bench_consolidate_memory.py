@@ -80,13 +80,14 @@ def _model() -> nn.Module:
 
 def _save(rank: int, world_size: int, directory: str) -> None:
     """Shard, create Adam state, save through ``MegatronFSDPCheckpointIO``."""
-    from megatron_fsdp.experimental import Flat, Placements, fully_shard_optimizer
+    from lightning_megatron_fsdp import fsdp_placements
+    from lightning_megatron_fsdp._megatron import fully_shard_optimizer
 
     enable_cpu_execution()
     torch.manual_seed(0)
     model = _model()
     mesh = init_device_mesh("cpu", (world_size,))
-    placements = Placements(dp_axes=[0], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()])
+    placements = fsdp_placements()
     shard_module(model, mesh, placements)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     fully_shard_optimizer(optimizer)

@@ -22,7 +22,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from megatron_fsdp.experimental import Flat, Placements, fully_shard_optimizer
 from megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -32,8 +31,10 @@ from lightning_megatron_fsdp import (
     attach_uneven_dtensor_metadata,
     enable_cpu_execution,
     ensure_optimizer_state,
+    fsdp_placements,
     shard_module,
 )
+from lightning_megatron_fsdp._megatron import fully_shard_optimizer
 from tests.harness import run_distributed
 
 REPEATS = 5
@@ -58,7 +59,7 @@ def _median_seconds(fn: object, repeats: int = REPEATS) -> float:
 def _measure(rank: int, world_size: int, num_parameters: int, directory: str) -> dict[str, float]:
     enable_cpu_execution()
     mesh = init_device_mesh("cpu", (world_size,))
-    placements = Placements(dp_axes=[0], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()])
+    placements = fsdp_placements()
     torch.manual_seed(0)
     model = _model(num_parameters)
     shard_module(model, mesh, placements)

@@ -61,8 +61,6 @@ from typing import Any
 import crc32c
 import torch
 import torch.distributed as dist
-from megatron_fsdp.experimental import Flat, Placements, fully_shard_optimizer
-from megatron_fsdp.experimental.module import FsdpModule
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -76,11 +74,15 @@ from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp import (
     MegatronFSDPCheckpointIO,
+    _megatron,
     attach_uneven_dtensor_metadata,
     enable_cpu_execution,
     ensure_optimizer_state,
+    fsdp_placements,
     shard_module,
+    sharding_scope,
 )
+from lightning_megatron_fsdp._megatron import fully_shard_optimizer
 
 try:  # the default writer since issue 13; older checkouts write with torch's own
     from lightning_megatron_fsdp.checkpoint_io import (
@@ -209,10 +211,11 @@ def build_sharded(
     torch.manual_seed(0)
     model = _model(kind, width)
     mesh = init_device_mesh("cpu", (world_size,))
-    placements = Placements(dp_axes=[0], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()])
-    for block in model.blocks:
-        shard_module(block, mesh, placements)
-    shard_module(model, mesh, placements)
+    placements = fsdp_placements()
+    with sharding_scope():  # megatron-fsdp 0.7: a parent and its units share one context
+        for block in model.blocks:
+            shard_module(block, mesh, placements)
+        shard_module(model, mesh, placements)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     fully_shard_optimizer(optimizer)
     ensure_optimizer_state(optimizer)
@@ -238,10 +241,7 @@ def load_state(
         path, state={"state_dict": model_sd, "optimizer_states": [optimizer_sd]}
     )
     set_optimizer_state_dict(model, optimizer, loaded["optimizer_states"][0])
-    for module in model.modules():
-        if isinstance(module, FsdpModule):
-            for group in module.parameter_groups:
-                group.sync_model_weight_from_main_weight()
+    _megatron.sync_compute_weights(model)
 
 
 def local_tensors(checkpoint: dict[str, Any]) -> dict[str, Tensor]:

@@ -35,13 +35,19 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from megatron_fsdp.experimental import Flat, Placements, fully_shard_optimizer
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from benchmarks.bench_save_load import bench_main, median
-from lightning_megatron_fsdp import MegatronFSDPStrategy, enable_cpu_execution, shard_module
+from lightning_megatron_fsdp import (
+    MegatronFSDPStrategy,
+    enable_cpu_execution,
+    fsdp_placements,
+    shard_module,
+    sharding_scope,
+)
+from lightning_megatron_fsdp._megatron import fully_shard_optimizer
 from tests.harness import run_distributed
 
 __all__ = ["Block", "OverheadModel", "format_table", "main", "run"]
@@ -157,10 +163,11 @@ def _hand_loop(rank: int, world_size: int, width: int, depth: int, steps: int) -
     enable_cpu_execution()
     model = _model(width, depth)
     mesh = init_device_mesh("cpu", (world_size,))
-    placements = Placements(dp_axes=[0], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()])
-    for block in model.blocks:
-        shard_module(block, mesh, placements)
-    shard_module(model, mesh, placements)
+    placements = fsdp_placements()
+    with sharding_scope():  # megatron-fsdp 0.7: a parent and its units share one context
+        for block in model.blocks:
+            shard_module(block, mesh, placements)
+        shard_module(model, mesh, placements)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     fully_shard_optimizer(optimizer)
     dataset = _dataset(width, steps, world_size)

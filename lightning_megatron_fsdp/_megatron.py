@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -41,11 +42,13 @@ from megatron_fsdp import experimental as _experimental
 from megatron_fsdp.experimental import Placements, fully_shard_optimizer
 from megatron_fsdp.experimental import fully_shard as _upstream_fully_shard
 from megatron_fsdp.experimental.dbuffer import DBuffer
+from megatron_fsdp.experimental.layout import GlobalLayout
 from megatron_fsdp.experimental.module import FsdpContext, FsdpModule
 from megatron_fsdp.experimental.parameter_group import (
     FsdpParameterGroup,
     get_containing_parameter_group,
 )
+from megatron_fsdp.experimental.placement import Flat as _DBufferFlat
 from torch import nn
 
 __all__ = [
@@ -54,10 +57,13 @@ __all__ = [
     "DBuffer",
     "FsdpModule",
     "FsdpParameterGroup",
+    "GlobalLayout",
     "MixedPrecisionPolicy",
     "Placements",
     "ShardedEntry",
     "ShardingContext",
+    "dbuffer_flat",
+    "dbuffer_from_local",
     "entries",
     "fsdp_modules",
     "fsdp_placements",
@@ -68,6 +74,7 @@ __all__ = [
     "is_sharded_parameter",
     "join_gradient_reduction",
     "microbatch",
+    "nested_calls_unhooked",
     "owning_module",
     "parameter_groups",
     "root_modules",
@@ -128,6 +135,40 @@ def hsdp_placements() -> Placements:
         parameter=[Replicate(), Shard(0)],
         gradient=[Partial("avg"), Shard(0)],
         optimizer=[Replicate(), Shard(0)],
+    )
+
+
+# ---------------------------------------------------------------------- DBuffer
+
+
+#: megatron-fsdp >= 0.7: ``DBuffer.from_local`` takes a keyword-only ``allocation_stream``
+#: (dbuffer.py), the stream whose uses must be joined before the buffer is freed.
+_FROM_LOCAL_TAKES_STREAM = "allocation_stream" in inspect.signature(DBuffer.from_local).parameters
+
+
+def dbuffer_flat() -> Any:
+    """The dim-0 flat placement a ``DBuffer`` itself stores (placement.py ``Flat``).
+
+    Not what ``fully_shard`` takes (that is :func:`fsdp_placements`): on 0.7 ``fully_shard``
+    takes torch's ``Shard(0)`` and maps it to this class per parameter group
+    (module.py ``_specialize_placements``); on 0.6.1 the two are the same class.
+    """
+    return _DBufferFlat()
+
+
+def dbuffer_from_local(
+    local_buffer: torch.Tensor, mesh: Any, placements: Iterable[Any], tensor_shapes: Any
+) -> DBuffer:
+    """``DBuffer.from_local`` on both versions: wrap an existing local buffer, no copy.
+
+    On 0.7 the buffer records its allocation stream: the current CUDA stream for a CUDA
+    buffer, ``None`` otherwise, exactly as ``DBuffer.__init__`` records it.
+    """
+    if not _FROM_LOCAL_TAKES_STREAM:
+        return DBuffer.from_local(local_buffer, mesh, list(placements), tensor_shapes)
+    stream = torch.cuda.current_stream(local_buffer.device) if local_buffer.is_cuda else None
+    return DBuffer.from_local(
+        local_buffer, mesh, list(placements), tensor_shapes, allocation_stream=stream
     )
 
 
@@ -393,7 +434,7 @@ def fully_shard(
     """
     original_cls = type(module)
     aliases = {} if UPSTREAM_TIES else _detach_aliases(module)
-    before = {name: set(getattr(module, name)) for name in _HOOK_DICTS}
+    hooks_before = {name: set(getattr(module, name)) for name in _HOOK_DICTS}
     try:
         _upstream_fully_shard(
             module, mesh, placements, mixed_precision_policy=mixed_precision_policy
@@ -405,11 +446,10 @@ def fully_shard(
     if aliases:
         _install_aliases(module, aliases)
     module.register_forward_hook(_pre_backward_for_structured_output)
-    setattr(
-        module,
-        _UNIT_HOOKS_ATTR,
-        {name: set(getattr(module, name)) - before[name] for name in _HOOK_DICTS},
-    )
+    module.__dict__[_FSDP_HOOKS_ATTR] = {
+        name: tuple(key for key in getattr(module, name) if key not in hooks_before[name])
+        for name in _HOOK_DICTS
+    }
     _hide_hooks_from_dynamo(module)
 
 
@@ -485,33 +525,50 @@ def _pre_backward_for_structured_output(module: nn.Module, _args: Any, output: A
     torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
 
 
-# The module hook dicts ``FsdpModule._register_hooks`` fills (module.py), and the ids of the
-# hooks a unit got there (plus ours), so nested calls can set exactly those aside.
+# torch ``nn.Module`` hook registries that FsdpModule._register_hooks (module.py) adds to.
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_UNIT_HOOKS_ATTR = "_lmf_unit_hook_ids"
+# Per unit, {registry: ids of the hooks upstream's fully_shard registered}.
+_FSDP_HOOKS_ATTR = "_lmf_fsdp_hooks"
 
 
 @contextlib.contextmanager
-def unit_hooks_suspended(module: nn.Module) -> Iterator[None]:
-    """Inside, calls of ``module`` run as plain calls, without its unit's hooks.
+def nested_calls_unhooked(module: nn.Module) -> Iterator[None]:
+    """Inside ``module``'s own forward, let nested ``module(...)`` calls skip its FSDP hooks.
 
-    The strategy runs a step as the forward of a LightningModule that is a unit; a step
-    that calls ``self(x)`` would enter the same unit again (0.7 refuses the phase
-    transition FORWARD -> FORWARD, 0.6.1 would reshard the parameters mid-step). The outer
-    call already unsharded them and hooked backward, so nested calls need no hooks.
+    The strategy runs ``training_step`` as the root unit's forward (so the root's
+    parameters are unsharded for it); a step that calls ``self(x)`` calls the unit again
+    inside that forward. Upstream's hooks are not re-entrant: 0.7 tracks a phase per
+    unit and refuses ``FORWARD -> FORWARD`` (module.py ``FsdpModule.phase``), and the nested
+    call's backward pre-hook would refuse ``FORWARD -> BACKWARD`` in a manual backward;
+    0.6.1 resharded the root's parameters when the nested call returned and unsharded
+    them again for each nested output in backward. The parameters are already unsharded
+    by the outer call, whose own hooks (collected by torch before its forward ran) still
+    fire, so the nested call needs none.
+
+    Only the hooks :func:`fully_shard` recorded are lifted, and each registry is restored
+    in its original order (hooks registered meanwhile kept, after them).
+
+    Alternatives rejected:
+        * Clearing every hook of the module: drops the user's own hooks too.
+        * A re-entrancy counter around ``pre_forward``/``post_forward``: does not cover the
+          per-call backward hooks, which torch attaches to every call's outputs.
     """
-    ids: dict[str, set[int]] = getattr(module, _UNIT_HOOKS_ATTR, {})
-    set_aside = {
-        name: {
-            i: getattr(module, name).pop(i) for i in ids.get(name, ()) if i in getattr(module, name)
-        }
-        for name in _HOOK_DICTS
-    }
+    recorded: dict[str, tuple[int, ...]] = module.__dict__.get(_FSDP_HOOKS_ATTR, {})
+    saved: list[tuple[dict[int, Any], list[tuple[int, Any]]]] = []
+    for name, keys in recorded.items():
+        hooks = getattr(module, name)
+        saved.append((hooks, list(hooks.items())))
+        for key in keys:
+            hooks.pop(key, None)
     try:
         yield
     finally:
-        for name, hooks in set_aside.items():
-            getattr(module, name).update(hooks)
+        for hooks, items in saved:
+            original = dict(items)
+            added = [(key, hook) for key, hook in hooks.items() if key not in original]
+            hooks.clear()
+            hooks.update(items)
+            hooks.update(added)
 
 
 # ---------------------------------------------------------------------- 0.6.1 ties

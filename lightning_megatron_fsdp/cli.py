@@ -154,11 +154,18 @@ def _format_bytes(size: int) -> str:
     raise AssertionError("unreachable")
 
 
+def _format_name(data: dict[str, Any]) -> str | None:
+    """``lightning-megatron-fsdp v1``, a recognised foreign format's name, or ``None``."""
+    if data["format"] is None or data["format_version"] is None:
+        return data["format"]
+    return f"{data['format']} v{data['format_version']}"
+
+
 def _print_table(info: CheckpointInfo, out: TextIO) -> None:
     data = info.to_json()
     fields: list[tuple[str, Any]] = [
         ("checkpoint", data["path"]),
-        ("format", f"{data['format']} v{data['format_version']}" if data["format"] else None),
+        ("format", _format_name(data)),
         ("epoch", data["epoch"]),
         ("global_step", data["global_step"]),
         ("world_size", data["world_size"]),
@@ -220,6 +227,13 @@ def _inspect(args: argparse.Namespace) -> int:
                 print(f"{gap}verify: FAILED, {len(problems)} problems:", file=sys.stdout)
                 for problem in problems:
                     print(f"  - {problem}", file=sys.stdout)
+            elif info is not None and info.manifest is None:  # a recognised foreign format
+                print(
+                    f"{gap}verify: OK ({info.source_format}: no manifest.json, so no sizes or "
+                    "checksums to compare; every stored item lies inside an existing file; "
+                    "every tensor's chunks tile it exactly once)",
+                    file=sys.stdout,
+                )
             else:
                 what = "sizes" if args.skip_checksums else "sizes and checksums"
                 print(

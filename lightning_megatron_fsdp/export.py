@@ -104,6 +104,9 @@ from lightning_megatron_fsdp.manifest import (
     check_files,
     read_manifest,
 )
+from lightning_megatron_fsdp.upstream_checkpoint import FORMAT_NAME as UPSTREAM_FORMAT_NAME
+from lightning_megatron_fsdp.upstream_checkpoint import NOTE as UPSTREAM_NOTE
+from lightning_megatron_fsdp.upstream_checkpoint import is_upstream_checkpoint
 
 __all__ = [
     "MODEL_PREFIX",
@@ -212,6 +215,9 @@ class CheckpointInfo:
         meta: The plain-value entries of ``meta.pt`` (epoch, global_step,
             ``pytorch-lightning_version``, ...), ``None`` if it could not be read safely.
         notes: Human-readable remarks (a missing manifest, an unreadable ``meta.pt``).
+        source_format: The format of a directory without a manifest that was recognised
+            anyway (megatron-fsdp's own ``save_checkpoint``,
+            :data:`~lightning_megatron_fsdp.upstream_checkpoint.FORMAT_NAME`), else ``None``.
     """
 
     path: Path
@@ -220,6 +226,7 @@ class CheckpointInfo:
     manifest: Manifest | None
     meta: Mapping[str, Any] | None
     notes: tuple[str, ...] = ()
+    source_format: str | None = None
 
     @property
     def epoch(self) -> int | None:
@@ -253,7 +260,7 @@ class CheckpointInfo:
         """JSON-ready summary (what ``lightning-megatron-fsdp inspect --json`` prints)."""
         return {
             "path": str(self.path),
-            "format": None if self.manifest is None else FORMAT_NAME,
+            "format": self.source_format if self.manifest is None else FORMAT_NAME,
             "format_version": None if self.manifest is None else self.manifest.format_version,
             "epoch": self.epoch,
             "global_step": self.global_step,
@@ -549,6 +556,10 @@ def _check(path: Path, *, checksums: bool) -> _Checked:
         problems += _tiling_problems(metadata)
         if manifest is not None:
             problems += _fingerprint_problems(manifest, metadata)
+    if manifest is None and metadata is not None and is_upstream_checkpoint(metadata):
+        # megatron-fsdp's own save_checkpoint writes no manifest or meta.pt by design: keep
+        # the checks .metadata allows (storage, tiling), drop "manifest missing".
+        return _Checked(problems[1:], metadata, None)
     if manifest is None and META_FILE not in sizes:
         problems.append(f"{META_FILE}: missing; every complete checkpoint has one.")
     return _Checked(problems, metadata, manifest)
@@ -611,6 +622,10 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> CheckpointInfo
     meta, meta_note = _read_meta(path)
     if meta_note is not None:
         notes.append(meta_note)
+    source_format = None
+    if manifest is None and is_upstream_checkpoint(metadata):
+        # megatron-fsdp's own save_checkpoint writes neither file: its format, not damage.
+        source_format, notes = UPSTREAM_FORMAT_NAME, [UPSTREAM_NOTE]
     tensors = []
     objects = []
     for key in _ordered_keys(metadata, manifest):
@@ -619,7 +634,9 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> CheckpointInfo
             tensors.append(TensorInfo(key, tuple(md.size), md.properties.dtype, len(md.chunks)))
         else:
             objects.append(key)
-    return CheckpointInfo(path, tuple(tensors), tuple(objects), manifest, meta, tuple(notes))
+    return CheckpointInfo(
+        path, tuple(tensors), tuple(objects), manifest, meta, tuple(notes), source_format
+    )
 
 
 # ---------------------------------------------------------------------------------------

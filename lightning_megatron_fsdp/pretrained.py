@@ -74,7 +74,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp import _megatron, upstream_checkpoint
 from lightning_megatron_fsdp.export import _checkpoints_inside
 from lightning_megatron_fsdp.manifest import (
     DCP_METADATA_FILE,
@@ -974,8 +974,10 @@ class _SafetensorsSource(_FlatSource):
 
 class _DcpSource(_Source):
     """A DCP directory: ours (``state_dict.``/``optimizer_states.<i>.`` keys), Lightning
-    ``ModelParallelStrategy``'s (``state_dict.``/``optimizer_<i>.``), or a plain
-    ``dcp.save`` of a model state dict (FQN keys).
+    ``ModelParallelStrategy``'s (``state_dict.``/``optimizer_<i>.``), megatron-fsdp's own
+    ``save_checkpoint`` (``model.``/``optimizer.``, see
+    :mod:`~lightning_megatron_fsdp.upstream_checkpoint`), or a plain ``dcp.save`` of a
+    model state dict (FQN keys).
 
     Reads go through one ``dcp.load`` (a collective) into the live sharded tensors, whose
     chunk hooks make DCP read only this rank's rows, wherever the writer put them. A
@@ -1018,6 +1020,8 @@ class _DcpSource(_Source):
                 self._dcp_key[internal] = key
             elif key.startswith(model_prefix):
                 self._dcp_key[key[len(model_prefix) :]] = key
+        if upstream_checkpoint.is_upstream_checkpoint(metadata):  # megatron-fsdp's own format
+            self._dcp_key = upstream_checkpoint.internal_keys(metadata)
         self._specs: dict[str, _Spec] = {}
         for internal, key in self._dcp_key.items():
             entry = saved[key]

@@ -585,7 +585,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
         def forward(*forward_args: Any, **forward_kwargs: Any) -> Any:
             module.__dict__.pop("forward", None)
-            with _megatron.unit_hooks_suspended(module):  # the step may call self(x)
+            with _megatron.nested_calls_unhooked(module):  # the step's own self(x) calls
                 output = getattr(module, method_name)(*forward_args, **forward_kwargs)
             outputs.append(output)
             loss = _loss_of(output)

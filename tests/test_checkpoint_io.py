@@ -45,6 +45,7 @@ from lightning_megatron_fsdp import (
     enable_cpu_execution,
     ensure_optimizer_state,
     shard_module,
+    sharding_scope,
 )
 from lightning_megatron_fsdp.checkpoint_io import (
     CheckpointCorruptedError,
@@ -980,9 +981,10 @@ def _gpu_async_vs_sync(rank: int, world_size: int, root: str) -> str:
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     mesh = init_device_mesh("cuda", (world_size,))
     model = build_packed_lm(0).cuda()
-    for block in model.blocks:
-        shard_module(block, mesh, fsdp_placements())
-    shard_module(model, mesh, fsdp_placements())
+    with sharding_scope():  # megatron-fsdp 0.7: a parent and its units share one context
+        for block in model.blocks:
+            shard_module(block, mesh, fsdp_placements())
+        shard_module(model, mesh, fsdp_placements())
     adam = sharded_adam(model)
     lm_loss(model, tuple(t.cuda() for t in make_batch(0))).backward()
     adam.step()

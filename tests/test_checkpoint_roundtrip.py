@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_megatron_fsdp import (
+    _megatron,
     attach_uneven_dtensor_metadata,
     chunk_metadata_by_fqn,
     enable_cpu_execution,
@@ -269,10 +270,10 @@ def _tiling_errors(metadata: dict[str, Any]) -> list[str]:
 def _compute_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's compute-weight (``model_weight``) shard of every parameter, by unit."""
     return {
-        f"unit {unit}/{name}": group.model_weight.get_local_tensor(index).clone()
+        f"unit {unit}/{entry.fqns[0]}": group.model_weight.get_local_tensor(entry.index).clone()
         for unit, module in enumerate(fsdp_modules(model))
         for group in module.parameter_groups
-        for index, name in enumerate(group.parameter_names)
+        for entry in _megatron.entries(group)
     }
 
 
@@ -311,7 +312,9 @@ def _round_trip(rank: int, world_size: int, root: str, precision: str, attach: b
     for step in range(2):
         _train(model, optimizer, rank, step)
     facts["groups"] = [
-        group.parameter_names for module in fsdp_modules(model) for group in module.parameter_groups
+        tuple(entry.fqns for entry in _megatron.entries(group))
+        for module in fsdp_modules(model)
+        for group in module.parameter_groups
     ]
     with torch.no_grad():
         saved_output = model(probe)
@@ -487,8 +490,11 @@ def test_round_trip_is_bit_exact(world_size: int, tmp_path: Path) -> None:
         assert sum(f["compared_param_numel"] for f in ranks) == TOTAL_PARAM_NUMEL
         assert max(f["nonempty_local_params"] for f in ranks) > 0
         # The real groups: nested units, the tie packed once, the documented block order.
-        block = ("mix", "gain", "fc.weight", "fc.bias", "out.weight", "out.bias")
-        assert ranks[0]["groups"] == [("embed.weight", "head.bias"), block, block]
+        block = tuple(
+            (n,) for n in ("mix", "gain", "fc.weight", "fc.bias", "out.weight", "out.bias")
+        )
+        root = (("embed.weight", "head.weight"), ("head.bias",))
+        assert ranks[0]["groups"] == [root, block, block]
         root_facts = ranks[0]
         assert root_facts["tiling_errors"] == []
         assert root_facts["metadata_vs_oracle"] == []

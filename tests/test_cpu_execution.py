@@ -16,13 +16,22 @@ from typing import Any
 import pytest
 import torch
 from megatron_fsdp.experimental import fully_shard
-from megatron_fsdp.experimental import module as megatron_module
-from megatron_fsdp.experimental.parameter_group import get_containing_parameter_group
 from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron_fsdp import cpu_execution_enabled, enable_cpu_execution, shard_module
-from lightning_megatron_fsdp.cpu_execution import SyncEvent, SyncStream, _TorchProxy
+from lightning_megatron_fsdp import (
+    _megatron,
+    cpu_execution_enabled,
+    enable_cpu_execution,
+    shard_module,
+    sharding_scope,
+)
+from lightning_megatron_fsdp.cpu_execution import (
+    SyncEvent,
+    SyncStream,
+    _patched_modules,
+    _TorchProxy,
+)
 from tests.gpu import assert_ran_on_cuda
 from tests.harness import run_distributed
 from tests.models import (
@@ -46,39 +55,52 @@ STEPS = 3
 # ---------------------------------------------------------------------------------------
 
 
+def _shard_and_run_without_adapter(world_size: int) -> str:
+    """Shard ``PackedLM`` with megatron-fsdp's own code and run forward; return the stage
+    ("sharding" or "forward") at which it failed for want of CUDA streams.
+
+    ``shard_module`` would enable the adapter itself, so this goes through the
+    version-neutral ``_megatron`` layer, which never does.
+    """
+    mesh = dp_mesh(world_size)
+    model = build_packed_lm(0)
+    stage = "sharding"
+    # torch.cuda.device(cpu) (0.6.1) or torch.cuda.Stream(cpu) (0.7) on a CPU build of torch.
+    cuda_needed = r"Expected a cuda device, but got: cpu|torch.cuda.Stream requires CUDA support"
+    with pytest.raises((ValueError, RuntimeError), match=cuda_needed):
+        context = _megatron.ShardingContext(torch.device("cpu"), eager_roots=True)
+        for block in model.blocks:
+            context.shard(block, mesh, fsdp_placements(), None)
+        context.shard(model, mesh, fsdp_placements(), None)
+        context.close()
+        stage = "forward"
+        model(make_batch(0)[0])
+    return stage
+
+
 def _enable_twice(rank: int, world_size: int) -> dict[str, Any]:
-    from lightning_megatron_fsdp import _megatron
 
     facts: dict[str, Any] = {"enabled_at_start": cpu_execution_enabled()}
-    tokens = make_batch(0)[0]
-    # Without the adapter megatron-fsdp cannot run on CPU: 0.6.1's first forward cannot
-    # create its streams, 0.7's sharding context refuses a CPU device outright.
-    if _megatron.HAS_SHARDING_CONTEXT:
-        from megatron_fsdp.experimental import fully_shard_context
-
-        with pytest.raises(ValueError, match=r"requires a CUDA device"):  # noqa: SIM117
-            with fully_shard_context(torch.device("cpu")):
-                pass
-    else:
-        raw = build_packed_lm(0)
-        fully_shard(raw, dp_mesh(world_size), fsdp_placements())
-        with pytest.raises(ValueError, match=r"Expected a cuda device, but got: cpu"):
-            raw(tokens)
-    facts["enabled_before_sharding"] = cpu_execution_enabled()
+    # Without the adapter megatron-fsdp cannot create its streams, which the sharding
+    # context creates: on 0.7 when it opens, on 0.6.1 when it closes (each root's context
+    # is built eagerly there, not at the first forward).
+    facts["failed_at"] = _shard_and_run_without_adapter(world_size)
 
     # Another patch already in place: refused, not stacked.
-    original = megatron_module.torch
-    megatron_module.torch = types.ModuleType("torch")
+    upstream_module = _patched_modules()[0]
+    original = upstream_module.torch
+    upstream_module.torch = types.ModuleType("torch")
     try:
         with pytest.raises(RuntimeError, match=r"was replaced by .*not by this adapter"):
             enable_cpu_execution()
     finally:
-        megatron_module.torch = original
+        upstream_module.torch = original
 
     enable_cpu_execution()
-    proxy = megatron_module.torch
+    proxy = upstream_module.torch
     enable_cpu_execution()
-    facts["same_proxy_after_second_call"] = megatron_module.torch is proxy
+    facts["same_proxy_after_second_call"] = upstream_module.torch is proxy
+    facts["every_patched_module_shares_it"] = all(m.torch is proxy for m in _patched_modules())
     facts["enabled"] = cpu_execution_enabled()
     facts["proxy_type"] = type(proxy).__name__
     # Only the copy of ``torch`` inside megatron-fsdp's module changed, not torch itself.
@@ -96,8 +118,9 @@ def test_enable_cpu_execution_is_idempotent_and_required() -> None:
     (facts,) = run_distributed(_enable_twice, 1, timeout=TIMEOUT)
     assert facts == {
         "enabled_at_start": False,
-        "enabled_before_sharding": False,
+        "failed_at": "sharding",
         "same_proxy_after_second_call": True,
+        "every_patched_module_shares_it": True,
         "enabled": True,
         "proxy_type": "_TorchProxy",
         "global_torch_cuda_untouched": True,
@@ -210,7 +233,7 @@ def _sharded_matches_unsharded(rank: int, world_size: int) -> dict[str, Any]:
     # Ties: one sharded parameter under both FQNs at rest, trained through both uses.
     facts["tied_at_rest"] = model.head.weight is model.embed.weight
     facts["tied_is_sharded"] = isinstance(model.embed.weight, DTensor)
-    facts["root_group"] = model.parameter_groups[0].parameter_names
+    facts["root_group"] = _group_fqns(model)
     return facts
 
 
@@ -228,76 +251,107 @@ def test_sharded_training_on_cpu_matches_unsharded() -> None:
         # shard_module kept the tie: one parameter, sharded at rest, one in forward.
         assert facts["tied_at_rest"] and facts["tied_is_sharded"], where
         assert facts["tied_in_forward"] == [True] * (STEPS + 1), where  # steps and probe
-        assert facts["root_group"] == ("embed.weight", "head.bias"), where
+        assert facts["root_group"] == [("embed.weight", "head.weight"), ("head.bias",)], where
     # Both ranks together compared every parameter element (the tie under both FQNs).
     model = build_packed_lm(0)
     total = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
     assert sum(f["compared_numel"] for f in results) == total
 
 
+def _group_fqns(module: torch.nn.Module) -> list[tuple[str, ...]]:
+    """The FQNs of each physical parameter of ``module``'s own (first) parameter group."""
+    return [entry.fqns for entry in _megatron.entries(module.parameter_groups[0])]
+
+
 def _train_root_once(model: PackedLM, rank: int) -> dict[str, Any]:
     """One forward, backward and step; what happened to the root unit."""
-    root_group = model.parameter_groups[0]
-    before = [p._local_tensor.clone() for p in root_group.sharded_parameters]
+    root = _megatron.entries(model.parameter_groups[0])
+    before = [e.sharded._local_tensor.clone() for e in root]
     tied_at_rest = model.head.weight is model.embed.weight
     optimizer = sharded_adam(model)
     lm_loss(model, make_batch(rank)).backward()
+    block = _megatron.entries(_megatron.group_of(model.blocks[0].mix))
     facts: dict[str, Any] = {
-        "root_group": root_group.parameter_names,
+        "root_group": _group_fqns(model),
         "tied_at_rest": tied_at_rest,
         "embed_is_dtensor_after_backward": isinstance(model.embed.weight, DTensor),
-        "root_sharded_grads": [p.grad is not None for p in root_group.sharded_parameters],
-        "block_sharded_grads": all(
-            p.grad is not None
-            for p in get_containing_parameter_group(model.blocks[0].mix).sharded_parameters
-        ),
+        "root_sharded_grads": [e.sharded.grad is not None for e in root],
+        "block_sharded_grads": all(e.sharded.grad is not None for e in block),
     }
     optimizer.step()
     facts["root_trained"] = [
-        not torch.equal(b, p._local_tensor)
-        for b, p in zip(before, root_group.sharded_parameters, strict=True)
+        not torch.equal(b, e.sharded._local_tensor)
+        for b, e in zip(before, root, strict=True)
         if b.numel()
     ]
     return facts
 
 
 def _raw_and_tie_aware_sharding(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
-    """The tied model through megatron-fsdp's ``fully_shard``, then through ``shard_module``."""
+    """The tied model through megatron-fsdp's ``fully_shard``, then through ``shard_module``.
+
+    "Raw" is upstream's public ``fully_shard`` with nothing of ours around it but what the
+    version requires to run at all: on 0.7 a sharding context (``fully_shard_context``
+    refuses CPU, so ``_megatron.ShardingContext`` stands in for it exactly).
+    """
     enable_cpu_execution()
     mesh = dp_mesh(world_size)
     raw = build_packed_lm(0)
+    context = _megatron.ShardingContext(torch.device("cpu"), eager_roots=False)
     for block in raw.blocks:
         fully_shard(block, mesh, fsdp_placements())
     fully_shard(raw, mesh, fsdp_placements())
+    context.close()  # 0.7: finalises the context; 0.6.1: nothing (roots init lazily)
     facts = {"raw": _train_root_once(raw, rank)}
 
     kept = build_packed_lm(0)
     # A second kind of tie: one Parameter registered twice on the same module.
     fc = kept.blocks[1].fc
     fc.weight_alias = fc.weight
-    for block in kept.blocks:
-        shard_module(block, mesh, fsdp_placements())
-    shard_module(kept, mesh, fsdp_placements())
+    with sharding_scope():
+        for block in kept.blocks:
+            shard_module(block, mesh, fsdp_placements())
+        shard_module(kept, mesh, fsdp_placements())
     facts["kept"] = _train_root_once(kept, rank)
     facts["kept"]["alias_same_object"] = fc.weight_alias is fc.weight
     facts["kept"]["alias_is_dtensor"] = isinstance(fc.weight_alias, DTensor)
-    facts["kept"]["alias_group"] = get_containing_parameter_group(fc.weight).parameter_names
+    facts["kept"]["alias_group"] = [
+        e.fqns for e in _megatron.entries(_megatron.group_of(fc.weight))
+    ]
     return facts
 
 
-def test_raw_fully_shard_breaks_ties_and_shard_module_keeps_them() -> None:
-    """Observed failure of megatron-fsdp 0.6.1's ``fully_shard`` on a tied model.
+def _assert_ties_kept(facts: dict[str, Any]) -> None:
+    """One physical parameter under both FQNs, sharded at rest, trained through both uses."""
+    assert facts["root_group"] == [("embed.weight", "head.weight"), ("head.bias",)]
+    assert facts["tied_at_rest"]
+    assert facts["embed_is_dtensor_after_backward"]
+    assert facts["root_sharded_grads"] == [True, True]
+    assert facts["block_sharded_grads"]
+    assert facts["root_trained"] and all(facts["root_trained"])
 
-    ``embed.weight`` and ``head.weight`` are packed as two parameters with two main
-    weights (the tie is gone at rest). The root unit then waits for gradients of three
-    parameters while autograd delivers two, so its ``post_backward`` never runs: after
-    backward the root is left unsharded (plain tensors, not DTensors), its sharded
-    parameters never receive a gradient, and the optimizer step leaves them untouched --
-    the embedding, head and head bias silently stop training while the blocks train.
+
+def test_raw_fully_shard_ties_and_shard_module_keeps_them() -> None:
+    """What megatron-fsdp's own ``fully_shard`` does to a tied model, per version; and
+    ``shard_module`` keeping the tie on every version.
+
+    0.6.1 (``not UPSTREAM_TIES``), the observed failure: ``embed.weight`` and
+    ``head.weight`` are packed as two parameters with two main weights (the tie is gone at
+    rest). The root unit then waits for gradients of three parameters while autograd
+    delivers two, so its ``post_backward`` never runs: after backward the root is left
+    unsharded (plain tensors, not DTensors), its sharded parameters never receive a
+    gradient, and the optimizer step leaves them untouched -- the embedding, head and
+    head bias silently stop training while the blocks train.
+
+    0.7 (``UPSTREAM_TIES``): upstream packs the tie once, as one ``FsdpParameter`` with
+    both FQNs, and trains it; our tie patch is not applied and must not be needed.
     """
     results = run_distributed(_raw_and_tie_aware_sharding, 2, timeout=TIMEOUT)
     for facts in (r["raw"] for r in results):
-        assert facts["root_group"] == ("embed.weight", "head.weight", "head.bias")
+        if _megatron.UPSTREAM_TIES:
+            _assert_ties_kept(facts)
+            continue
+        assert facts["root_group"] == [("embed.weight",), ("head.weight",), ("head.bias",)]
         assert not facts["tied_at_rest"]
         assert not facts["embed_is_dtensor_after_backward"]
         assert facts["root_sharded_grads"] == [False, False, False]
@@ -305,11 +359,8 @@ def test_raw_fully_shard_breaks_ties_and_shard_module_keeps_them() -> None:
         assert facts["root_trained"] and not any(facts["root_trained"])
 
     for facts in (r["kept"] for r in results):
-        assert facts["root_group"] == ("embed.weight", "head.bias")
-        assert facts["tied_at_rest"]
-        assert facts["embed_is_dtensor_after_backward"]
-        assert facts["root_sharded_grads"] == [True, True]
-        assert facts["block_sharded_grads"]
-        assert facts["root_trained"] and all(facts["root_trained"])
+        _assert_ties_kept(facts)
         assert facts["alias_same_object"] and facts["alias_is_dtensor"]
-        assert "fc.weight_alias" not in facts["alias_group"]
+        # The alias is the same buffer entry as ``fc.weight``, not a second one.
+        fc_entries = [f for f in facts["alias_group"] if "fc.weight" in f]
+        assert fc_entries == [("fc.weight", "fc.weight_alias")]

@@ -42,6 +42,7 @@ from lightning_megatron_fsdp import (
     consolidate_checkpoint,
     enable_cpu_execution,
     shard_module,
+    sharding_scope,
 )
 from lightning_megatron_fsdp.pretrained import (
     PretrainedWeights,
@@ -243,9 +244,10 @@ def shard_packed_lit(model: PackedLit, *, bf16: bool = False) -> PackedLit:
     policy = bf16_policy() if bf16 else None
     if bf16:
         model.lm.to(torch.bfloat16)
-    for block in model.lm.blocks:
-        shard_module(block, mesh, fsdp_placements(), mixed_precision_policy=policy)
-    shard_module(model, mesh, fsdp_placements(), mixed_precision_policy=policy)
+    with sharding_scope():  # megatron-fsdp 0.7: a parent and its units share one context
+        for block in model.lm.blocks:
+            shard_module(block, mesh, fsdp_placements(), mixed_precision_policy=policy)
+        shard_module(model, mesh, fsdp_placements(), mixed_precision_policy=policy)
     return model
 
 

@@ -26,7 +26,6 @@ import torch
 import torchmetrics
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from megatron_fsdp.experimental.module import FsdpModule
 from torch import Tensor, nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 from torch.distributed.tensor import DTensor
@@ -40,6 +39,7 @@ from lightning_megatron_fsdp import (
     shard_module,
     sharded_grad_norm,
 )
+from lightning_megatron_fsdp._megatron import FsdpModule
 from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock, PackedLM, build_packed_lm, lm_loss, make_batch
@@ -326,10 +326,11 @@ def test_fit_matches_single_process_and_eval_loops_sync(world_size: int) -> None
         np.testing.assert_allclose(result["losses"], ref_losses, rtol=0, atol=ATOL)
         assert result["train_loss"] == pytest.approx(ref_losses[-1], abs=ATOL)
     _assert_params_close(_assemble([r["shards"] for r in results]), reference)
-    # Some rank must own no row of a top-level unit's small tensors at 3 ranks (the uneven
-    # case: head.bias is a fragment packed whole on one rank).
+    # Some rank must own no row of a unit's tensors at 3 ranks (the uneven case): the
+    # ``head`` unit packs 18 + 3 elements into 3 x 12, so one rank holds only padding.
     if world_size == 3:
         assert any(r["shards"]["head.bias"][1].shape[0] == 0 for r in results)
+        assert any(r["shards"]["head.weight"][1].shape[0] == 0 for r in results)
 
     vx, vy = _regression_data(2 * world_size, seed=2)
     px, _ = _regression_data(2 * world_size, seed=3)

@@ -1,7 +1,8 @@
 """Layout-to-chunk arithmetic of ``uneven_dtensor``: table-driven, no process group.
 
 Each case builds real ``DBuffer`` objects for every rank of a data-parallel layout with
-``DBuffer.from_local`` -- megatron-fsdp's own constructor, so ``GlobalLayout.build``,
+``DBuffer.from_local`` (through ``_megatron.dbuffer_from_local``, which passes 0.7's
+allocation stream) -- megatron-fsdp's own constructor, so ``GlobalLayout.build``,
 ``get_local_range`` and ``get_local_tensor`` are the real code -- and checks
 ``_dbuffer_chunk_metadata`` against two oracles: megatron's local view (the chunk's sizes
 are its shape) and the data itself (every element of the local view equals the element of
@@ -20,10 +21,14 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from megatron_fsdp.experimental import DBuffer, Flat
-from megatron_fsdp.experimental.layout import GlobalLayout, non_leading_numel
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
+from lightning_megatron_fsdp._megatron import (
+    DBuffer,
+    GlobalLayout,
+    dbuffer_flat,
+    dbuffer_from_local,
+)
 from lightning_megatron_fsdp.uneven_dtensor import _build_chunk_metadata, _dbuffer_chunk_metadata
 from tests.models import KERNELS, PackedBlock, PackedLM
 
@@ -70,7 +75,7 @@ def _rank_buffers(shapes: Sequence[Shape], world_size: int) -> list[DBuffer]:
     buffers = []
     for rank in range(world_size):
         local = flat[rank * per_rank : (rank + 1) * per_rank].clone()
-        buffer = DBuffer.from_local(local, _RankView(rank, world_size), [Flat()], shapes)
+        buffer = dbuffer_from_local(local, _RankView(rank, world_size), [dbuffer_flat()], shapes)
         assert buffer.layout == layout and buffer.offset == rank * per_rank
         buffers.append(buffer)
     return buffers
@@ -238,7 +243,7 @@ def test_misaligned_owned_range_is_an_invariant_error() -> None:
     """A shard boundary inside a row means megatron-fsdp's layout contract changed."""
     shapes: list[Shape] = [(4, 3)]
     buffer = _rank_buffers(shapes, 2)[1]
-    assert non_leading_numel(torch.Size(shapes[0])) == 3
+    assert torch.Size(shapes[0])[1:].numel() == 3
     buffer.offset += 1  # a boundary GlobalLayout never produces: inside a 3-element row
     with pytest.raises(AssertionError, match=r"Tensor 0 of shape \(4, 3\).*3-element rows"):
         _dbuffer_chunk_metadata(buffer, 0)

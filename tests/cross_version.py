@@ -1,0 +1,132 @@
+"""Find and drive the *other* megatron-fsdp interpreter for cross-version tests.
+
+CI builds two virtual environments, one with megatron-fsdp 0.6.1 and one with the 0.7
+snapshot, and runs the suite in each with ``LMF_OTHER_PYTHON`` naming the other one's
+Python (see ``.ci/run``). A cross-version test runs one side of a round trip in the
+pytest process and the other side through :func:`run_other`.
+
+Without ``LMF_OTHER_PYTHON`` the tests skip with the reason, except under ``CI=true``,
+where a missing or unusable interpreter fails them: CI must never pass by skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import megatron_fsdp
+import pytest
+import torch
+
+from tests.models import PackedLM
+from tests.shard_facts import assemble, same_bits
+
+__all__ = ["ENV_VAR", "assert_same_state", "other_python", "run_other"]
+
+ENV_VAR = "LMF_OTHER_PYTHON"
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 600
+STATES = ("exp_avg", "exp_avg_sq", "step")
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(
+            f"CI=true but {reason}; .ci/run must set {ENV_VAR} (a cross-version test "
+            "may not skip in CI)."
+        )
+    pytest.skip(reason)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def other_python() -> tuple[str, str]:
+    """The other interpreter and its megatron-fsdp version (which must differ from ours).
+
+    Skips (or fails under ``CI=true``) if ``LMF_OTHER_PYTHON`` is unset or unusable.
+    """
+    python = os.environ.get(ENV_VAR)
+    if not python:
+        _unavailable(f"{ENV_VAR} is not set (the Python of a venv with the other megatron-fsdp)")
+    assert python is not None
+    try:
+        probe = subprocess.run(
+            [python, "-c", "import megatron_fsdp; print(megatron_fsdp.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=_env(),
+        )
+    except OSError as err:
+        _unavailable(f"{ENV_VAR}={python} cannot run: {err}")
+        raise
+    if probe.returncode != 0:
+        _unavailable(f"{ENV_VAR}={python} cannot import megatron_fsdp: {probe.stderr[-500:]}")
+    version = probe.stdout.strip()
+    assert version != megatron_fsdp.__version__, (
+        f"{ENV_VAR}={python} has megatron-fsdp {version}, the same as this interpreter "
+        f"({sys.executable}): a cross-version test would compare a version with itself. "
+        "Point it at the other virtual environment."
+    )
+    return python, version
+
+
+def run_other(python: str, job: str, path: Path, world_size: int, out: Path) -> dict[str, Any]:
+    """Run ``tests.scripts.cross_version`` ``job`` under ``python``; return its result."""
+    done = subprocess.run(
+        [python, "-m", "tests.scripts.cross_version", job, str(path), str(world_size), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=ROOT,
+        env=_env(),
+    )
+    assert done.returncode == 0, (
+        f"{job} under {python} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
+        f"{done.stderr[-6000:]}"
+    )
+    return torch.load(out, weights_only=True)
+
+
+def assert_same_state(got: dict[str, Any], want: dict[str, Any], *, cross_version: bool) -> None:
+    """Two ``tests.scripts.cross_version`` results hold the same model and Adam state.
+
+    Full tensors are reassembled from every rank's shards (each row exactly once) and
+    compared bit for bit (``rtol=0, atol=0``); non-tensor values by equality; every
+    rank's logits on the probe batch equal the saving side's.
+
+    Args:
+        got: The loading side.
+        want: The saving side.
+        cross_version: The two sides must have run different megatron-fsdp versions.
+    """
+    if cross_version:
+        assert got["version"] != want["version"], "both sides ran the same megatron-fsdp"
+    got_full = assemble([rank["state"] for rank in got["ranks"]])
+    want_full = assemble([rank["state"] for rank in want["ranks"]])
+    assert got_full.keys() == want_full.keys(), sorted(set(got_full) ^ set(want_full))
+    for key, value in want_full.items():
+        if isinstance(value, torch.Tensor):
+            assert same_bits(got_full[key], value), f"{key}: differs after the round trip"
+        else:
+            assert got_full[key] == value, f"{key}: {got_full[key]!r} != {value!r}"
+    # Not vacuous: every parameter, and its exp_avg, exp_avg_sq and step, was compared.
+    for name, _ in PackedLM().named_parameters():
+        for key in (
+            f"state_dict/{name}",
+            *(f"optimizer_states/0/state/{name}/{state}" for state in STATES),
+        ):
+            assert isinstance(want_full.get(key), torch.Tensor), f"{key} was not compared"
+    assert want_full["state_dict/embed.weight"].abs().sum() > 0
+    reference = want["ranks"][0]["logits"]
+    for rank in got["ranks"]:
+        assert same_bits(rank["logits"], reference), "logits differ: compute weights stale?"
