@@ -2,14 +2,14 @@
 
 from lightning_megatron_fsdp.checkpoint_io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.cpu_execution import cpu_execution_enabled, enable_cpu_execution
-from lightning_megatron_fsdp.export import (
+from lightning_megatron_fsdp.export import consolidate_checkpoint
+from lightning_megatron_fsdp.gather import full_tensor, grad_norm
+from lightning_megatron_fsdp.inspection import (
     CheckpointInfo,
     TensorInfo,
-    consolidate_checkpoint,
     inspect_checkpoint,
     verify_checkpoint,
 )
-from lightning_megatron_fsdp.gather import full_tensor, grad_norm
 from lightning_megatron_fsdp.lightning_checkpoint import (
     export_lightning_checkpoint,
     load_lightning_module,

@@ -18,42 +18,21 @@ How (the format is in :mod:`lightning_megatron_fsdp.manifest` and docs/DESIGN.md
   every record as its bytes go out. Once DCP returns, every rank's data and ``.metadata``
   are on disk (DCP's final step gathers every rank's write result before rank 0 writes
   ``.metadata``); rank 0 gathers each rank's file sizes and CRC32Cs, writes
-  ``manifest.json`` last and commits::
-
-      1. exchange .<name>.tmp-<token> <-> <name>    (one atomic renameat2(RENAME_EXCHANGE);
-                                                      a plain rename if <name> is absent)
-      2. delete .<name>.tmp-<token> (now the previous checkpoint) and stale hidden siblings
-
-  ``<name>`` therefore always holds a complete checkpoint, the previous one or the new
-  one, and Lightning's own ``ckpt_path="last"`` lookup (which sees only ``last*`` names)
-  never finds it missing. Where the exchange is unsupported (not Linux, or a filesystem
-  such as NFS that refuses it) the commit falls back to two renames::
-
-      1. rename <name>              -> .<name>.old-<token>
-      2. rename .<name>.tmp-<token> -> <name>
-      3. delete .<name>.old-<token> and stale hidden siblings of <name>
-
-  and a crash between 1 and 2 leaves no ``<name>``:
-  :func:`~lightning_megatron_fsdp.manifest.recover_checkpoint`, which ``load_checkpoint``
-  and ``resolve_latest_checkpoint`` call, renames the aside copy back. A crash before the
-  commit leaves the old checkpoint in place and a hidden temp directory, which the next
-  save of that name deletes and ``load_checkpoint`` reports. Rank 0 broadcasts the
-  outcome, so every rank returns or raises together.
+  ``manifest.json`` last and commits: one atomic ``renameat2(RENAME_EXCHANGE)`` of the
+  hidden directory with ``<name>`` (two renames where the filesystem refuses it; a crash
+  between them is repaired by :func:`~lightning_megatron_fsdp.manifest.recover_checkpoint`),
+  then the previous checkpoint and stale hidden siblings are deleted (docs/DESIGN.md,
+  "Commit"). ``<name>`` therefore always holds a complete checkpoint, the previous one or
+  the new one. Rank 0 broadcasts the outcome, so every rank returns or raises together.
 * Load. Before any tensor is read, every rank checks the manifest, file sizes, the
-  layout fingerprint against the targets, and reads and verifies ``meta.pt``; the
-  problems of all ranks are all-gathered so every rank raises the same error. Then
-  ``dcp.load`` reads with a
-  :class:`~lightning_megatron_fsdp.dcp_storage.VerifyingFileSystemReader`, which
-  verifies ``.metadata`` before DCP plans (a failure there still leaves every target
-  untouched), then reads each record straight into its target and checks its CRC32C
-  over the bytes it read. A failure after the first write (a record that fails its
-  CRC, an I/O error, a peer that died) raises on every rank naming what each rank had
-  already written (see docs/DESIGN.md, "Atomic load"). ``atomic_load=True`` instead
-  reads into CPU copies of the targets and writes them only once every rank has read
-  all its data, so any failure leaves every target as it was, for one more copy of the
-  rank's shards in memory. DCP reshards by global offset when the world size changed.
-  Records without a CRC32C of their own (format-1 sha256 checkpoints) are verified file by
-  file before any record is read; with another reader, every file is, split across ranks.
+  layout fingerprint against the targets, and reads and verifies ``meta.pt``; the ranks
+  all-gather their problems and raise the same error. ``dcp.load`` then reads with a
+  :class:`~lightning_megatron_fsdp.dcp_storage.VerifyingFileSystemReader`: ``.metadata``
+  verified before DCP plans, each record read straight into its target and CRC32C-checked
+  (format-1 sha256 checkpoints: file by file, first). A failure after the first write
+  raises on every rank naming what each rank had written (docs/DESIGN.md, "Atomic load");
+  ``atomic_load=True`` reads into CPU copies first, so any failure leaves every target as
+  it was, for one more copy of the rank's shards in memory. DCP reshards by global offset.
 * Async save. Each rank copies its shards to CPU memory itself (DCP's ``DefaultStager``
   fails on packed shards, see :func:`_stage`), keeping the chunk hooks on the copies;
   one background thread of lowered CPU priority then runs ``dcp.save`` on them over a
@@ -74,29 +53,23 @@ Alternatives rejected:
       guarantee for memory instead.
     * Committing from DCP's ``finish`` on rank 0: it runs before the other ranks have
       hashed their files, and a failure there is not reported to the other ranks.
-    * Loading in place and restoring a snapshot on failure: costs the same copy as
-      ``atomic_load=True``, and a rank that dies mid-read cannot restore anything.
-    * Comparing the ranks' full fingerprints on every save: an all-gather of every key;
-      a 32-byte digest per rank costs nothing, and the full lists are gathered only to
-      explain a mismatch.
+    * Restoring a snapshot after a failed in-place load: the copy ``atomic_load=True``
+      costs, and a rank that dies mid-read cannot restore anything.
+    * Comparing the ranks' full fingerprints on every save: a digest per rank suffices;
+      the full lists are gathered only to explain a mismatch.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import dataclasses
-import errno
-import functools
 import hashlib
 import io
 import json
 import logging
 import os
 import re
-import sys
-import threading
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -120,15 +93,19 @@ from lightning_megatron_fsdp.agreement import (
     describe,
 )
 from lightning_megatron_fsdp.checkpoint_parts import (
+    _exchange,
     _fill,
     _layout_disagreement,
     _layout_summary,
+    _lower_thread_priority,
+    _SaveJob,
     _split_checkpoint,
     _stage,
     _timeout_of,
     _versions,
+    _write_meta,
 )
-from lightning_megatron_fsdp.checksums import bytes_digest, crc32c, crc32c_hex, file_digest
+from lightning_megatron_fsdp.checksums import bytes_digest, crc32c_hex, file_digest
 from lightning_megatron_fsdp.dcp_storage import (
     ChecksummingFileSystemWriter,
     VerifyingFileSystemReader,
@@ -200,9 +177,8 @@ _DISTCP_RE = r"__{rank}_\d+\.distcp"
 _FAULT_HOOK: Callable[[str], None] | None = None
 """Test seam: when set, called with the name of each commit step as it is reached.
 
-Fault-injection tests set it inside a rank process to raise, or to kill the process, at
-one step of the commit, which no ``StorageWriter`` can reach (the writer's part is over
-by then). Points, in order: ``"commit:hashed"`` (every rank, its files' sizes and digests
+Fault-injection tests raise or kill the process at one commit step (no ``StorageWriter``
+reaches those). Points, in order: ``"commit:hashed"`` (every rank, its files' sizes and digests
 collected, before the gather), ``"commit:manifest"`` (rank 0, before writing ``manifest.json``),
 ``"commit:publish"`` (rank 0, manifest written, before the rename), ``"commit:aside"``
 (rank 0, two-rename fallback only: the previous checkpoint renamed aside, the new one not
@@ -214,100 +190,10 @@ _USE_RENAME_EXCHANGE = True
 """Commit with one ``renameat2(RENAME_EXCHANGE)`` where the OS supports it; tests set this
 to ``False`` to exercise the two-rename fallback that other systems use."""
 
-_RENAME_EXCHANGE_FLAG = 2  # linux/fs.h
-_AT_FDCWD = -100
-_EXCHANGE_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
-
 
 def _fault(point: str) -> None:
     if _FAULT_HOOK is not None:
         _FAULT_HOOK(point)
-
-
-@functools.cache
-def _renameat2() -> Any:
-    """libc's ``renameat2``, or ``None`` where there is none (not Linux, old glibc, musl)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_uint,
-    ]
-    function.restype = ctypes.c_int
-    return function
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two existing directory entries; ``False`` where unsupported.
-
-    Raises:
-        OSError: If the exchange is supported but failed (say, permissions).
-    """
-    function = _renameat2() if _USE_RENAME_EXCHANGE else None
-    if function is None:
-        return False
-    if function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE_FLAG) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in _EXCHANGE_UNSUPPORTED:
-        return False
-    raise OSError(code, f"renameat2(RENAME_EXCHANGE): {os.strerror(code)}", str(a), None, str(b))
-
-
-@dataclasses.dataclass(frozen=True)
-class _SaveJob:
-    """Everything the commit of one save needs, computed on the calling thread."""
-
-    final: Path
-    staging: Path
-    token: str
-    write_checksums: bool
-    manifest_fields: dict[str, Any]
-    written: dict[str, FileRecord] = dataclasses.field(default_factory=dict)
-    """Files this rank wrote itself outside DCP (rank 0's ``meta.pt``), as written."""
-
-
-_BACKGROUND_NICE = 10
-"""Nice increment of the async-save thread (Linux: per thread). Training keeps the core
-when both want it; the save still progresses (weight 110 against 1024 under CFS)."""
-
-
-def _lower_thread_priority() -> None:
-    """Lower the calling thread's CPU priority by :data:`_BACKGROUND_NICE`, where the OS
-    allows it per thread (Linux); elsewhere a no-op.
-
-    The async save's thread writes and hashes hundreds of MB while training runs: where
-    the two share a core, the scheduler should favour training. Raising one's own nice
-    value needs no privilege; the thread lives in the plugin's own one-thread executor,
-    so no other work inherits the priority.
-    """
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            tid = threading.get_native_id()
-            os.setpriority(
-                os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + _BACKGROUND_NICE
-            )
-
-
-def _write_meta(path: Path, meta: dict[str, Any], job: _SaveJob) -> FileRecord:
-    """``torch.save`` the non-tensor rest to ``path``, fsync'd; its size and CRC32C are
-    taken from the bytes written (pickled in memory first: it is small)."""
-    buffer = io.BytesIO()
-    torch.save(meta, buffer)
-    data = buffer.getbuffer()
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    digest = crc32c_hex(crc32c(data)) if job.write_checksums else None
-    return FileRecord(size=data.nbytes, crc32c=digest)
 
 
 class MegatronFSDPCheckpointIO(CheckpointIO):
@@ -772,7 +658,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         final = job.final
         if final.exists() or final.is_symlink():
             check_replaceable(final)
-            if not _exchange(job.staging, final):
+            if not _exchange(job.staging, final, use_exchange=_USE_RENAME_EXCHANGE):
                 aside = hidden_path(final, ASIDE, job.token)
                 os.rename(final, aside)
                 try:

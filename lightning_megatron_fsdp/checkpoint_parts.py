@@ -13,18 +13,29 @@ the package versions a manifest records.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
+import dataclasses
+import errno
 import functools
 import importlib.metadata
+import io
+import os
+import sys
+import threading
 from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_megatron_fsdp.checksums import crc32c, crc32c_hex
 from lightning_megatron_fsdp.manifest import (
+    FileRecord,
     TensorSpec,
 )
 from lightning_megatron_fsdp.uneven_dtensor import CHUNK_ATTR
@@ -205,3 +216,98 @@ def _timeout_of(group: dist.ProcessGroup) -> timedelta:
         if isinstance(timeout, timedelta):
             return timeout
     return dist.default_pg_timeout
+
+
+_RENAME_EXCHANGE_FLAG = 2  # linux/fs.h
+
+
+_AT_FDCWD = -100
+
+
+_EXCHANGE_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """libc's ``renameat2``, or ``None`` where there is none (not Linux, old glibc, musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _exchange(a: Path, b: Path, *, use_exchange: bool = True) -> bool:
+    """Atomically swap two existing directory entries; ``False`` where unsupported.
+
+    Raises:
+        OSError: If the exchange is supported but failed (say, permissions).
+    """
+    function = _renameat2() if use_exchange else None
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE_FLAG) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _EXCHANGE_UNSUPPORTED:
+        return False
+    raise OSError(code, f"renameat2(RENAME_EXCHANGE): {os.strerror(code)}", str(a), None, str(b))
+
+
+@dataclasses.dataclass(frozen=True)
+class _SaveJob:
+    """Everything the commit of one save needs, computed on the calling thread."""
+
+    final: Path
+    staging: Path
+    token: str
+    write_checksums: bool
+    manifest_fields: dict[str, Any]
+    written: dict[str, FileRecord] = dataclasses.field(default_factory=dict)
+    """Files this rank wrote itself outside DCP (rank 0's ``meta.pt``), as written."""
+
+
+_BACKGROUND_NICE = 10
+"""Nice increment of the async-save thread (Linux: per thread). Training keeps the core
+when both want it; the save still progresses (weight 110 against 1024 under CFS)."""
+
+
+def _lower_thread_priority() -> None:
+    """Lower the calling thread's CPU priority by :data:`_BACKGROUND_NICE`, where the OS
+    allows it per thread (Linux); elsewhere a no-op.
+
+    The async save's thread writes and hashes hundreds of MB while training runs: where
+    the two share a core, the scheduler should favour training. Raising one's own nice
+    value needs no privilege; the thread lives in the plugin's own one-thread executor,
+    so no other work inherits the priority.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            tid = threading.get_native_id()
+            os.setpriority(
+                os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + _BACKGROUND_NICE
+            )
+
+
+def _write_meta(path: Path, meta: dict[str, Any], job: _SaveJob) -> FileRecord:
+    """``torch.save`` the non-tensor rest to ``path``, fsync'd; its size and CRC32C are
+    taken from the bytes written (pickled in memory first: it is small)."""
+    buffer = io.BytesIO()
+    torch.save(meta, buffer)
+    data = buffer.getbuffer()
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    digest = crc32c_hex(crc32c(data)) if job.write_checksums else None
+    return FileRecord(size=data.nbytes, crc32c=digest)

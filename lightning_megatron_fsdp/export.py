@@ -1,4 +1,4 @@
-"""Offline export and inspection of lightning-megatron-fsdp checkpoints.
+"""Offline export of lightning-megatron-fsdp checkpoints (inspection: ``inspection.py``).
 
 Problem: a checkpoint is a directory of DCP shard files whose chunks follow
 Megatron-FSDP's packed layout (a rank may hold all rows of one parameter and none of the
@@ -74,7 +74,7 @@ import uuid
 import warnings
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -84,7 +84,6 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     TensorStorageMetadata,
 )
@@ -92,36 +91,26 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
+from lightning_megatron_fsdp.inspection import (
+    _MAX_EXAMPLES,
+    MODEL_PREFIX,
+    OPTIMIZER_PREFIX,
+    _check,
+    _Checked,
+    _ordered_keys,
+    _summarise,
+)
 from lightning_megatron_fsdp.manifest import (
     DCP_METADATA_FILE,
-    FORMAT_NAME,
     MANIFEST_FILE,
-    META_FILE,
     CheckpointCorruptedError,
-    Manifest,
     NotACheckpointError,
-    TensorSpec,
-    check_files,
-    read_manifest,
 )
-from lightning_megatron_fsdp.upstream_checkpoint import FORMAT_NAME as UPSTREAM_FORMAT_NAME
-from lightning_megatron_fsdp.upstream_checkpoint import NOTE as UPSTREAM_NOTE
-from lightning_megatron_fsdp.upstream_checkpoint import is_upstream_checkpoint
 
-__all__ = [
-    "MODEL_PREFIX",
-    "OPTIMIZER_PREFIX",
-    "CheckpointInfo",
-    "TensorInfo",
-    "consolidate_checkpoint",
-    "inspect_checkpoint",
-    "verify_checkpoint",
-]
+__all__ = ["consolidate_checkpoint"]
 
-MODEL_PREFIX = "state_dict."
 """DCP key prefix of model tensors; stripped in consolidated output."""
 
-OPTIMIZER_PREFIX = "optimizer_states."
 """DCP (and consolidated output) key prefix of optimizer state, ``optimizer_states.<i>.``."""
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
@@ -156,487 +145,11 @@ _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 }
 
 _WRITE_BLOCK = 8 << 20
-# Problems of one kind in one file are summarised after this many, so a truncated shard
-# of a large model yields a readable report rather than one line per chunk.
-_MAX_EXAMPLES = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of a checkpoint, as DCP's ``.metadata`` records it.
-
-    Args:
-        key: DCP key, e.g. ``state_dict.embed.weight``.
-        shape: Global (unsharded) shape.
-        dtype: Saved dtype.
-        chunks: Number of saved chunks that together tile the tensor.
-    """
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    chunks: int
-
-    def __post_init__(self) -> None:
-        if any(size < 0 for size in self.shape):
-            raise ValueError(f"TensorInfo {self.key!r}: negative size in shape {self.shape}.")
-        if self.chunks < 0:
-            raise ValueError(f"TensorInfo {self.key!r}: chunks must be >= 0, got {self.chunks}.")
-
-    @property
-    def numel(self) -> int:
-        """Number of elements of the full tensor."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the full tensor in its saved dtype."""
-        return self.numel * self.dtype.itemsize
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-ready form: key, shape (list), dtype (``"float32"``), chunks."""
-        return {
-            "key": self.key,
-            "shape": list(self.shape),
-            "dtype": _dtype_name(self.dtype),
-            "chunks": self.chunks,
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointInfo:
-    """What :func:`inspect_checkpoint` found in a checkpoint directory.
-
-    Args:
-        path: The checkpoint directory.
-        tensors: Every tensor: model entries in saved state-dict order, then optimizer state.
-        objects: DCP keys of non-tensor entries (optimizer hyper-parameters, ...).
-        manifest: The parsed ``manifest.json``, ``None`` if missing or unreadable.
-        meta: The plain-value entries of ``meta.pt`` (epoch, global_step,
-            ``pytorch-lightning_version``, ...), ``None`` if it could not be read safely.
-        notes: Human-readable remarks (a missing manifest, an unreadable ``meta.pt``).
-        source_format: The format of a directory without a manifest that was recognised
-            anyway (megatron-fsdp's own ``save_checkpoint``,
-            :data:`~lightning_megatron_fsdp.upstream_checkpoint.FORMAT_NAME`), else ``None``.
-    """
-
-    path: Path
-    tensors: tuple[TensorInfo, ...]
-    objects: tuple[str, ...]
-    manifest: Manifest | None
-    meta: Mapping[str, Any] | None
-    notes: tuple[str, ...] = ()
-    source_format: str | None = None
-
-    @property
-    def epoch(self) -> int | None:
-        """Epoch recorded at save time, from the manifest or else ``meta.pt``."""
-        if self.manifest is not None and self.manifest.epoch is not None:
-            return self.manifest.epoch
-        return (self.meta or {}).get("epoch")
-
-    @property
-    def global_step(self) -> int | None:
-        """Optimizer steps taken at save time, from the manifest or else ``meta.pt``."""
-        if self.manifest is not None and self.manifest.global_step is not None:
-            return self.manifest.global_step
-        return (self.meta or {}).get("global_step")
-
-    @property
-    def world_size(self) -> int | None:
-        """Number of ranks that wrote the checkpoint, ``None`` without a manifest."""
-        return None if self.manifest is None else self.manifest.world_size
-
-    @property
-    def versions(self) -> dict[str, str]:
-        """Package versions that wrote the checkpoint (manifest, else ``meta.pt``)."""
-        versions = {} if self.manifest is None else dict(self.manifest.versions)
-        lightning = (self.meta or {}).get("pytorch-lightning_version")
-        if lightning is not None and "lightning" not in versions:
-            versions["lightning"] = str(lightning)
-        return versions
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-ready summary (what ``lightning-megatron-fsdp inspect --json`` prints)."""
-        return {
-            "path": str(self.path),
-            "format": self.source_format if self.manifest is None else FORMAT_NAME,
-            "format_version": None if self.manifest is None else self.manifest.format_version,
-            "epoch": self.epoch,
-            "global_step": self.global_step,
-            "world_size": self.world_size,
-            "mesh": None if self.manifest is None else self.manifest.mesh,
-            "versions": self.versions,
-            "meta": None if self.meta is None else dict(self.meta),
-            "tensors": [tensor.to_json() for tensor in self.tensors],
-            "objects": list(self.objects),
-            "notes": list(self.notes),
-        }
 
 
 # ---------------------------------------------------------------------------------------
 # Reading and checking a checkpoint directory (manifest.py owns the manifest itself)
 # ---------------------------------------------------------------------------------------
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _read_metadata(path: Path) -> Metadata:
-    """Parse ``<path>/.metadata``.
-
-    Raises:
-        CheckpointCorruptedError: If it is missing or does not parse as DCP metadata.
-    """
-    if not (path / DCP_METADATA_FILE).is_file():
-        raise CheckpointCorruptedError(
-            f"{DCP_METADATA_FILE}: missing. Every checkpoint has this DCP index of its "
-            "tensors; without it no tensor can be located."
-        )
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as err:  # a pickle of unknown content can raise anything
-        raise CheckpointCorruptedError(
-            f"{DCP_METADATA_FILE}: unreadable as DCP metadata ({type(err).__name__}: {err}); "
-            "the file is corrupt or was not written by torch.distributed.checkpoint."
-        ) from err
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise CheckpointCorruptedError(
-            f"{DCP_METADATA_FILE}: holds {type(metadata).__name__}, expected torch DCP "
-            "Metadata with the storage index FileSystemWriter records."
-        )
-    return metadata
-
-
-def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """The plain-value top-level entries of ``meta.pt``, or ``None`` and why not.
-
-    ``weights_only=True``: inspecting a checkpoint must not run code from it. Lightning's
-    ``hyper_parameters`` may hold arbitrary objects; then the scalars come from the
-    manifest alone.
-    """
-    file = path / META_FILE
-    if not file.is_file():
-        return None, f"{META_FILE}: missing."
-    try:
-        meta = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:  # UnpicklingError, RuntimeError, ... depending on content
-        first_line = (str(err).strip().splitlines() or [""])[0]
-        return None, (
-            f"{META_FILE}: not readable with weights_only=True ({type(err).__name__}: "
-            f"{first_line}); epoch and step come from {MANIFEST_FILE} alone."
-        )
-    if not isinstance(meta, dict):
-        return None, f"{META_FILE}: holds a {type(meta).__name__}, expected a dict."
-    plain = (bool, int, float, str, type(None))
-    return {str(key): value for key, value in meta.items() if isinstance(value, plain)}, None
-
-
-def _file_sizes(path: Path) -> dict[str, int]:
-    """Size of every regular file directly inside ``path``."""
-    with os.scandir(path) as entries:
-        return {entry.name: entry.stat().st_size for entry in entries if entry.is_file()}
-
-
-def _summarise(prefix: str, examples: list[str]) -> str:
-    shown = "; ".join(examples[:_MAX_EXAMPLES])
-    more = f" (and {len(examples) - _MAX_EXAMPLES} more)" if len(examples) > _MAX_EXAMPLES else ""
-    return f"{prefix}: {shown}{more}"
-
-
-def _storage_problems(
-    metadata: Metadata, sizes: Mapping[str, int], listed: set[str] | None
-) -> list[str]:
-    """Every stored item lies inside an existing file that the manifest lists.
-
-    A missing file the manifest lists is already reported by ``check_files``.
-    """
-    missing: dict[str, list[str]] = {}
-    past_end: dict[str, list[str]] = {}
-    for index, info in metadata.storage_data.items():
-        name = info.relative_path
-        if name not in sizes:
-            if listed is None or name not in listed:
-                missing.setdefault(name, []).append(repr(index.fqn))
-        elif info.offset < 0 or info.length < 0 or info.offset + info.length > sizes[name]:
-            past_end.setdefault(name, []).append(
-                f"{index.fqn!r} at bytes [{info.offset}, {info.offset + info.length})"
-            )
-    problems = [
-        _summarise(f"{name}: missing; {DCP_METADATA_FILE} stores {len(keys)} items there", keys)
-        for name, keys in sorted(missing.items())
-    ]
-    problems += [
-        _summarise(
-            f"{name}: {len(items)} items lie past its end ({sizes[name]} bytes; truncated)",
-            items,
-        )
-        for name, items in sorted(past_end.items())
-    ]
-    if listed is not None:
-        referenced = {info.relative_path for info in metadata.storage_data.values()}
-        problems += [
-            f"{name}: {DCP_METADATA_FILE} stores data there but {MANIFEST_FILE} does not list "
-            "it, so its size and checksum cannot be checked."
-            for name in sorted(referenced - listed)
-        ]
-    return problems
-
-
-def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
-    return all(
-        max(ao, bo) < min(ao + asz, bo + bsz)
-        for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
-    )
-
-
-def _tiling_problem(key: str, md: TensorStorageMetadata, stored: set[Any]) -> str | None:
-    """Why the saved chunks of ``key`` do not tile its global shape exactly once, if so.
-
-    A gap would leave uninitialised memory in a consolidated tensor, and an overlap means
-    two writers disagree about who owns which rows; both are corrupt checkpoints.
-    """
-    shape = tuple(md.size)
-    for chunk in md.chunks:
-        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-        if len(offsets) != len(shape) or len(sizes) != len(shape):
-            return f"chunk at {offsets} has a different rank than shape {shape}"
-        if any(o < 0 or o + n > s for o, n, s in zip(offsets, sizes, shape, strict=True)):
-            return f"chunk at offsets {offsets} with sizes {sizes} lies outside shape {shape}"
-        if (key, offsets) not in stored:
-            return f"chunk at offsets {offsets} has no stored data"
-    # Sweep along dim 0: only chunks whose dim-0 ranges meet can overlap, so Megatron-FSDP's
-    # row-range chunks cost O(n log n) rather than O(n^2).
-    chunks = sorted((c for c in md.chunks if math.prod(c.sizes)), key=lambda c: tuple(c.offsets))
-    if not shape and len(chunks) > 1:
-        return f"{len(chunks)} chunks for a 0-dim tensor"
-    for i, chunk in enumerate(chunks if shape else ()):
-        for other in chunks[i + 1 :]:
-            if other.offsets[0] >= chunk.offsets[0] + chunk.sizes[0]:
-                break
-            if _overlap(chunk, other):
-                return f"chunks at {tuple(chunk.offsets)} and {tuple(other.offsets)} overlap"
-    covered = sum(math.prod(c.sizes) for c in md.chunks)
-    if covered != math.prod(shape):
-        return f"chunks cover {covered} of its {math.prod(shape)} elements"
-    return None
-
-
-def _tiling_problems(metadata: Metadata) -> list[str]:
-    stored = {(index.fqn, tuple(index.offset or ())) for index in metadata.storage_data}
-    problems = []
-    for key, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            problem = _tiling_problem(key, md, stored)
-            if problem is not None:
-                problems.append(f"{DCP_METADATA_FILE}: tensor {key!r}: {problem}.")
-        elif (key, ()) not in stored:
-            problems.append(f"{DCP_METADATA_FILE}: entry {key!r} has no stored data.")
-    return problems
-
-
-def _metadata_fingerprints(
-    metadata: Metadata,
-) -> tuple[dict[str, TensorSpec], dict[int, dict[str, TensorSpec]]]:
-    """The model and per-optimizer fingerprints ``.metadata`` implies, keyed as in the
-    manifest (``fqn``; ``"<fqn>/<state>"``).
-
-    DCP's ``planner_data`` maps each flat key back to its path in the saved dict, e.g.
-    ``("optimizer_states", 0, "state", "embed.weight", "exp_avg")``, which splits FQNs
-    from state names without guessing at dots.
-    """
-    paths: Mapping[str, Any] = metadata.planner_data or {}
-    model: dict[str, TensorSpec] = {}
-    optimizers: dict[int, dict[str, TensorSpec]] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        spec = (
-            TensorSpec(tuple(md.size), _dtype_name(md.properties.dtype))
-            if isinstance(md, TensorStorageMetadata)
-            else TensorSpec(None, None)
-        )
-        path = tuple(paths.get(key, ()))
-        if not path and key.startswith(MODEL_PREFIX):
-            path = ("state_dict", key[len(MODEL_PREFIX) :])
-        if len(path) >= 2 and path[0] == "state_dict":
-            # A nested, non-tensor value (``_extra_state``) is flattened further by DCP.
-            model[str(path[1])] = spec if len(path) == 2 else TensorSpec(None, None)
-        elif len(path) == 5 and path[0] == "optimizer_states" and path[2] == "state":
-            optimizers.setdefault(int(path[1]), {})[f"{path[3]}/{path[4]}"] = spec
-    return model, optimizers
-
-
-def _compare(
-    recorded: Mapping[str, TensorSpec], found: Mapping[str, TensorSpec], what: str
-) -> list[str]:
-    lines = [
-        f"{key!r} is {recorded[key].describe() if key in recorded else 'absent'} in "
-        f"{MANIFEST_FILE} but {found[key].describe() if key in found else 'absent'} in "
-        f"{DCP_METADATA_FILE}"
-        for key in sorted(set(recorded) | set(found))
-        if recorded.get(key) != found.get(key)
-    ]
-    if not lines:
-        return []
-    return [
-        _summarise(f"{what} fingerprint disagrees with the saved data ({len(lines)} keys)", lines)
-    ]
-
-
-def _fingerprint_problems(manifest: Manifest, metadata: Metadata) -> list[str]:
-    """The manifest's fingerprints describe the tensors ``.metadata`` indexes (one save)."""
-    model, optimizers = _metadata_fingerprints(metadata)
-    problems = _compare(manifest.fingerprint, model, "model")
-    for i in range(max(len(manifest.optimizer_fingerprints), max(optimizers, default=-1) + 1)):
-        recorded = (
-            manifest.optimizer_fingerprints[i] if i < len(manifest.optimizer_fingerprints) else {}
-        )
-        problems += _compare(recorded, optimizers.get(i, {}), f"optimizer {i}")
-    return problems
-
-
-def _ordered_keys(metadata: Metadata, manifest: Manifest | None) -> list[str]:
-    """``.metadata``'s keys in state-dict order: model entries, then each optimizer's,
-    then the rest. DCP's own order depends on which rank wrote what; the manifest's
-    fingerprints keep the order of the state dicts that were saved.
-    """
-    rank: dict[str, int] = {}
-    if manifest is not None:
-        for fqn in manifest.fingerprint:
-            rank.setdefault(MODEL_PREFIX + fqn, len(rank))
-        for i, fingerprint in enumerate(manifest.optimizer_fingerprints):
-            for key in fingerprint:
-                fqn, _, name = key.rpartition("/")
-                rank.setdefault(f"{OPTIMIZER_PREFIX}{i}.state.{fqn}.{name}", len(rank))
-
-    def order(key: str) -> tuple[int, int, str]:
-        group = 0 if key.startswith(MODEL_PREFIX) else 1 if key.startswith(OPTIMIZER_PREFIX) else 2
-        return (group, rank.get(key, len(rank)), key)
-
-    return sorted(metadata.state_dict_metadata, key=order)
-
-
-@dataclasses.dataclass
-class _Checked:
-    """Result of checking a directory: the problems, and whatever parsed along the way."""
-
-    problems: list[str]
-    metadata: Metadata | None = None
-    manifest: Manifest | None = None
-
-
-def _check(path: Path, *, checksums: bool) -> _Checked:
-    """Collect every problem of ``path`` as a checkpoint (see :func:`verify_checkpoint`)."""
-    try:
-        manifest: Manifest | None = read_manifest(path)
-    except NotACheckpointError as err:
-        if not path.is_dir():
-            return _Checked([str(err)])
-        manifest, problems = None, [str(err)]
-    else:
-        problems = []
-    sizes = _file_sizes(path)
-    listed_missing: set[str] = set()
-    if manifest is not None:
-        hashed = sorted(manifest.files) if checksums else None
-        try:
-            problems += check_files(path, manifest, checksum_files=hashed)
-        except OSError as err:
-            problems.append(f"cannot read a file: {type(err).__name__}: {err}")
-        listed_missing = {name for name in manifest.files if name not in sizes}
-    metadata = None
-    if DCP_METADATA_FILE not in listed_missing:  # else check_files said so already
-        try:
-            metadata = _read_metadata(path)
-        except CheckpointCorruptedError as err:
-            problems.append(str(err))
-    if metadata is not None:
-        listed = None if manifest is None else set(manifest.files)
-        problems += _storage_problems(metadata, sizes, listed)
-        problems += _tiling_problems(metadata)
-        if manifest is not None:
-            problems += _fingerprint_problems(manifest, metadata)
-    if manifest is None and metadata is not None and is_upstream_checkpoint(metadata):
-        # megatron-fsdp's own save_checkpoint writes no manifest or meta.pt by design: keep
-        # the checks .metadata allows (storage, tiling), drop "manifest missing".
-        return _Checked(problems[1:], metadata, None)
-    if manifest is None and META_FILE not in sizes:
-        problems.append(f"{META_FILE}: missing; every complete checkpoint has one.")
-    return _Checked(problems, metadata, manifest)
-
-
-def verify_checkpoint(
-    checkpoint_dir: str | os.PathLike[str], *, checksums: bool = True
-) -> list[str]:
-    """Check a checkpoint's completeness and integrity offline, reading only files.
-
-    Checks that ``manifest.json`` parses; that every file it lists exists with the
-    recorded size and (when ``checksums``) digest (CRC32C, or sha256 in format-1
-    checkpoints); that ``.metadata`` parses, that every
-    item it stores lies inside an existing file the manifest lists, and that every
-    tensor's chunks tile its global shape exactly once; and that the manifest's model and
-    optimizer fingerprints describe the tensors ``.metadata`` indexes.
-
-    Needs no process group and no GPU. With ``checksums`` it reads every file once.
-
-    Args:
-        checkpoint_dir: The checkpoint directory.
-        checksums: Also compare the file digests; sizes are always checked.
-
-    Returns:
-        One line per problem, each naming the file (relative to ``checkpoint_dir``) and
-        key concerned; empty if the checkpoint is complete and intact.
-    """
-    return _check(Path(checkpoint_dir), checksums=checksums).problems
-
-
-def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> CheckpointInfo:
-    """Describe a checkpoint: every tensor's global shape, dtype and chunk count, and the
-    Lightning metadata (epoch, step, versions, world size).
-
-    Works on an incomplete directory too (a missing manifest becomes a note), as long as
-    ``.metadata`` is readable; :func:`verify_checkpoint` checks integrity. Reads
-    ``.metadata``, ``manifest.json`` and ``meta.pt`` only, no tensor data.
-
-    Args:
-        checkpoint_dir: The checkpoint directory.
-
-    Returns:
-        The description.
-
-    Raises:
-        NotACheckpointError: If the directory is missing, or has neither a manifest nor
-            ``.metadata``.
-        CheckpointCorruptedError: If it has a manifest but no readable ``.metadata``.
-    """
-    path = Path(checkpoint_dir)
-    notes = []
-    try:
-        manifest: Manifest | None = read_manifest(path)
-    except NotACheckpointError as err:
-        if not path.is_dir() or not (path / DCP_METADATA_FILE).exists():
-            raise
-        manifest = None
-        notes.append(str(err))
-    metadata = _read_metadata(path)
-    meta, meta_note = _read_meta(path)
-    if meta_note is not None:
-        notes.append(meta_note)
-    source_format = None
-    if manifest is None and is_upstream_checkpoint(metadata):
-        # megatron-fsdp's own save_checkpoint writes neither file: its format, not damage.
-        source_format, notes = UPSTREAM_FORMAT_NAME, [UPSTREAM_NOTE]
-    tensors = []
-    objects = []
-    for key in _ordered_keys(metadata, manifest):
-        md = metadata.state_dict_metadata[key]
-        if isinstance(md, TensorStorageMetadata):
-            tensors.append(TensorInfo(key, tuple(md.size), md.properties.dtype, len(md.chunks)))
-        else:
-            objects.append(key)
-    return CheckpointInfo(
-        path, tuple(tensors), tuple(objects), manifest, meta, tuple(notes), source_format
-    )
 
 
 # ---------------------------------------------------------------------------------------

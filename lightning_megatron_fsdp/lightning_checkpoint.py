@@ -58,8 +58,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from lightning_megatron_fsdp.export import (
-    MODEL_PREFIX,
-    _check,
     _check_output,
     _Entry,
     _load_object,
@@ -71,6 +69,7 @@ from lightning_megatron_fsdp.export import (
     _write_atomically,
     _write_torch,
 )
+from lightning_megatron_fsdp.inspection import MODEL_PREFIX, _check
 from lightning_megatron_fsdp.manifest import (
     DCP_METADATA_FILE,
     META_FILE,

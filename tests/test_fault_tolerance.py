@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron_fsdp.checkpoint_io import CheckpointError, MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.export import verify_checkpoint
+from lightning_megatron_fsdp.inspection import verify_checkpoint
 from lightning_megatron_fsdp.manifest import (
     ASIDE,
     STAGING,

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp.checkpoint_io import CheckpointError, MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.cli import main as cli_main
-from lightning_megatron_fsdp.export import verify_checkpoint
+from lightning_megatron_fsdp.inspection import verify_checkpoint
 from tests.harness import run_distributed
 from tests.scripts.fault_injection import (
     checkpoint_dict,

@@ -40,7 +40,7 @@ from lightning_megatron_fsdp.checkpoint_io import (
     CheckpointSaveError,
     MegatronFSDPCheckpointIO,
 )
-from lightning_megatron_fsdp.export import verify_checkpoint
+from lightning_megatron_fsdp.inspection import verify_checkpoint
 from lightning_megatron_fsdp.manifest import ASIDE, STAGING, parse_hidden_name, read_manifest
 from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import run_distributed
