@@ -35,7 +35,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["THIRD_PARTY_WARNINGS", "free_port", "run_command", "run_distributed", "spawned"]
+__all__ = [
+    "THIRD_PARTY_WARNINGS",
+    "communicate_all",
+    "free_port",
+    "run_command",
+    "run_distributed",
+    "spawned",
+]
 
 # PYTHONWARNINGS for the processes tests start: the named third-party warnings that
 # pyproject.toml's filterwarnings silences in the pytest process, and no others.
@@ -82,6 +89,26 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "PYTHONWARNINGS": THIRD_PARTY_WARNINGS,
     }
+
+
+def communicate_all(processes: list[Any], timeout: float) -> list[tuple[int, str]]:
+    """Each process's (exit code, combined output); every process is killed if time runs out.
+
+    Args:
+        processes: ``subprocess.Popen`` objects started with ``stdout=PIPE``, text mode.
+        timeout: Seconds each process may take (waited for in order).
+    """
+    results = []
+    try:
+        for process in processes:
+            output, _ = process.communicate(timeout=timeout)
+            results.append((process.returncode, output))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return results
 
 
 def _worker(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port
+from tests.harness import _rank_env, communicate_all, free_port
 
 # Process exit is version-independent: CI runs it on megatron-fsdp 0.6.1 only (README).
 pytestmark = pytest.mark.single_version
@@ -36,16 +36,8 @@ def launch_ranks(
     for rank in range(world_size):
         env = {
             **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "GROUP_RANK": "0",
-            "NODE_RANK": "0",
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
+            **_rank_env(rank, world_size, port),
             "TORCHELASTIC_RUN_ID": "exit-test",
-            "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         }
         processes.append(
@@ -58,17 +50,7 @@ def launch_ranks(
                 text=True,
             )
         )
-    results = []
-    try:
-        for process in processes:
-            output, _ = process.communicate(timeout=timeout)
-            results.append((process.returncode, output))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return results
+    return communicate_all(processes, timeout)
 
 
 def test_fit_with_async_checkpoints_exits_cleanly_every_time(tmp_path: Path) -> None:

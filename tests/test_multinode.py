@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port
+from tests.harness import communicate_all, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "multinode_fit.py"
@@ -47,17 +47,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _wait(processes: list[subprocess.Popen[str]]) -> None:
-    outputs = []
-    try:
-        for process in processes:
-            output, _ = process.communicate(timeout=TIMEOUT)
-            outputs.append((process.returncode, output))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    failed = [(code, out) for code, out in outputs if code != 0]
+    failed = [(c, o) for c, o in communicate_all(processes, TIMEOUT) if c != 0]
     assert not failed, "\n\n".join(f"exit code {c}:\n{o[-3000:]}" for c, o in failed)
 
 
