@@ -36,9 +36,11 @@ __all__ = [
     "PeerLostError",
     "Problem",
     "Ranks",
+    "categorize",
     "dcp_failure_message",
     "describe",
     "peer_failures_explained",
+    "summary_line",
 ]
 
 LOST_PEER_HINT = (
@@ -110,6 +112,32 @@ def dcp_failure_message(action: str, path: object, err: BaseException) -> str:
         for rank, failure in sorted(failures.items())
     )
     return f"{action} checkpoint {path} failed on rank(s) {sorted(failures)}:\n{details or err}"
+
+
+# Labels the summary line counts, by a phrase of the problem's text (first match wins).
+_CATEGORIES = (
+    ("missing", "missing"),
+    ("unexpected", "not in the target"),
+    ("shape", "shape"),
+    ("dtype", "dtype"),
+    ("checksum", "checksum"),
+    ("checksum", "crc32c"),
+)
+
+
+def categorize(text: str) -> str:
+    """The summary label of a problem's text (``"shape"``, ``"missing"``, ...)."""
+    lowered = text.lower()
+    return next((name for name, phrase in _CATEGORIES if phrase in lowered), "other")
+
+
+def summary_line(heading: str, texts: Sequence[str]) -> str:
+    """``"<heading>: 85 problems (85 shape); first: <text>"``, or the one problem itself."""
+    if len(texts) == 1:
+        return f"{heading}: {texts[0]}"
+    counts = Counter(categorize(t) for t in texts)
+    kinds = ", ".join(f"{n} {category}" for category, n in counts.most_common())
+    return f"{heading}: {len(texts)} problems ({kinds}); first: {texts[0]}"
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -261,11 +289,7 @@ class Ranks:
     ) -> str:
         """Summary line first, then one line per problem, then the advice."""
         failed = sorted({r for ranks in ranks_by_problem.values() for r in ranks})
-        heading = heading.replace("{ranks}", str(failed))
-        counts = Counter(p.category for p in ordered)
-        kinds = ", ".join(f"{n} {category}" for category, n in counts.items())
-        count = f"{len(ordered)} problems ({kinds}); first: " if len(ordered) > 1 else ""
-        summary = f"{heading}: {count}{ordered[0].text}"
+        summary = summary_line(heading.replace("{ranks}", str(failed)), [p.text for p in ordered])
         lines = [summary]
         if len(ordered) > 1:
             for problem in ordered:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_megatron_fsdp.agreement import summary_line
 from lightning_megatron_fsdp.dcp_storage import (
     ReadProgress,
 )
@@ -98,17 +99,20 @@ def _raise_combined(final: Path, gathered: list[list[tuple[int, str]]], world_si
     if not ranks_by_problem:
         return
     kinds = sorted({kind for kind, _ in ranks_by_problem})
-    lines = []
+    lines, texts = [], []
     for kind in kinds:
         for (k, text), ranks in ranks_by_problem.items():
             if k == kind:
                 where = "" if len(ranks) == world_size else f" [rank(s) {ranks}]"
                 lines.append(f"  - {text}{where}")
+                texts.append(text)
     error = _LOAD_ERRORS[kinds[0]]
     advice = _LOAD_ADVICE.get(error)
     if advice:
         lines.append(advice.format(final=final))
-    raise error(f"Cannot load checkpoint {final}:\n" + "\n".join(lines))
+    # One summary line first, so the error is readable in each rank's long traceback.
+    summary = summary_line(f"Cannot load checkpoint {final}", texts)
+    raise error(summary + "\n" + "\n".join(lines))
 
 
 def _aftermath(final: Path, states: list[dict[str, Any] | None]) -> str:

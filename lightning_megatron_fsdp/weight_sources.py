@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron_fsdp import upstream_checkpoint
+from lightning_megatron_fsdp.agreement import Problem, Ranks
 from lightning_megatron_fsdp.export import _checkpoints_inside
 from lightning_megatron_fsdp.manifest import (
     DCP_METADATA_FILE,
@@ -115,25 +116,11 @@ class _Comm:
             CheckpointError | CheckpointMismatchError: The class of the most fundamental
                 kind found, listing every problem and, where not every rank saw it, which.
         """
-        gathered: list[Any] = [problems]
-        if self.world_size > 1:
-            gathered = [None] * self.world_size
-            dist.all_gather_object(gathered, problems, group=self.group)
-        ranks_by_problem: dict[tuple[int, str], list[int]] = {}
-        for rank, rank_problems in enumerate(gathered):
-            for problem in rank_problems:
-                ranks_by_problem.setdefault(tuple(problem), []).append(rank)
-        if not ranks_by_problem:
-            return
-        kind = min(k for k, _ in ranks_by_problem)
-        lines = []
-        for (_, text), ranks in sorted(ranks_by_problem.items()):
-            where = "" if len(ranks) == self.world_size else f" [rank(s) {ranks}]"
-            lines.append(f"  - {text}{where}")
-        raise _ERRORS[kind](
-            f"load_full_weights: cannot load {path} into the sharded model:\n"
-            + "\n".join(lines)
-            + f"\n{aftermath}"
+        Ranks.of(self.group if self.distributed else None).agree(
+            [Problem(kind, text) for kind, text in problems],
+            heading=f"load_full_weights: cannot load {path} into the sharded model",
+            errors=dict(enumerate(_ERRORS)),
+            advice=aftermath,
         )
 
 
