@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressB
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
 
@@ -190,7 +191,13 @@ def main() -> None:
 
     pl.seed_everything(args.seed, workers=True)
     model = GPT()
-    train = DataLoader(RepeatedPatterns(20_000, 32, 32, seed=1), batch_size=args.batch_size)
+    # A resumable loader: Lightning saves its position in every checkpoint, so a resume in the
+    # middle of an epoch continues with the next batch instead of replaying the epoch (a plain
+    # DataLoader restarts it). With the RNG states the strategy checkpoints, the resumed run
+    # trains exactly as an uninterrupted one would.
+    train = StatefulDataLoader(
+        RepeatedPatterns(20_000, 32, 32, seed=1), batch_size=args.batch_size, shuffle=True
+    )
     val = DataLoader(RepeatedPatterns(256, 32, 32, seed=2), batch_size=args.batch_size)
     checkpoints = ModelCheckpoint(
         dirpath=args.out / "checkpoints",
