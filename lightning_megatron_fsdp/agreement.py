@@ -291,7 +291,7 @@ class Ranks:
         failed = sorted({r for ranks in ranks_by_problem.values() for r in ranks})
         summary = summary_line(heading.replace("{ranks}", str(failed)), [p.text for p in ordered])
         lines = [summary]
-        if len(ordered) > 1:
+        if len(ordered) > 1 or len(ranks_by_problem[ordered[0]]) != self.world_size:
             for problem in ordered:
                 ranks = ranks_by_problem[problem]
                 where = "" if len(ranks) == self.world_size else f" [rank(s) {ranks}]"
