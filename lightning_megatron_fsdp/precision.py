@@ -25,7 +25,9 @@ casts each unit's parameters to the compute dtype right before sharding it, then
 the original fp32 values into the main weights, so the fp32 masters start from the exact
 initialisation, not from its bf16 rounding. Gradients are reduced in the compute dtype
 and accumulated in fp32. ``16-mixed`` (fp16 autocast) needs a loss scaler whose
-inf-check spans the uneven shards; it is refused rather than half-supported. Pass a
+inf-check spans the uneven shards; it is refused rather than half-supported (on CPU,
+Lightning's accelerator connector turns ``Trainer(precision="16-mixed")`` into
+``bf16-mixed`` with its own warning before any strategy sees the flag). Pass a
 ``MixedPrecisionPolicy`` to :class:`~lightning_megatron_fsdp.MegatronFSDPStrategy` to
 choose other main dtypes.
 
