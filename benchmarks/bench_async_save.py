@@ -123,6 +123,19 @@ def _save(
     io.save_checkpoint(save_state(model, optimizer), path)
 
 
+def _during(
+    flags: list[bool], times: list[float], world_size: int, during: list[float], counts: list[int]
+) -> tuple[list[float], list[int]]:
+    """Add the step times that ran while the background work was in flight on any rank."""
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, flags)
+    in_flight = [any(rank_flags) for rank_flags in zip(*gathered, strict=True)]
+    return (
+        during + [t for t, f in zip(times, in_flight, strict=True) if f],
+        [*counts, sum(in_flight)],
+    )
+
+
 def _measure(
     rank: int, world_size: int, width: int, directory: str, repeats: int, variant: str = "default"
 ) -> dict[str, Any]:
@@ -179,6 +192,7 @@ def _measure(
                 overran += int(load.is_alive())
                 load.join()
                 blocked_s.append(0.0)
+                during, write_steps = _during(flags, times, world_size, during, write_steps)
             else:
                 path = root / f"async-{repeat}"
                 blocked_s.append(timed(functools.partial(_save, model, optimizer, async_io, path)))
@@ -188,12 +202,7 @@ def _measure(
                     times.append(_train_step(model, optimizer, next_batch()))
                 overran += int(not async_io.poll())
                 async_io.wait()
-                # A step ran during the write if the save was in flight on any rank.
-                gathered: list[Any] = [None] * world_size
-                dist.all_gather_object(gathered, flags)
-                in_flight = [any(rank_flags) for rank_flags in zip(*gathered, strict=True)]
-                during += [t for t, f in zip(times, in_flight, strict=True) if f]
-                write_steps.append(sum(in_flight))
+                during, write_steps = _during(flags, times, world_size, during, write_steps)
         dist.barrier()
         if rank == 0:
             for name in (f"sync-{repeat}", f"async-{repeat}"):

@@ -3,7 +3,8 @@
 Problem: checking a checkpoint's integrity used to cost two extra passes over every byte
 (hash the files after writing; hash them again before loading), and DCP's own reader
 pays a full ``torch.load`` per tensor record (zip parsing and the weights-only
-unpickler, about a millisecond each) plus a fresh allocation and a copy per record.
+unpickler, far more than reading a small tensor's bytes) plus a fresh allocation and a
+copy per record.
 
 How: torch's ``FileSystemWriter`` writes each item of a rank's plan as one record of a
 shard file (a ``torch.save`` zip for a tensor, raw bytes for an object); every record

@@ -314,6 +314,6 @@ def test_bad_checkpoints_raise_clearly_on_every_rank(tmp_path: Path) -> None:
     outcome("save_differs_on_rank1", model_unchanged=False)  # it trained a step, then saved
     outcome("load_fails_on_rank1")
     assert not (tmp_path / "never").exists() or not list((tmp_path / "never").iterdir())
-    # Nothing overwritten: the checkpoint still verifies, every file against its sha256.
+    # Nothing overwritten: the checkpoint still verifies, every file against its checksum.
     assert read_manifest(good).global_step == GOOD_STEP
     assert verify_checkpoint(good) == []
