@@ -792,7 +792,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                     log.warning("Restored %s, which an interrupted save had renamed aside.", final)
             except OSError as err:
                 log.warning("Could not restore %s from a renamed-aside copy: %s", final, err)
-            report_interrupted_saves(final.parent)
+            report_interrupted_saves(final.parent, log)
         try:
             comm.broadcast_from_first(None)  # nobody looks at the path before recovery is done
             reader, problems = None, []

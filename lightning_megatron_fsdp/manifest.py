@@ -91,8 +91,6 @@ __all__ = [
     "sha256_file",
 ]
 
-log = logging.getLogger(__name__)
-
 FORMAT_NAME = "lightning-megatron-fsdp"
 FORMAT_VERSION = 2
 """Written by this version: CRC32C digests and a ``"checksum"`` field naming the algorithm."""
@@ -802,8 +800,8 @@ def finite_int_or_none(value: Any) -> int | None:
     return int(value) if math.isfinite(value) and float(value).is_integer() else None
 
 
-def report_interrupted_saves(parent: Path) -> None:
-    """Log the hidden directories of saves that never finished (rank 0, on load)."""
+def report_interrupted_saves(parent: Path, log: logging.Logger) -> None:
+    """Log the hidden directories of saves that never finished to ``log`` (rank 0, on load)."""
     try:
         leftovers = interrupted_saves(parent)
     except OSError:
