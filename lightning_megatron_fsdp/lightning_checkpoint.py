@@ -14,7 +14,7 @@ callbacks, schedulers), ``"state_dict"`` with the LightningModule's FQNs and ful
 tensors and, on request, ``"optimizer_states"``. It streams through the consolidating
 writer of :mod:`lightning_megatron_fsdp.export` (one full tensor in memory at a time;
 the ``torch.save`` zip is written by torch itself from a skeleton), after the same
-completeness, size, sha256 and chunk-tiling checks::
+completeness, size, checksum (CRC32C) and chunk-tiling checks::
 
     checkpoint dir/                       model.ckpt (torch.save zip)
       meta.pt   epoch, hyper_parameters ->  epoch, global_step, hyper_parameters, ...
@@ -123,7 +123,7 @@ def export_lightning_checkpoint(
         dtype: Cast floating-point model tensors (``"bf16"``, ``"fp16"``, ``"fp32"`` or a
             torch dtype); ``None`` keeps the saved dtypes. Optimizer state is never cast.
         overwrite: Replace an existing ``output_path``.
-        verify_checksums: Check every file's sha256 against the manifest first.
+        verify_checksums: Check every file's checksum against the manifest first.
 
     Returns:
         ``output_path`` as a ``Path``.
@@ -171,7 +171,7 @@ def load_lightning_module(
         checkpoint: A ``.ckpt`` file or a checkpoint directory written by
             ``MegatronFSDPStrategy``.
         tmp_dir: Where the temporary file goes; the system default if ``None``.
-        verify_checksums: For a directory: check every file's sha256 first.
+        verify_checksums: For a directory: check every file's checksum first.
         **kwargs: Passed to ``load_from_checkpoint`` (``map_location``, ``strict``,
             ``weights_only``, ``hparams_file``, hyper-parameter overrides).
 

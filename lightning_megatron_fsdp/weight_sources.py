@@ -474,7 +474,7 @@ class _DcpSource(_Source):
     Reads go through one ``dcp.load`` (a collective) into the live sharded tensors, whose
     chunk hooks make DCP read only this rank's rows, wherever the writer put them. A
     directory of ours must be complete: its manifest parses and every file has its
-    recorded size (``lightning-megatron-fsdp verify`` also checks the sha256 digests).
+    recorded size (``lightning-megatron-fsdp verify`` also checks the checksums).
     """
 
     kind = "dcp"
