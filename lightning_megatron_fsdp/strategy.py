@@ -777,13 +777,14 @@ class MegatronFSDPStrategy(ParallelStrategy):
         path = self.broadcast(str(filepath))
         model = self.lightning_module
         assert model is not None
+        # Every rank's random streams, gathered into rank 0's (meta.pt) part: a collective,
+        # so every rank runs it before any rank-local step that may fail on one rank alone.
+        checkpoint[RNG_STATES_KEY] = self._exact_resume.gather_for_checkpoint(self.root_device)
         error: Exception | None = None
         try:
             attach_uneven_dtensor_metadata(model, checkpoint.get("state_dict", {}), {})
             for optimizer_state in checkpoint.get("optimizer_states", []):
                 attach_uneven_dtensor_metadata(model, {}, optimizer_state)
-            # Every rank's random streams, gathered into rank 0's (meta.pt) part.
-            checkpoint[RNG_STATES_KEY] = self._exact_resume.gather_for_checkpoint(self.root_device)
         except Exception as err:
             error = err
         Ranks.of().raise_together(
