@@ -53,6 +53,7 @@ def launch_ranks(
     return communicate_all(processes, timeout)
 
 
+@pytest.mark.timeout(900)  # 20 launches of 2 processes: ~10 s each on an idle machine
 def test_fit_with_async_checkpoints_exits_cleanly_every_time(tmp_path: Path) -> None:
     """20 runs x 2 ranks: every process exits 0, finishes its work, and never aborts."""
     failures = []
