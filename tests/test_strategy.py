@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lightning_megatron_fsdp import (
     MegatronFSDPPrecision,
     MegatronFSDPStrategy,
+    _megatron,
     chunk_metadata_by_fqn,
     shard_module,
     sharded_grad_norm,
@@ -627,8 +628,12 @@ def _precision_state(model: nn.Module) -> dict[str, Any]:
         for group in module.parameter_groups:
             main.add(str(group.main_weight.dtype))
             compute.add(str(group.model_weight.dtype))
-            cast = group.main_weight.local_buffer.to(group.model_weight.dtype)
-            synced &= torch.equal(cast, group.model_weight.local_buffer)
+            # Per parameter, not the whole local buffer: the buffers' padding is
+            # torch.empty memory that nothing writes, so comparing it fails at random.
+            for entry in _megatron.entries(group):
+                main_rows = group.main_weight.get_local_tensor(entry.index)
+                model_rows = group.model_weight.get_local_tensor(entry.index)
+                synced &= torch.equal(main_rows.to(model_rows.dtype), model_rows)
     return {"main": sorted(main), "compute": sorted(compute), "synced": synced}
 
 
