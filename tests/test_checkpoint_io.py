@@ -731,6 +731,7 @@ def test_round_trip_at_4_is_bit_exact(saved_at_4: dict[str, Any]) -> None:
     _check_round_trip(saved_at_4["root"], 4, saved_at_4["results"])
 
 
+@pytest.mark.both_versions
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_round_trip_and_resharding_from_4(
     world_size: int, tmp_path: Path, saved_at_4: dict[str, Any]

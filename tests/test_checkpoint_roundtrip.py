@@ -67,6 +67,9 @@ from tests.models import (
     sync_compute_weights,
 )
 
+# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+pytestmark = pytest.mark.both_versions
+
 TIMEOUT = 120.0
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODEL_KEY, OPTIMIZER_KEY = "state_dict", "optimizer"

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
@@ -37,6 +38,9 @@ from tests.models import (
     make_batch,
     shard_packed_lm,
 )
+
+# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+pytestmark = pytest.mark.both_versions
 
 BLOCKS = 4
 STEPS = 6

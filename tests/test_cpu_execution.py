@@ -45,6 +45,9 @@ from tests.models import (
     sharded_adam,
 )
 
+# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+pytestmark = pytest.mark.both_versions
+
 TIMEOUT = 120.0
 ATOL = 1e-6  # fp32; observed differences are ~2e-7 (reduction order)
 STEPS = 3

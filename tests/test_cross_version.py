@@ -20,14 +20,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import megatron_fsdp
-import pytest
 
 from lightning_megatron_fsdp import read_manifest
 from tests.cross_version import assert_same_state, other_python, run_other
 from tests.scripts.cross_version import run_job
-
-# Pass 1 of CI runs both directions; the 0.7 pass would repeat them (README).
-pytestmark = pytest.mark.single_version
 
 
 def test_checkpoint_saved_here_resumes_under_the_other_version(tmp_path: Path) -> None:

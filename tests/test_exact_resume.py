@@ -28,6 +28,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
@@ -150,6 +151,7 @@ def _uninterrupted_then_resumed(rank: int, world_size: int, root: str) -> dict[s
     return facts
 
 
+@pytest.mark.both_versions
 def test_resume_continues_random_streams_and_data_order(tmp_path: Path) -> None:
     """Steps after a resume at an epoch end and mid-epoch 1 equal the uninterrupted run's."""
     results = run_distributed(

@@ -8,14 +8,8 @@ import csv
 import sys
 from pathlib import Path
 
-import pytest
-
 from lightning_megatron_fsdp import inspect_checkpoint
 from tests.harness import run_command
-
-# Launcher/export/naming logic, independent of the megatron-fsdp version: CI runs it
-# on 0.6.1 only (README, "Supported megatron-fsdp versions").
-pytestmark = pytest.mark.single_version
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 

@@ -27,9 +27,6 @@ import pytest
 from tests.harness import _rank_env, communicate_all, free_port
 from tests.prefork import Zygote
 
-# Process exit is version-independent: CI runs it on megatron-fsdp 0.6.1 only (README).
-pytestmark = pytest.mark.single_version
-
 SCRIPT = Path(__file__).parent / "scripts" / "exit_clean.py"
 PENDING = Path(__file__).parent / "scripts" / "pending_gloo_work.py"
 ROOT = Path(__file__).resolve().parents[1]

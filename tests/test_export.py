@@ -291,6 +291,7 @@ def _split_tensor(metadata: Metadata) -> str:
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.both_versions
 def test_consolidated_file_reproduces_sharded_model(saved: dict, tmp_path: Path) -> None:
     """.pt and .safetensors: every tensor bit-exact, ties under both FQNs, same logits."""
     info = inspect_checkpoint(saved["dir"])

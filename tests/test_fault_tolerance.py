@@ -255,7 +255,6 @@ def _hidden(dirpath: Path) -> list[tuple[str, str]]:
     return sorted(h for p in dirpath.iterdir() if (h := parse_hidden_name(p.name)) is not None)
 
 
-@pytest.mark.single_version  # CI runs it on megatron-fsdp 0.6.1 only (README)
 def test_sigkill_during_save_keeps_last_complete_checkpoint_and_resumes_bit_exactly(
     tmp_path: Path,
 ) -> None:

@@ -231,6 +231,7 @@ def _damaged(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.both_versions
 def test_damaged_checkpoints_are_refused_before_any_weight_changes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

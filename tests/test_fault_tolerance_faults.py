@@ -61,6 +61,9 @@ from tests.scripts.fault_injection import (
 )
 from tests.shard_facts import differing, facts
 
+# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+pytestmark = pytest.mark.both_versions
+
 TIMEOUT = 90.0
 
 # (phase, failing rank, how it is armed, what every rank's error must say)

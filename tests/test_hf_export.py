@@ -19,7 +19,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
-import pytest
 import safetensors.torch
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -32,10 +31,6 @@ from lightning_megatron_fsdp import MegatronFSDPStrategy, PretrainedWeights
 from lightning_megatron_fsdp.cli import main
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.test_export import _one_thread
-
-# Launcher/export/naming logic, independent of the megatron-fsdp version: CI runs it
-# on 0.6.1 only (README, "Supported megatron-fsdp versions").
-pytestmark = pytest.mark.single_version
 
 TIMEOUT = 240.0
 VOCAB = 64

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor, nn
@@ -34,6 +35,9 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from lightning_megatron_fsdp import MegatronFSDPStrategy
 from lightning_megatron_fsdp._megatron import FsdpModule
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
+
+# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+pytestmark = pytest.mark.both_versions
 
 VOCAB = 64
 SEQ_LEN = 8

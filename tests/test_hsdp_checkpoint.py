@@ -27,6 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
@@ -55,6 +56,9 @@ from tests.shard_facts import (
     same_bits,
 )
 from tests.test_checkpoint_roundtrip import _tiling_errors
+
+# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+pytestmark = pytest.mark.both_versions
 
 TIMEOUT = 150.0
 Mesh = tuple[int, ...]  # (world,) for 1-D FSDP, (replicate, shard) for HSDP

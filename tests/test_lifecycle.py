@@ -139,6 +139,7 @@ def _use_after_fit(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return facts
 
 
+@pytest.mark.both_versions
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_model_usable_in_hooks_and_after_fit(world_size: int, tmp_path: Path) -> None:
     """on_fit_end, callbacks, after fit, between stages, a second fit: all on one group."""

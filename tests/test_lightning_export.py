@@ -70,10 +70,6 @@ from tests.models import VOCAB, PackedBlock, build_packed_lm, dp_mesh, lm_loss
 from tests.test_export import _one_thread
 from tests.test_portability import assemble, optimizer_shards
 
-# Launcher/export/naming logic, independent of the megatron-fsdp version: CI runs it
-# on 0.6.1 only (README, "Supported megatron-fsdp versions").
-pytestmark = pytest.mark.single_version
-
 TIMEOUT = 240.0
 ROWS = 16
 SEQ = 5

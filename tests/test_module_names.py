@@ -14,7 +14,6 @@ import logging
 from typing import Any
 
 import lightning.pytorch as pl
-import pytest
 import torch
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.profilers import PyTorchProfiler
@@ -26,10 +25,6 @@ from lightning_megatron_fsdp import MegatronFSDPStrategy
 from lightning_megatron_fsdp._megatron import FsdpModule
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock, build_packed_lm, lm_loss, make_batch
-
-# Launcher/export/naming logic, independent of the megatron-fsdp version: CI runs it
-# on 0.6.1 only (README, "Supported megatron-fsdp versions").
-pytestmark = pytest.mark.single_version
 
 WORLD_SIZE = 2
 

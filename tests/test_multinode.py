@@ -27,10 +27,6 @@ import pytest
 
 from tests.harness import communicate_all, free_port
 
-# Launcher/export/naming logic, independent of the megatron-fsdp version: CI runs it
-# on 0.6.1 only (README, "Supported megatron-fsdp versions").
-pytestmark = pytest.mark.single_version
-
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "multinode_fit.py"
 TIMEOUT = 180

@@ -500,6 +500,7 @@ def _init_from_ckpt(rank: int, world_size: int, path: str) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.both_versions
 def test_init_weights_from_a_single_device_lightning_ckpt(tmp_path: Path) -> None:
     """A plain single-device .ckpt initialises a 3-rank run with identical outputs; its
     position-keyed Adam state loads by FQN; a later run keeps the trained weights."""

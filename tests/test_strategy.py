@@ -309,6 +309,7 @@ class _Collectives(Callback):
         }
 
 
+@pytest.mark.both_versions
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_fit_matches_single_process_and_eval_loops_sync(world_size: int) -> None:
     """Losses/weights match plain torch; later validate/test/predict and collectives sync."""
@@ -485,6 +486,7 @@ def _fit_tied_lm(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.both_versions
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_user_sharded_tied_transformer_matches_single_process(world_size: int) -> None:
     """configure_model sharding + strategy root: tie kept, training equals one process."""
@@ -526,6 +528,7 @@ def _fit_accumulating(rank: int, world_size: int, mesh: tuple[int, int] | None) 
     return {"shards": _shards(model), "placements": model.grad_placements, "norms": model.norms}
 
 
+@pytest.mark.both_versions
 @pytest.mark.parametrize(("world_size", "mesh"), [(2, None), (4, (2, 2))])
 def test_accumulating_four_micro_batches_equals_one_big_step(
     world_size: int, mesh: tuple[int, int] | None
@@ -727,6 +730,7 @@ def _reference_true_precision(
     return master, losses
 
 
+@pytest.mark.both_versions
 def test_true_precisions_train_like_one_process_and_keep_fp32_state() -> None:
     """bf16-true and 16-true: half-precision compute, exact fp32 masters and Adam state,
     and the same training as one process at that precision; bf16-mixed: fp32 + autocast."""
@@ -832,6 +836,7 @@ def _fit_meta(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.both_versions
 def test_meta_init_materialises_unit_by_unit(capsys: pytest.CaptureFixture[str]) -> None:
     """empty_init: setup's transient memory is ~a unit or two, never the whole model."""
     world_size = 2

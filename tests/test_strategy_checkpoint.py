@@ -14,12 +14,16 @@ from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+import pytest
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_megatron_fsdp.manifest import MANIFEST_FILE
 from tests.harness import run_distributed
 from tests.test_strategy import MLP, Block, _regression_data, _shards, _strategy, _trainer
+
+# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+pytestmark = pytest.mark.both_versions
 
 
 class _ShardsAtStart(Callback):

@@ -24,9 +24,6 @@ from tests.harness import THIRD_PARTY_WARNINGS, run_command
 from tests.scripts.strategy_fit import BATCH, LR, STEPS, Model, dataset
 from tests.test_strategy import ATOL, _global_batches
 
-# Launching is version-independent: CI runs it on megatron-fsdp 0.6.1 only (README).
-pytestmark = pytest.mark.single_version
-
 SCRIPT = Path(__file__).parent / "scripts" / "strategy_fit.py"
 REPO = Path(__file__).parent.parent
 

@@ -241,6 +241,7 @@ def _assert_same_predictions(ours: list, ddp: list) -> None:
             torch.testing.assert_close(our_out, ddp_out, rtol=0, atol=0)
 
 
+@pytest.mark.both_versions
 @pytest.mark.parametrize("own_parameter", [True, False], ids=["module-is-unit", "module-owns-none"])
 def test_uneven_stages_match_ddp(own_parameter: bool) -> None:
     """Predictions, validate/test results and fit's metrics equal DDP's on uneven data."""
