@@ -11,6 +11,9 @@ where a missing or unusable interpreter fails them: CI must never pass by skippi
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib.util
 import os
 import subprocess
 import sys
@@ -24,7 +27,14 @@ import torch
 from tests.models import PackedLM
 from tests.shard_facts import assemble, same_bits
 
-__all__ = ["ENV_VAR", "assert_same_state", "other_python", "run_other"]
+__all__ = [
+    "ENV_VAR",
+    "OtherSide",
+    "assert_same_state",
+    "other_python",
+    "run_other",
+    "run_other_side",
+]
 
 ENV_VAR = "LMF_OTHER_PYTHON"
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +58,7 @@ def _env() -> dict[str, str]:
     return env
 
 
+@functools.cache
 def other_python() -> tuple[str, str]:
     """The other interpreter and its megatron-fsdp version (which must differ from ours).
 
@@ -80,21 +91,74 @@ def other_python() -> tuple[str, str]:
     return python, version
 
 
-def run_other(python: str, job: str, path: Path, world_size: int, out: Path) -> dict[str, Any]:
-    """Run ``tests.scripts.cross_version`` ``job`` under ``python``; return its result."""
+def run_other(python: str, jobs: list[tuple[str, Path, int, Path]]) -> list[dict[str, Any]]:
+    """Run ``tests.scripts.cross_version`` jobs ``(job, checkpoint dir, world size, out
+    file)`` in order under ``python``, in one interpreter; each job's result."""
+    argv = [str(part) for spec in jobs for part in spec]
     done = subprocess.run(
-        [python, "-m", "tests.scripts.cross_version", job, str(path), str(world_size), str(out)],
+        [python, "-m", "tests.scripts.cross_version", *argv],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
         cwd=ROOT,
         env=_env(),
     )
+    names = ", ".join(job for job, *_ in jobs)
     assert done.returncode == 0, (
-        f"{job} under {python} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
+        f"{names} under {python} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
         f"{done.stderr[-6000:]}"
     )
-    return torch.load(out, weights_only=True)
+    return [torch.load(out, weights_only=True) for *_, out in jobs]
+
+
+@dataclasses.dataclass(frozen=True)
+class OtherSide:
+    """Everything the cross-version tests need from the other interpreter, made in one run.
+
+    Attributes:
+        version: The other interpreter's megatron-fsdp version.
+        saved_here: :func:`~tests.scripts.cross_version.save_ours` on 2 ranks here.
+        loaded_there: That checkpoint loaded on 3 ranks by the other interpreter.
+        saved_there_path: A ``save_ours`` checkpoint the other interpreter wrote on 3 ranks.
+        saved_there: What its ranks held.
+        upstream_path: A megatron-fsdp ``save_checkpoint`` directory (2 ranks) the other
+            interpreter wrote, when this one has no ``save_checkpoint``; else ``None``.
+        upstream_saved: What its ranks held (``None`` with ``upstream_path``).
+    """
+
+    version: str
+    saved_here: dict[str, Any]
+    loaded_there: dict[str, Any]
+    saved_there_path: Path
+    saved_there: dict[str, Any]
+    upstream_path: Path | None
+    upstream_saved: dict[str, Any] | None
+
+
+def run_other_side(root: Path) -> OtherSide:
+    """Save here, then load that, save ours and (0.6.1 only) save megatron's format there."""
+    from tests.scripts.cross_version import run_job
+
+    python, version = other_python()
+    here = root / "saved-here"
+    saved_here = run_job("save-ours", str(here), 2)
+    jobs = [
+        ("load-ours", here, 3, root / "loaded-there.pt"),
+        ("save-ours", root / "saved-there", 3, root / "saved-there.pt"),
+    ]
+    upstream = importlib.util.find_spec("megatron_fsdp.experimental.checkpoint") is None
+    if upstream:
+        jobs.append(("save-upstream", root / "upstream", 2, root / "upstream.pt"))
+    results = run_other(python, jobs)
+    return OtherSide(
+        version=version,
+        saved_here=saved_here,
+        loaded_there=results[0],
+        saved_there_path=root / "saved-there",
+        saved_there=results[1],
+        upstream_path=root / "upstream" if upstream else None,
+        upstream_saved=results[2] if upstream else None,
+    )
 
 
 def assert_same_state(got: dict[str, Any], want: dict[str, Any], *, cross_version: bool) -> None:

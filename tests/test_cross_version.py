@@ -17,30 +17,24 @@ fail under ``CI=true``.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import megatron_fsdp
 
 from lightning_megatron_fsdp import read_manifest
-from tests.cross_version import assert_same_state, other_python, run_other
+from tests.cross_version import OtherSide, assert_same_state
 from tests.scripts.cross_version import run_job
 
 
-def test_checkpoint_saved_here_resumes_under_the_other_version(tmp_path: Path) -> None:
-    python, version = other_python()
-    path = tmp_path / "ckpt"
-    saved = run_job("save-ours", str(path), 2)
-    assert read_manifest(path).versions["megatron_fsdp"] == megatron_fsdp.__version__
-    loaded = run_other(python, "load-ours", path, 3, tmp_path / "loaded.pt")
-    assert loaded["version"] == version
+def test_checkpoint_saved_here_resumes_under_the_other_version(other_side: OtherSide) -> None:
+    saved = other_side.saved_here
+    assert saved["version"] == megatron_fsdp.__version__
+    loaded = other_side.loaded_there
+    assert loaded["version"] == other_side.version
     assert_same_state(loaded, saved, cross_version=True)
 
 
-def test_checkpoint_saved_under_the_other_version_resumes_here(tmp_path: Path) -> None:
-    python, version = other_python()
-    path = tmp_path / "ckpt"
-    saved = run_other(python, "save-ours", path, 3, tmp_path / "saved.pt")
-    assert saved["version"] == version
-    assert read_manifest(path).versions["megatron_fsdp"] == version
+def test_checkpoint_saved_under_the_other_version_resumes_here(other_side: OtherSide) -> None:
+    path, saved = other_side.saved_there_path, other_side.saved_there
+    assert saved["version"] == other_side.version
+    assert read_manifest(path).versions["megatron_fsdp"] == other_side.version
     loaded = run_job("load-ours", str(path), 2)
     assert_same_state(loaded, saved, cross_version=True)

@@ -39,7 +39,7 @@ from lightning_megatron_fsdp.upstream_checkpoint import (
     internal_keys,
     is_upstream_checkpoint,
 )
-from tests.cross_version import assert_same_state, other_python, run_other
+from tests.cross_version import OtherSide, assert_same_state
 from tests.harness import run_distributed
 from tests.scripts.cross_version import run_job
 from tests.shard_facts import assemble
@@ -61,17 +61,17 @@ HAS_SAVE_CHECKPOINT = importlib.util.find_spec("megatron_fsdp.experimental.check
 
 
 @pytest.fixture(scope="module")
-def upstream_save(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+def upstream_save(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> tuple[Path, dict[str, Any]]:
     """A ``save_checkpoint`` directory written on 2 ranks, and what the ranks held."""
-    root = tmp_path_factory.mktemp("upstream")
-    path = root / "ckpt"
-    if HAS_SAVE_CHECKPOINT:
-        saved = run_job("save-upstream", str(path), 2)
-    else:  # 0.6.1: the other interpreter (0.7) writes it
-        python, _ = other_python()
-        saved = run_other(python, "save-upstream", path, 2, root / "saved.pt")
-        assert saved["version"] != megatron_fsdp.__version__
-    return path, saved
+    if not HAS_SAVE_CHECKPOINT:  # 0.6.1: the other interpreter (0.7) wrote it
+        other: OtherSide = request.getfixturevalue("other_side")
+        assert other.upstream_path is not None and other.upstream_saved is not None
+        assert other.upstream_saved["version"] != megatron_fsdp.__version__
+        return other.upstream_path, other.upstream_saved
+    path = tmp_path_factory.mktemp("upstream") / "ckpt"
+    return path, run_job("save-upstream", str(path), 2)
 
 
 def test_load_full_weights_reads_weights_and_optimizer_state(

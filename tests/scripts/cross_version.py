@@ -4,11 +4,13 @@
 round trip in the pytest process and the other side here, under another virtual
 environment's Python (another megatron-fsdp)::
 
-    OTHER_PYTHON -m tests.scripts.cross_version JOB CHECKPOINT_DIR WORLD_SIZE OUT_FILE
+    OTHER_PYTHON -m tests.scripts.cross_version JOB CHECKPOINT_DIR WORLD_SIZE OUT_FILE [...]
 
-``JOB`` is one of :data:`JOBS`. The job runs on ``WORLD_SIZE`` gloo ranks
-(``tests.harness.run_distributed``); ``OUT_FILE`` receives ``torch.save`` of
-``{"version": megatron-fsdp version, "ranks": [each rank's report]}``. Each report holds
+``JOB`` is one of :data:`JOBS`; several jobs (four arguments each) run one after another
+in one interpreter, so the other side's imports are paid once. Each job runs on
+``WORLD_SIZE`` gloo ranks (``tests.harness.run_distributed``); ``OUT_FILE`` receives
+``torch.save`` of ``{"version": megatron-fsdp version, "ranks": [each rank's report]}``.
+Each report holds
 the rank's checkpoint state as :func:`tests.shard_facts.facts` (every shard with its true
 row offset, so the pytest process reassembles full tensors whatever the world size) and
 its logits on a probe batch.
@@ -145,15 +147,16 @@ def run_job(job: str, path: str, world_size: int) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 4 or argv[0] not in JOBS:
+    specs = [argv[i : i + 4] for i in range(0, len(argv), 4)]
+    if not specs or any(len(spec) != 4 or spec[0] not in JOBS for spec in specs):
         print(
             f"usage: python -m tests.scripts.cross_version {{{','.join(JOBS)}}} "
-            "CHECKPOINT_DIR WORLD_SIZE OUT_FILE",
+            "CHECKPOINT_DIR WORLD_SIZE OUT_FILE [JOB CHECKPOINT_DIR WORLD_SIZE OUT_FILE ...]",
             file=sys.stderr,
         )
         return 2
-    job, path, world_size, out = argv
-    torch.save(run_job(job, path, int(world_size)), out)
+    for job, path, world_size, out in specs:
+        torch.save(run_job(job, path, int(world_size)), out)
     return 0
 
 
