@@ -10,8 +10,9 @@ rank before the process group exists. Two launchers are simulated:
 * SLURM: the variables ``srun --nodes 2 --ntasks-per-node 1`` sets (``SLURMEnvironment``).
 
 Then the run resumes from ``ckpt_path="last"`` on one node with two processes (torchrun
-``--standalone``), after its ``last`` was renamed aside as a crash between the two renames of
-an overwrite would leave it, and must continue from the saved weights bit-exactly.
+``--standalone``, or the variables of ``srun --nodes 1 --ntasks-per-node 2``), after its
+``last`` was renamed aside as a crash between the two renames of an overwrite would leave
+it, and must continue from the saved weights bit-exactly.
 """
 
 from __future__ import annotations
@@ -75,25 +76,36 @@ def _fit_torchrun_two_nodes(out: Path) -> None:
     )  # fmt: skip
 
 
-def _fit_slurm_two_nodes(out: Path) -> None:
+def _slurm(out: Path, nodes: int, tasks_per_node: int, *args: str) -> None:
+    """``srun --nodes N --ntasks-per-node T``'s variables, one process per task."""
     port = str(free_port())
     _wait(
         [
             _popen(
-                [sys.executable, str(SCRIPT), str(out), "2", "1", "4"],
+                [sys.executable, str(SCRIPT), str(out), str(nodes), str(tasks_per_node), *args],
                 _env(
-                    SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="1", SLURM_NNODES="2",
-                    SLURM_PROCID=str(node), SLURM_LOCALID="0", SLURM_NODEID=str(node),
+                    SLURM_NTASKS=str(nodes * tasks_per_node),
+                    SLURM_NTASKS_PER_NODE=str(tasks_per_node), SLURM_NNODES=str(nodes),
+                    SLURM_PROCID=str(task), SLURM_LOCALID=str(task % tasks_per_node),
+                    SLURM_NODEID=str(task // tasks_per_node),
                     SLURM_NODELIST="127.0.0.1", SLURM_JOB_ID="4242", SLURM_JOB_NAME="train",
                     MASTER_PORT=port,
                 ),
             )
-            for node in range(2)
+            for task in range(nodes * tasks_per_node)
         ]
     )  # fmt: skip
 
 
-def _resume_one_node(out: Path) -> None:
+def _fit_slurm_two_nodes(out: Path) -> None:
+    _slurm(out, 2, 1, "4")
+
+
+def _resume_slurm_one_node(out: Path) -> None:
+    _slurm(out, 1, 2, "6", "last")
+
+
+def _resume_torchrun_one_node(out: Path) -> None:
     _wait(
         [
             _popen(
@@ -117,7 +129,8 @@ def _reports(out: Path, tag: str) -> list[dict]:
 )
 def test_two_nodes_then_resume_on_one(launcher: str, environment: str, tmp_path: Path) -> None:
     """Rank-0-only commit and every-rank recovery are right when local rank 0 != rank 0."""
-    (_fit_torchrun_two_nodes if launcher == "torchrun" else _fit_slurm_two_nodes)(tmp_path)
+    torchrun = launcher == "torchrun"
+    (_fit_torchrun_two_nodes if torchrun else _fit_slurm_two_nodes)(tmp_path)
     fit = _reports(tmp_path, "fit")
     assert [(r["global_rank"], r["local_rank"], r["node_rank"]) for r in fit] == [
         (0, 0, 0),
@@ -132,11 +145,11 @@ def test_two_nodes_then_resume_on_one(launcher: str, environment: str, tmp_path:
     # A crash between the two renames of an overwrite leaves ``last`` renamed aside.
     last = checkpoints / "last.ckpt"
     shutil.move(last, checkpoints / ".last.ckpt.old-0123456789abcdef")
-    _resume_one_node(tmp_path)
+    (_resume_torchrun_one_node if torchrun else _resume_slurm_one_node)(tmp_path)
     resumed = _reports(tmp_path, "resume")
     assert last.is_dir()  # restored before Lightning looked for "last"
     for before, after in zip(fit, resumed, strict=True):
-        assert after["environment"] == "TorchElasticEnvironment"
+        assert after["environment"] == environment
         assert (after["local_rank"], after["node_rank"]) == (after["global_rank"], 0)
         assert after["probes"]["start"] == before["probes"]["end"]  # bit-exact weights
         assert after["global_step"] == 6
