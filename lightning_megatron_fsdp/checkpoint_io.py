@@ -114,8 +114,8 @@ from lightning_megatron_fsdp.load_checks import (
     _LOAD_ERRORS,
     _aftermath,
     _fingerprint_problems,
-    _raise_combined,
     _state_shape_error,
+    agree_before_reading,
 )
 from lightning_megatron_fsdp.manifest import (
     ASIDE,
@@ -804,13 +804,12 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 problems, meta = self._validate(
                     final, state, strict, comm, map_location, weights_only, reader
                 )
-            gathered = comm.all_gather(problems)
         except PeerLostError as err:
             raise CheckpointError(
                 f"Loading checkpoint {final} failed before any tensor was read: {err}. The "
                 "targets are unchanged."
             ) from err
-        _raise_combined(final, gathered, comm.world_size)
+        agree_before_reading(comm, final, problems)
         manifest = read_manifest(final)
         if manifest.world_size != comm.world_size:
             log.info(
