@@ -729,8 +729,8 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             if self._committer is not None:
                 self._committer.shutdown(wait=True)
                 self._committer = None
-            # The background group belongs to this world; a later run (after the strategy
-            # re-creates the default group) must build a fresh one, never reuse it.
+            # The background group and thread belong to this stage (the default group lives
+            # on); a later stage's first async save builds fresh ones.
             group, self._background_group = self._background_group, None
             if group is not None and dist.is_initialized():
                 with contextlib.suppress(Exception):
