@@ -211,7 +211,8 @@ class Ranks:
         *,
         heading: str,
         errors: Mapping[int, type[Exception]] | type[Exception],
-        advice: str = "",
+        advice: str | Mapping[type[Exception], str] = "",
+        lost_peer_error: type[Exception] | None = None,
     ) -> None:
         """Return if no rank found a problem; else raise the same error on every rank.
 
@@ -221,7 +222,10 @@ class Ranks:
                 ``{ranks}`` in it becomes the list of ranks that found a problem.
             errors: The error class to raise, or one per problem kind (the lowest kind
                 found picks it; a missing kind falls back to the lowest mapped one).
-            advice: What to do (and what state the failure leaves), appended last.
+            advice: What to do (and what state the failure leaves), appended last; or one
+                text per error class raised (a class without one gets none).
+            lost_peer_error: The class to raise when the collective itself fails (a peer
+                died or timed out); the fallback of ``errors`` when ``None``.
 
         Raises:
             Exception: The chosen class, on every rank, when any rank found a problem or
@@ -232,11 +236,13 @@ class Ranks:
             gathered = self.all_gather(list(problems))
         except PeerLostError as err:
             own = "; ".join(p.text for p in problems)
-            raise fallback(
+            cls = lost_peer_error or fallback
+            then = _advice_for(advice, cls)
+            raise cls(
                 f"{heading.replace(' {ranks}', '')}: the ranks could not agree whether every "
                 f"rank succeeded ({err})."
                 + (f" This rank found: {own}." if own else "")
-                + (f" {advice}" if advice else "")
+                + (f" {then}" if then else "")
             ) from err
         ranks_by_problem: dict[Problem, list[int]] = {}
         for rank, rank_problems in enumerate(gathered):
@@ -244,10 +250,15 @@ class Ranks:
                 ranks_by_problem.setdefault(problem, []).append(rank)
         if not ranks_by_problem:
             return
-        ordered = sorted(ranks_by_problem)
+        # Most fundamental kind first; within a kind, in the order rank 0, 1, ... reported
+        # them (the same on every rank, and each rank's own order is meaningful: missing
+        # keys before unexpected ones before shapes).
+        first_seen = {problem: i for i, problem in enumerate(ranks_by_problem)}
+        ordered = sorted(ranks_by_problem, key=lambda p: (p.kind, first_seen[p]))
         kind = ordered[0].kind
         cls = errors if isinstance(errors, type) else errors.get(kind, fallback)
-        raise cls(self._message(heading, ordered, ranks_by_problem, advice))
+        then = _advice_for(advice, cls)
+        raise cls(self._message(heading, ordered, ranks_by_problem, then))
 
     def raise_together(
         self,
@@ -299,3 +310,8 @@ class Ranks:
         if advice:
             lines.append(advice)
         return "\n".join(lines)
+
+
+def _advice_for(advice: str | Mapping[type[Exception], str], cls: type[Exception]) -> str:
+    """The advice text for an error of class ``cls`` (see :meth:`Ranks.agree`)."""
+    return advice if isinstance(advice, str) else advice.get(cls, "")

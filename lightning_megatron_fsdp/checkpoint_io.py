@@ -114,8 +114,8 @@ from lightning_megatron_fsdp.load_checks import (
     _LOAD_ERRORS,
     _aftermath,
     _fingerprint_problems,
-    _raise_combined,
     _state_shape_error,
+    agree_before_reading,
 )
 from lightning_megatron_fsdp.manifest import (
     ASIDE,
@@ -729,8 +729,8 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             if self._committer is not None:
                 self._committer.shutdown(wait=True)
                 self._committer = None
-            # The background group belongs to this world; a later run (after the strategy
-            # re-creates the default group) must build a fresh one, never reuse it.
+            # The background group and thread belong to this stage (the default group lives
+            # on); a later stage's first async save builds fresh ones.
             group, self._background_group = self._background_group, None
             if group is not None and dist.is_initialized():
                 with contextlib.suppress(Exception):
@@ -804,13 +804,12 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 problems, meta = self._validate(
                     final, state, strict, comm, map_location, weights_only, reader
                 )
-            gathered = comm.all_gather(problems)
         except PeerLostError as err:
             raise CheckpointError(
                 f"Loading checkpoint {final} failed before any tensor was read: {err}. The "
                 "targets are unchanged."
             ) from err
-        _raise_combined(final, gathered, comm.world_size)
+        agree_before_reading(comm, final, problems)
         manifest = read_manifest(final)
         if manifest.world_size != comm.world_size:
             log.info(

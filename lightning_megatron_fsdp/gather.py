@@ -28,7 +28,8 @@ How:
 
 Not covered: ``.full_tensor()`` or ``.redistribute(...)`` on a tensor *derived* from a
 sharded one (``p.grad.data``, ``p.detach()``, ``p * 2``): a new DTensor that DTensor
-alone handles. Pass the parameter or gradient itself to :func:`full_tensor`.
+alone handles, returning wrong rows (no error) or raising torch's error. :func:`full_tensor`
+of such a tensor is right (its shards keep the packing order); the README says so.
 
 Alternatives rejected:
     * Making DTensor's ``full_tensor`` itself safe: its all-gather is computed from the

@@ -6,8 +6,9 @@ everything at once; after a failure part-way through reading, every rank must sa
 already written into the model.
 
 How: each rank compares the manifest's fingerprint with its load targets and collects
-problems (kind, text); the ranks all-gather them, and every rank raises the class of the
-most fundamental kind found, with a one-line summary first and the full list after it.
+problems (kind, text); the ranks agree on them through the one agreement helper
+(:meth:`~lightning_megatron_fsdp.agreement.Ranks.agree`), and every rank raises the class of
+the most fundamental kind found, with a one-line summary first and the full list after it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_megatron_fsdp.agreement import summary_line
+from lightning_megatron_fsdp.agreement import Problem, Ranks
 from lightning_megatron_fsdp.dcp_storage import (
     ReadProgress,
 )
@@ -84,35 +85,30 @@ def _fingerprint_problems(manifest: Manifest, state: Mapping[str, Any], strict: 
     return problems
 
 
-def _raise_combined(final: Path, gathered: list[list[tuple[int, str]]], world_size: int) -> None:
+def agree_before_reading(comm: Ranks, final: Path, problems: list[tuple[int, str]]) -> None:
     """Raise, identically on every rank, the problems all ranks found; else return.
 
+    Through the one agreement helper (:meth:`~lightning_megatron_fsdp.agreement.Ranks.agree`):
+    a summary line first, then every problem with the ranks that saw it where not all did,
+    then what to do. Nothing has been read at this point, so every error says so.
+
+    Args:
+        comm: The ranks of the load.
+        final: The checkpoint.
+        problems: This rank's ``(kind, text)`` problems; the kind indexes ``_LOAD_ERRORS``.
+
     Raises:
-        TypeError | NotACheckpointError | CheckpointCorruptedError | CheckpointMismatchError:
-            The class of the most fundamental problem kind found, listing every problem
-            and, where not all ranks saw it, which ranks did.
+        TypeError | NotACheckpointError | CheckpointCorruptedError | CheckpointMismatchError
+        | CheckpointError: The class of the most fundamental problem kind found;
+            ``CheckpointError`` also when the ranks could not agree (a lost peer).
     """
-    ranks_by_problem: dict[tuple[int, str], list[int]] = {}
-    for rank, problems in enumerate(gathered):
-        for problem in problems:
-            ranks_by_problem.setdefault(problem, []).append(rank)
-    if not ranks_by_problem:
-        return
-    kinds = sorted({kind for kind, _ in ranks_by_problem})
-    lines, texts = [], []
-    for kind in kinds:
-        for (k, text), ranks in ranks_by_problem.items():
-            if k == kind:
-                where = "" if len(ranks) == world_size else f" [rank(s) {ranks}]"
-                lines.append(f"  - {text}{where}")
-                texts.append(text)
-    error = _LOAD_ERRORS[kinds[0]]
-    advice = _LOAD_ADVICE.get(error)
-    if advice:
-        lines.append(advice.format(final=final))
-    # One summary line first, so the error is readable in each rank's long traceback.
-    summary = summary_line(f"Cannot load checkpoint {final}", texts)
-    raise error(summary + "\n" + "\n".join(lines))
+    comm.agree(
+        [Problem(kind, text) for kind, text in problems],
+        heading=f"Cannot load checkpoint {final}",
+        errors=dict(enumerate(_LOAD_ERRORS)),
+        advice={cls: text.format(final=final) for cls, text in _LOAD_ADVICE.items()},
+        lost_peer_error=CheckpointError,
+    )
 
 
 def _aftermath(final: Path, states: list[dict[str, Any] | None]) -> str:
@@ -151,4 +147,5 @@ _LOAD_ADVICE: dict[type[Exception], str] = {
         "Nothing was loaded. Build the model and optimizers the checkpoint was saved from "
         "(strict=False tolerates missing and unexpected keys, not other shapes or dtypes)."
     ),
+    CheckpointError: "Nothing was loaded: no rank had read tensor data; the targets are unchanged.",
 }

@@ -522,8 +522,10 @@ def _describe_not_a_checkpoint(path: Path) -> str:
         )
         return (
             f"{path} is {kind}, not a checkpoint directory. MegatronFSDPCheckpointIO reads "
-            "the sharded directory format only: load a single-file checkpoint with "
-            "torch.load, or point at a directory written by MegatronFSDPStrategy."
+            "the sharded directory format only: to start from this file's weights, pass it "
+            "as MegatronFSDPStrategy(init_weights_from=...); to use it in one process, "
+            "torch.load it (or Model.load_from_checkpoint); or point at a directory written "
+            "by MegatronFSDPStrategy."
         )
     if not path.is_dir():
         return f"{path} is neither a file nor a directory; expected a checkpoint directory."

@@ -372,9 +372,10 @@ class MegatronFSDPStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         """Join the process group (once per process) and build the mesh.
 
-        The group is created with Lightning's ``_init_dist_connection``, which registers
-        its destruction at interpreter exit, and lives until then: later stages and any
-        use of the model after ``fit`` run on it.
+        The group is created with Lightning's ``_init_dist_connection`` and lives until
+        the process ends: later stages and any use of the model after ``fit`` run on it.
+        Lightning registers its destruction at exit for NCCL only; the strategy does it
+        for every backend (:func:`_destroy_process_groups_at_exit`).
         """
         super().setup_environment()
         world = self.num_nodes * self.num_processes

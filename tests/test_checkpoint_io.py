@@ -25,6 +25,7 @@ import functools
 import io
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -364,7 +365,11 @@ def _bad_inputs(rank: int, world_size: int, root: str) -> list[str]:
     if rank == 0:
         torch.save({"state_dict": {}}, single_file)
     dist.barrier()
-    with pytest.raises(NotACheckpointError, match=r"single-file torch.save checkpoint"):
+    with pytest.raises(
+        NotACheckpointError,
+        match=r"single-file torch.save checkpoint .*"
+        r"MegatronFSDPStrategy\(init_weights_from=\.\.\.\)",
+    ):
         load(single_file)
     checked.append("single file")
 
@@ -484,14 +489,36 @@ def _bad_inputs(rank: int, world_size: int, root: str) -> list[str]:
         r"model: 1 key\(s\) in the checkpoint are not in the target: \['blocks.1.gain'\].*"
         r"model 'embed.weight': shape \(11, 6\) in the checkpoint, \(5, 6\) in the target.*"
         r"model 'head.bias': dtype float32 in the checkpoint, bfloat16 in the target",
-    ):
+    ) as mismatch:
         load(good, state={**state, "state_dict": model_state})
+    # One summary line first (count by kind, the first problem), then the full list.
+    summary, *details, advice = str(mismatch.value).splitlines()
+    assert summary == (
+        f"Cannot load checkpoint {good}: 4 problems (1 missing, 1 unexpected, 1 shape, 1 "
+        "dtype); first: model: 1 key(s) of the target are missing from the checkpoint: "
+        "['extra.weight']"
+    ), summary
+    assert len(details) == 4 and all(line.startswith("  - model") for line in details), details
+    assert advice.startswith("Nothing was loaded. Build the model and optimizers"), advice
     checked.append("fingerprint")
 
     # A model with another number of blocks: the extra block's FQNs are named.
     _, state = _targets(world_size, num_blocks=3)
     with pytest.raises(CheckpointMismatchError, match=r"missing from the checkpoint: .*blocks.2"):
         load(good, state=state)
+    # A model of other widths: every FQN's shape differs; the first line says how many.
+    _, state = _targets(world_size)
+    state["state_dict"] = {k: torch.zeros(2, *v.shape) for k, v in state["state_dict"].items()}
+    with pytest.raises(CheckpointMismatchError) as reshaped:
+        load(good, state=state)
+    count = len(state["state_dict"])
+    summary, *details, _ = str(reshaped.value).splitlines()
+    assert re.fullmatch(
+        rf"Cannot load checkpoint {re.escape(str(good))}: {count} problems \({count} shape\); "
+        r"first: model '[\w.]+': shape \(.*\) in the checkpoint, \(2, .*\) in the target",
+        summary,
+    ), summary
+    assert len(details) == count > 10, details
     checked.append("other model")
 
     # Only rank 1's target is wrong: every rank raises, naming rank 1.

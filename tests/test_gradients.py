@@ -8,8 +8,9 @@ a 1-element ``temperature`` leaves rank 1 an empty shard, so DTensor's own
 ``on_before_optimizer_step`` the module reads, per route:
 
 * ``lightning_megatron_fsdp.grad_norm(self, p)`` (ours) / Lightning's ``grad_norm`` (DDP);
-* ``full_tensor(p.grad)``, ``p.grad.full_tensor()``, ``full_tensor(p)``, ``p.full_tensor()``
-  (ours) / ``p.grad`` and ``p`` (DDP);
+* ``full_tensor(p.grad)``, ``p.grad.full_tensor()``, ``full_tensor(p)``, ``p.full_tensor()``,
+  ``full_tensor(p.detach())``, ``full_tensor(p.grad.data)`` (ours) / ``p.grad`` and ``p`` (DDP);
+  and DTensor's own ``p.detach().full_tensor()``, which the README warns is wrong here;
 * ``full_tensor`` of Adam's ``exp_avg`` (ours) / DDP's ``exp_avg``;
 * ``sharded_grad_norm(self.parameters())`` (ours) / torch's total norm (DDP).
 
@@ -99,6 +100,12 @@ class LitPacked(pl.LightningModule):
             record["grads_method"] = {n: p.grad.full_tensor() for n, p in named.items()}
             record["params"] = {n: full_tensor(p) for n, p in named.items()}
             record["params_method"] = {n: p.full_tensor() for n, p in named.items()}
+            # A derived tensor is a plain DTensor: full_tensor() of it works, its own method
+            # does not (README): `mix` (5 rows on rank 0, none on rank 1, canonical 3 + 2)
+            # comes back cropped and zero-padded, without an error.
+            record["derived"] = {n: full_tensor(p.detach()) for n, p in named.items()}
+            record["grads_derived"] = {n: full_tensor(p.grad.data) for n, p in named.items()}
+            record["mix_derived_method"] = named["model.blocks.0.mix"].detach().full_tensor()
             record["exp_avg"] = {
                 n: full_tensor(state[p]["exp_avg"]) for n, p in named.items() if p in state
             }
@@ -168,6 +175,13 @@ def test_full_tensors_and_grad_norms_match_ddp() -> None:
             _assert_tensors(actual["params_method"], expected["params"], 0.0)
             _assert_tensors(actual["grads"], expected["grads"], 0.0)
             _assert_tensors(actual["grads_method"], actual["grads"], 0.0)
+            _assert_tensors(actual["derived"], expected["params"], 0.0)
+            _assert_tensors(actual["grads_derived"], expected["grads"], 0.0)
+            mix, wrong = expected["params"]["model.blocks.0.mix"], actual["mix_derived_method"]
+            assert wrong.shape == mix.shape and not torch.equal(wrong, mix), (
+                "DTensor's own full_tensor() of a derived tensor now gathers packed shards "
+                "right: update the README's 'Full parameters' section and this check"
+            )
             torch.testing.assert_close(
                 actual["after_backward"], actual["grads"]["model.embed.weight"], rtol=0, atol=0
             )

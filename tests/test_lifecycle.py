@@ -136,6 +136,18 @@ def _use_after_fit(rank: int, world_size: int, root: str) -> dict[str, Any]:
     facts["resumed_global_step"] = second.global_step
     with torch.no_grad():
         facts["resumed_after_fit"] = resumed(PROBE).clone()
+    # README, Limitations: a sharded model keeps its mesh; a later Trainer asking for
+    # another one is refused on every rank (before any collective), and the model still works.
+    strategy = MegatronFSDPStrategy(
+        auto_wrap_policy={PackedBlock}, device_mesh=(1, world_size), timeout=PROCESS_GROUP_TIMEOUT
+    )
+    try:
+        _trainer(world_size, Path(root), strategy=strategy).validate(resumed, data, verbose=False)
+        facts["other_mesh"] = "no error"
+    except ValueError as err:
+        facts["other_mesh"] = str(err)
+    with torch.no_grad():
+        facts["after_refusal"] = resumed(PROBE).clone()
     return facts
 
 
@@ -166,6 +178,13 @@ def test_model_usable_in_hooks_and_after_fit(world_size: int, tmp_path: Path) ->
         torch.testing.assert_close(facts["resumed_start"], end, rtol=0, atol=0)
         assert facts["resumed_global_step"] == 5
         assert not torch.equal(facts["resumed_after_fit"], end)
+        assert facts["other_mesh"].startswith(
+            f"MegatronFSDPStrategy: the model is already sharded on a mesh of shape "
+            f"({world_size},), but this strategy asks for (1, {world_size})."
+        ), facts["other_mesh"]
+        torch.testing.assert_close(
+            facts["after_refusal"], facts["resumed_after_fit"], rtol=0, atol=0
+        )
 
 
 def _fit_failing_on_one_rank(rank: int, world_size: int) -> str:

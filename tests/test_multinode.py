@@ -9,10 +9,11 @@ rank before the process group exists. Two launchers are simulated:
   agents on loopback (``TorchElasticEnvironment``);
 * SLURM: the variables ``srun --nodes 2 --ntasks-per-node 1`` sets (``SLURMEnvironment``).
 
-Then the run resumes from ``ckpt_path="last"`` on one node with two processes (torchrun
-``--standalone``, or the variables of ``srun --nodes 1 --ntasks-per-node 2``), after its
-``last`` was renamed aside as a crash between the two renames of an overwrite would leave
-it, and must continue from the saved weights bit-exactly.
+Then the run resumes from ``ckpt_path="last"``, after its ``last`` was renamed aside as a
+crash between the two renames of an overwrite would leave it, and must continue from the
+saved weights bit-exactly: the torchrun run on one node with two processes (torchrun
+``--standalone``), the SLURM run on its two nodes again, so the recovery and the resumed
+run's commits also happen where node 1's local rank 0 is global rank 1.
 """
 
 from __future__ import annotations
@@ -76,36 +77,26 @@ def _fit_torchrun_two_nodes(out: Path) -> None:
     )  # fmt: skip
 
 
-def _slurm(out: Path, nodes: int, tasks_per_node: int, *args: str) -> None:
-    """``srun --nodes N --ntasks-per-node T``'s variables, one process per task."""
+def _fit_slurm_two_nodes(out: Path, *resume: str) -> None:
     port = str(free_port())
+    steps = "6" if resume else "4"
     _wait(
         [
             _popen(
-                [sys.executable, str(SCRIPT), str(out), str(nodes), str(tasks_per_node), *args],
+                [sys.executable, str(SCRIPT), str(out), "2", "1", steps, *resume],
                 _env(
-                    SLURM_NTASKS=str(nodes * tasks_per_node),
-                    SLURM_NTASKS_PER_NODE=str(tasks_per_node), SLURM_NNODES=str(nodes),
-                    SLURM_PROCID=str(task), SLURM_LOCALID=str(task % tasks_per_node),
-                    SLURM_NODEID=str(task // tasks_per_node),
+                    SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="1", SLURM_NNODES="2",
+                    SLURM_PROCID=str(node), SLURM_LOCALID="0", SLURM_NODEID=str(node),
                     SLURM_NODELIST="127.0.0.1", SLURM_JOB_ID="4242", SLURM_JOB_NAME="train",
                     MASTER_PORT=port,
                 ),
             )
-            for task in range(nodes * tasks_per_node)
+            for node in range(2)
         ]
     )  # fmt: skip
 
 
-def _fit_slurm_two_nodes(out: Path) -> None:
-    _slurm(out, 2, 1, "4")
-
-
-def _resume_slurm_one_node(out: Path) -> None:
-    _slurm(out, 1, 2, "6", "last")
-
-
-def _resume_torchrun_one_node(out: Path) -> None:
+def _resume_one_node(out: Path) -> None:
     _wait(
         [
             _popen(
@@ -127,10 +118,10 @@ def _reports(out: Path, tag: str) -> list[dict]:
     ("launcher", "environment"),
     [("torchrun", "TorchElasticEnvironment"), ("slurm", "SLURMEnvironment")],
 )
-def test_two_nodes_then_resume_on_one(launcher: str, environment: str, tmp_path: Path) -> None:
-    """Rank-0-only commit and every-rank recovery are right when local rank 0 != rank 0."""
-    torchrun = launcher == "torchrun"
-    (_fit_torchrun_two_nodes if torchrun else _fit_slurm_two_nodes)(tmp_path)
+def test_two_nodes_then_resume(launcher: str, environment: str, tmp_path: Path) -> None:
+    """Rank-0-only commit and removal, and every-rank recovery of a renamed-aside ``last``,
+    are right when local rank 0 != rank 0, under both launchers."""
+    (_fit_torchrun_two_nodes if launcher == "torchrun" else _fit_slurm_two_nodes)(tmp_path)
     fit = _reports(tmp_path, "fit")
     assert [(r["global_rank"], r["local_rank"], r["node_rank"]) for r in fit] == [
         (0, 0, 0),
@@ -144,12 +135,25 @@ def test_two_nodes_then_resume_on_one(launcher: str, environment: str, tmp_path:
 
     # A crash between the two renames of an overwrite leaves ``last`` renamed aside.
     last = checkpoints / "last.ckpt"
+    saved_step = json.loads((last / "manifest.json").read_text())["global_step"]
     shutil.move(last, checkpoints / ".last.ckpt.old-0123456789abcdef")
-    (_resume_torchrun_one_node if torchrun else _resume_slurm_one_node)(tmp_path)
+    if launcher == "torchrun":
+        _resume_one_node(tmp_path)  # local rank == global rank, one node
+    else:
+        _fit_slurm_two_nodes(tmp_path, "last")  # recovery where local rank 0 != rank 0
     resumed = _reports(tmp_path, "resume")
     assert last.is_dir()  # restored before Lightning looked for "last"
     for before, after in zip(fit, resumed, strict=True):
-        assert after["environment"] == environment
-        assert (after["local_rank"], after["node_rank"]) == (after["global_rank"], 0)
+        if launcher == "torchrun":
+            assert after["environment"] == "TorchElasticEnvironment"
+            assert (after["local_rank"], after["node_rank"]) == (after["global_rank"], 0)
+        else:
+            assert after["environment"] == environment
+            assert (after["local_rank"], after["node_rank"]) == (0, after["global_rank"])
         assert after["probes"]["start"] == before["probes"]["end"]  # bit-exact weights
         assert after["global_step"] == 6
+    # The resumed run committed its saves over the restored ``last`` and removed the older
+    # top-1 checkpoint (both rank 0's filesystem work), leaving nothing hidden behind.
+    names = sorted(p.name for p in checkpoints.iterdir())
+    assert names == ["epoch=0-step=6.ckpt", "last.ckpt"], names
+    assert json.loads((last / "manifest.json").read_text())["global_step"] == 6 != saved_step

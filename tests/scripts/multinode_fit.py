@@ -2,7 +2,8 @@
 
 Launched by ``tests/test_multinode.py`` as two single-process "nodes" (torchrun-style or
 SLURM-style environment variables, so ``LOCAL_RANK`` differs from ``RANK`` and each node
-has its own local rank 0), then resumed on one node with two processes::
+has its own local rank 0), then resumed on one node with two processes (torchrun) or on
+the same two nodes (SLURM)::
 
     python tests/scripts/multinode_fit.py OUT_DIR NUM_NODES DEVICES MAX_STEPS [last]
 
