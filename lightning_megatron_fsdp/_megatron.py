@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 from megatron_fsdp import MixedPrecisionPolicy
 from megatron_fsdp import experimental as _experimental
-from megatron_fsdp.experimental import Placements, fully_shard_optimizer
+from megatron_fsdp.experimental import Placements
 from megatron_fsdp.experimental import fully_shard as _upstream_fully_shard
+from megatron_fsdp.experimental import fully_shard_optimizer as _upstream_fully_shard_optimizer
 from megatron_fsdp.experimental.dbuffer import DBuffer
 from megatron_fsdp.experimental.layout import GlobalLayout
 from megatron_fsdp.experimental.module import FsdpContext, FsdpModule
@@ -59,6 +60,7 @@ __all__ = [
     "FsdpParameterGroup",
     "GlobalLayout",
     "MixedPrecisionPolicy",
+    "OwnedRange",
     "Placements",
     "ShardedEntry",
     "ShardingContext",
@@ -69,16 +71,23 @@ __all__ = [
     "fsdp_placements",
     "fully_shard",
     "fully_shard_optimizer",
+    "group_mesh",
     "group_of",
     "hsdp_placements",
     "is_sharded_parameter",
     "join_gradient_reduction",
+    "main_weight",
+    "main_weight_local",
     "microbatch",
     "nested_calls_unhooked",
+    "owned_range",
     "owning_module",
     "parameter_groups",
+    "release_prefetched",
     "root_modules",
     "sync_compute_weights",
+    "sync_group_compute_weights",
+    "unit_parameter_groups",
     "user_class",
 ]
 
@@ -94,6 +103,11 @@ UPSTREAM_TIES = hasattr(FsdpParameterGroup, "_set_module_parameter")
 
 # 0.6.1 exports its own DBuffer placements; 0.7 uses torch's DTensor placements.
 _HAS_OWN_PLACEMENTS = hasattr(_experimental, "Flat")
+
+#: megatron-fsdp >= 0.7 tracks each unit's lifecycle (module.py ``FsdpModule.Phase``:
+#: RESTING, FORWARD, BACKWARD), so a unit at rest can be told from one inside its own
+#: forward or backward. ``None`` on 0.6.1.
+_PHASE: Any = getattr(FsdpModule, "Phase", None)
 
 
 # ---------------------------------------------------------------------- placements
@@ -172,6 +186,39 @@ def dbuffer_from_local(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class OwnedRange:
+    """The elements of one logical tensor of a ``DBuffer`` that this rank holds.
+
+    Attributes:
+        shape: The tensor's global shape.
+        first_element: Offset of this rank's first element within the (flattened) tensor;
+            for an empty range, where the elements lower ranks hold end.
+        numel: How many elements this rank holds (0: none).
+    """
+
+    shape: torch.Size
+    first_element: int
+    numel: int
+
+
+def owned_range(buffer: DBuffer, index: int) -> OwnedRange:
+    """This rank's elements of logical tensor ``index`` in ``buffer`` (no collective).
+
+    Reads dbuffer.py ``DBuffer.layout``/``offset``/``local_buffer`` and layout.py
+    ``GlobalLayout.tensor_shapes``/``tensor_to_offset``, the same on 0.6.1 and 0.7: the
+    buffer's local range ``[offset, offset + local numel)`` intersected with the tensor's
+    global range. An empty intersection is clamped to the tensor's bounds.
+    """
+    layout = buffer.layout
+    shape = torch.Size(layout.tensor_shapes[index])
+    tensor_start = layout.tensor_to_offset[index]
+    tensor_end = tensor_start + shape.numel()
+    owned_start = min(max(buffer.offset, tensor_start), tensor_end)
+    owned_end = max(min(buffer.offset + buffer.local_buffer.numel(), tensor_end), owned_start)
+    return OwnedRange(shape, owned_start - tensor_start, owned_end - owned_start)
+
+
 # ---------------------------------------------------------------------- parameter groups
 
 
@@ -244,6 +291,26 @@ def owning_module(group: FsdpParameterGroup) -> nn.Module:
     return module
 
 
+def main_weight(group: FsdpParameterGroup) -> DBuffer:
+    """The group's main-weight buffer (parameter_group.py ``main_weight``, both versions)."""
+    return group.main_weight
+
+
+def main_weight_local(group: FsdpParameterGroup, index: int) -> torch.Tensor:
+    """This rank's rows of logical tensor ``index`` in the main weights, a writable view."""
+    return group.main_weight.get_local_tensor(index)
+
+
+def group_mesh(group: FsdpParameterGroup) -> Any:
+    """The data-parallel mesh the group is sharded over (parameter_group.py ``mesh``)."""
+    return group.mesh
+
+
+def sync_group_compute_weights(group: FsdpParameterGroup) -> None:
+    """Refresh one group's compute weights from its main weights (after writing them)."""
+    group.sync_model_weight_from_main_weight()
+
+
 def is_sharded_parameter(parameter: torch.Tensor) -> bool:
     """Whether ``parameter`` is a live, resting sharded parameter of some FSDP unit."""
     group = group_of(parameter)
@@ -255,6 +322,12 @@ def fsdp_modules(model: nn.Module | None) -> list[FsdpModule]:
     if model is None:
         return []
     return [m for m in model.modules() if isinstance(m, FsdpModule)]
+
+
+def unit_parameter_groups(module: nn.Module) -> tuple[FsdpParameterGroup, ...]:
+    """The parameter groups one FSDP unit owns itself (not its child units')."""
+    assert isinstance(module, FsdpModule)
+    return tuple(module.parameter_groups)
 
 
 def parameter_groups(model: nn.Module | None) -> list[FsdpParameterGroup]:
@@ -278,9 +351,80 @@ def root_modules(model: nn.Module) -> list[FsdpModule]:
 
 
 def sync_compute_weights(model: nn.Module) -> None:
-    """Refresh every unit's compute weights from its main weights (after a load)."""
+    """Refresh every unit's compute weights from its main weights (after a load).
+
+    Drops unconsumed prefetches first (:func:`release_prefetched`): they hold the weights
+    from before the load.
+    """
+    release_prefetched(model)
     for group in parameter_groups(model):
-        group.sync_model_weight_from_main_weight()
+        sync_group_compute_weights(group)
+
+
+# ---------------------------------------------------------------------- prefetch
+
+
+def _release_if_prefetched(module: FsdpModule) -> bool:
+    """Reshard ``module`` if it rests with parameters gathered that nothing consumed."""
+    if _PHASE is None or module.phase is not _PHASE.RESTING:
+        return False
+    if module._unshard_event is None:  # module.py: set by the gather, cleared by reshard
+        return False
+    module._reshard_parameter_groups()  # 0.7 module.py, what post_forward/post_backward call
+    return True
+
+
+def release_prefetched(model: nn.Module | None) -> int:
+    """Reshard every unit of ``model`` left gathered by a prefetch that nothing consumed.
+
+    Upstream prefetches the *next* unit in a static order (module.py ``pre_forward``: the
+    next in ``forward_order``, ``pre_backward``: the next in ``backward_order``), and a
+    gathered unit is only resharded by its own ``post_forward``/``post_backward``. When
+    the next unit in that order does not run next, it stays gathered: at rest its
+    parameters are the plain unsharded tensors (a state dict then holds no DTensors), and
+    its next forward skips the gather (``_unshard_event`` is set) and computes with the
+    weights from *before* the optimizer step or load in between -- silently wrong
+    training. On 0.7 the forward order spans every root of a sharding context (cross-root
+    prefetch), so this happens whenever a step calls top-level units out of their
+    registration order, or skips one. On 0.6.1 each root prefetches only inside itself.
+
+    Only units at rest are touched (0.7 ``FsdpModule.phase``); on 0.6.1, which has no
+    phase, this does nothing. Called after backward, after each evaluation step, before
+    each optimizer step, before a state dict is taken and before compute weights are
+    refreshed after a load.
+
+    Returns:
+        How many units were resharded.
+    """
+    return sum(_release_if_prefetched(module) for module in fsdp_modules(model))
+
+
+def _release_prefetched_before_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """Optimizer step pre-hook: :func:`release_prefetched` for the units it steps."""
+    seen: set[int] = set()
+    for param_group in optimizer.param_groups:
+        for parameter in param_group["params"]:
+            group = group_of(parameter)
+            if group is None or id(group) in seen:
+                continue
+            seen.add(id(group))
+            module = owning_module(group)
+            assert isinstance(module, FsdpModule)
+            _release_if_prefetched(module)
+
+
+def fully_shard_optimizer(
+    optimizer: torch.optim.Optimizer, *, precision_aware: bool = False
+) -> None:
+    """Upstream ``fully_shard_optimizer``, plus dropping stale prefetches before each step.
+
+    After the step the weights change, so a unit still gathered from an unconsumed
+    prefetch (:func:`release_prefetched`) would compute its next forward with the old
+    ones; the pre-hook reshards it first, so its next forward gathers the new weights.
+    """
+    _upstream_fully_shard_optimizer(optimizer, precision_aware=precision_aware)
+    if _PHASE is not None:
+        optimizer.register_step_pre_hook(_release_prefetched_before_step)
 
 
 # ---------------------------------------------------------------------- sharding
@@ -450,7 +594,36 @@ def fully_shard(
         name: tuple(key for key in getattr(module, name) if key not in hooks_before[name])
         for name in _HOOK_DICTS
     }
+    if _PHASE is not None:
+        backward_pre_hooks = module._backward_pre_hooks
+        for key in module.__dict__[_FSDP_HOOKS_ATTR]["_backward_pre_hooks"]:
+            backward_pre_hooks[key] = _once_per_backward(backward_pre_hooks[key])
     _hide_hooks_from_dynamo(module)
+
+
+def _in_backward(module: nn.Module) -> bool:
+    """Whether ``module``'s backward already began (0.7 ``FsdpModule.phase``; never on 0.6.1)."""
+    return _PHASE is not None and module.phase is _PHASE.BACKWARD  # type: ignore[attr-defined]
+
+
+def _once_per_backward(hook: Any) -> Any:
+    """Wrap upstream's full backward pre-hook (module.py ``_register_hooks``) to skip a
+    unit whose backward already began.
+
+    Two triggers can reach ``pre_backward`` in one backward: upstream's hook on the
+    top-level tensors of an output, and :func:`_pre_backward_for_structured_output` on
+    the tensors nested inside it (an ``nn.LSTM``'s ``(output, (h, c))``, a Hugging Face
+    ``return_dict=False`` tuple with its cache). 0.6.1's second call is a no-op; 0.7's
+    raises ``Invalid FSDP module phase transition: BACKWARD -> BACKWARD``. Whichever fires
+    first unshards the unit; the second is skipped.
+    """
+
+    def once(module: nn.Module, grad_output: Any) -> Any:
+        if _in_backward(module):
+            return None
+        return hook(module, grad_output)
+
+    return once
 
 
 def _hide_hooks_from_dynamo(module: nn.Module) -> None:
@@ -506,7 +679,7 @@ def _pre_backward_for_structured_output(module: nn.Module, _args: Any, output: A
     registers the unit's ``pre_backward`` on every grad-requiring tensor inside, to run
     once, when the first of their gradients is computed, as FSDP2 does for its outputs.
     A tensor or tuple of tensors is left to upstream's hook (a tuple that also nests
-    tensors gets both; a second ``pre_backward`` in one backward is a no-op).
+    tensors gets both; whichever fires second is skipped, see :func:`_once_per_backward`).
     """
     if isinstance(output, torch.Tensor) or not torch.is_grad_enabled():
         return  # upstream's hook fires (the common case; cheap under torch.compile too)
@@ -519,7 +692,7 @@ def _pre_backward_for_structured_output(module: nn.Module, _args: Any, output: A
 
     def pre_backward(_grads: Any) -> None:
         hooked = unit()
-        if hooked is not None:
+        if hooked is not None and not _in_backward(hooked):
             hooked.pre_backward()  # type: ignore[attr-defined]  # module.py, both versions
 
     torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")

@@ -8,28 +8,43 @@ records the stream that allocated it. On a CPU-only build each of those raises (
 the allocation stream, records ``None`` that a later assertion rejects), so forward never
 starts, although everything underneath (``DBuffer``, gloo collectives, DCP) works on CPU.
 
-Fix: :func:`enable_cpu_execution` applies a few patches, all in this module, each naming
-the upstream line it stands in for:
+Fix: :func:`enable_cpu_execution` applies a few patches, all in this module. The upstream
+lines each one stands in for (0.6.1 = the PyPI release, 0.7 = the 0.7.0rc0 snapshot; the
+calls, not the line numbers, are what ``tests/test_megatron_compat.py`` checks):
 
-* ``module.torch`` (module.py: ``FsdpContext.__init__`` streams, the hooks'
-  ``torch.cuda.stream``/``nvtx``) and, on 0.7, ``parameter_group.torch``
-  (parameter_group.py: ``torch.cuda.stream(allgather_stream)`` in ``__init__``,
-  ``torch.cuda.current_stream`` in ``sync_model_weight_from_main_weight`` and
-  ``reduce_partial_gradients``) point at a thin proxy of ``torch``. Every attribute
-  forwards to the real ``torch`` except ``torch.cuda``, which forwards to the real
-  ``torch.cuda`` too unless the call concerns a non-CUDA device or one of our streams:
+* ``module.torch`` (both versions) and ``parameter_group.torch`` (patched on both; only
+  0.7's calls ``torch.cuda`` outside symmetric memory) point at a thin proxy of ``torch``.
+  Every attribute forwards to the real ``torch`` except ``torch.cuda``, which forwards to
+  the real ``torch.cuda`` too unless the call concerns a non-CUDA device or one of our
+  streams:
 
-  - ``cuda.device(d)`` / ``cuda.Stream(d)``: for a non-CUDA ``d`` the stream is a
+  - ``cuda.device(d)`` / ``cuda.Stream(...)``: for a non-CUDA device the stream is a
     :class:`SyncStream`, whose waits and events are no-ops because CPU kernels run
-    synchronously, in program order, on the calling thread.
-  - ``cuda.current_stream(d)`` / ``cuda.stream(s)``: a :class:`SyncStream` for a CPU
-    device, a ``nullcontext`` for a :class:`SyncStream`.
+    synchronously, in program order, on the calling thread. Replaces
+    ``FsdpContext.__init__``'s stream creation: 0.6.1 module.py:57-59
+    (``with torch.cuda.device(device): torch.cuda.Stream()`` twice), 0.7 module.py:78 and
+    :84 (``torch.cuda.Stream(device)``).
+  - ``cuda.current_stream(d)``: a :class:`SyncStream` for a CPU device. Replaces
+    ``FsdpContext.current_stream`` (0.6.1 module.py:63, 0.7 module.py:126) and, on 0.7,
+    parameter_group.py:273 (``sync_model_weight_from_main_weight``) and :393, :440
+    (``reduce_partial_gradients``' allocation-stream assertions).
+  - ``cuda.stream(s)``: a ``nullcontext`` for a :class:`SyncStream`. Replaces the hooks'
+    stream switches, 0.6.1 module.py:263, :286, :332, :339 and 0.7 module.py:367, :397,
+    :444, :451 (unshard, reshard, gradient reduction), and on 0.7 parameter_group.py:174,
+    :203 (``__init__``'s model-weight and main-gradient allocation) and :275.
   - ``cuda.nvtx``: the real ranges when torch was built with CUDA, no-ops otherwise.
+    Replaces 0.6.1 module.py:232, :271, :293, :320 and 0.7 module.py:333, :382, :405, :432.
 
-* On 0.7, ``DBuffer.__init__`` (dbuffer.py: ``self.allocation_stream = ... if
-  self.local_buffer.is_cuda else None``) is wrapped so a non-CUDA buffer records the
-  :class:`SyncStream` of its device; ``sync_model_weight_from_main_weight`` asserts it is
-  not ``None`` and ``reduce_partial_gradients`` that it equals the current stream.
+  ``torch.cuda.use_mem_pool`` (0.6.1 parameter_group.py:184, 0.7 :251) runs only with
+  symmetric memory, which needs NCCL: it forwards unchanged.
+
+* On 0.7 only, ``DBuffer.__init__`` is wrapped so a non-CUDA buffer records the
+  :class:`SyncStream` of its device instead of ``None`` (0.7 dbuffer.py:113-117,
+  ``self.allocation_stream = torch.cuda.current_stream(...) if self.local_buffer.is_cuda
+  else None``): ``sync_model_weight_from_main_weight`` asserts it is not ``None``
+  (parameter_group.py:272) and ``reduce_partial_gradients`` that it equals the current
+  stream (:392, :439). 0.6.1's ``DBuffer`` has no allocation stream, and dbuffer.py calls
+  no other ``torch.cuda`` function in either version.
 
 So CUDA modules keep real streams and ordering bit for bit (the proxy only forwards, and
 the ``DBuffer`` wrapper leaves CUDA buffers alone), and CPU modules run megatron-fsdp's
@@ -262,7 +277,7 @@ def enable_cpu_execution() -> None:
         proxy = _TorchProxy()
         for upstream in modules:
             upstream.torch = proxy
-        # 0.7 only: 0.6.1's DBuffer has no allocation stream.
+        # 0.7 only (dbuffer.py:113-117): 0.6.1's DBuffer has no allocation stream.
         if "allocation_stream" in getattr(DBuffer, "__annotations__", {}) and not hasattr(
             DBuffer.__init__, "_lmf_original"
         ):

@@ -97,7 +97,7 @@ def check_mesh_fits_world(request: MeshRequest, world_size: int, detail: str, wh
 
 def _mesh_of(model: nn.Module) -> DeviceMesh | None:
     for group in _megatron.parameter_groups(model):
-        return group.mesh
+        return _megatron.group_mesh(group)
     return None
 
 

@@ -210,11 +210,14 @@ class MegatronFSDPPrecision(Precision):
     def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         """Finish the gradients, then run Lightning's ``on_after_backward`` hooks.
 
-        Waits for pending gradient reduce-scatters (a side stream on CUDA) and makes
+        Waits for pending gradient reduce-scatters (a side stream on CUDA), reshards units
+        an unconsumed prefetch left gathered (:func:`~lightning_megatron_fsdp._megatron.
+        release_prefetched`), and makes
         ``.full_tensor()`` on the fresh sharded gradients safe
         (:func:`~lightning_megatron_fsdp.gather.bind_full_tensor`) before the hooks read them.
         """
         _megatron.join_gradient_reduction(module)
+        _megatron.release_prefetched(module)  # a prefetched unit whose backward never ran
         bind_full_tensor(module, gradients=True)
         return super().post_backward(tensor, module)
 

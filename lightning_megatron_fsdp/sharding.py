@@ -428,26 +428,23 @@ def _restore_main_weights(module: nn.Module, originals: Mapping[int, Tensor]) ->
 
     ``originals`` maps ``id`` of the unsharded parameter objects (their storage was
     swapped, their identity kept) to their values before the cast. Copies only this rank's
-    rows: a rank owns whole dim-0 rows, starting at ``buffer.offset`` within the flat
-    layout, so no collective is needed.
+    rows: a rank owns whole dim-0 rows (:func:`~lightning_megatron_fsdp._megatron.owned_range`),
+    so no collective is needed.
     """
-    assert isinstance(module, FsdpModule)
-    for group in module.parameter_groups:
-        main = group.main_weight
+    for group in _megatron.unit_parameter_groups(module):
         restored = False
         for entry in _megatron.entries(group):
             original = originals.get(id(entry.unsharded))
-            local = main.get_local_tensor(entry.index)
+            local = _megatron.main_weight_local(group, entry.index)
             if original is None or local.shape[0] == 0:
                 continue
-            shape = main.layout.tensor_shapes[entry.index]
-            start = main.layout.tensor_to_offset[entry.index]
-            first_row = (max(main.offset, start) - start) // math.prod(shape[1:])
-            rows = original.reshape(shape)[first_row : first_row + local.shape[0]]
+            owned = _megatron.owned_range(_megatron.main_weight(group), entry.index)
+            first_row = owned.first_element // math.prod(owned.shape[1:])
+            rows = original.reshape(owned.shape)[first_row : first_row + local.shape[0]]
             local.copy_(rows.to(device=local.device, dtype=local.dtype))
             restored = True
         if restored:
-            group.sync_model_weight_from_main_weight()
+            _megatron.sync_group_compute_weights(group)
 
 
 # ---------------------------------------------------------------------- checks

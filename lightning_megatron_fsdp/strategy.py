@@ -562,7 +562,9 @@ class MegatronFSDPStrategy(ParallelStrategy):
             "predict_step": self.precision_plugin.predict_step_context,
         }
         with contexts[name]():
-            return self._call_through_root(name, *args, **kwargs)
+            output = self._call_through_root(name, *args, **kwargs)
+        _megatron.release_prefetched(self.lightning_module)  # no backward consumes its prefetch
+        return output
 
     def _call_through_root(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``LightningModule.<method_name>``, as the root unit's forward if it is one.
@@ -732,6 +734,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         assert self.lightning_module is not None
+        _megatron.release_prefetched(self.lightning_module)  # every unit at rest: DTensors
         return get_model_state_dict(self.lightning_module)
 
     @override

@@ -88,15 +88,9 @@ def _dbuffer_chunk_metadata(buffer: DBuffer, index: int) -> ChunkStorageMetadata
         AssertionError: If the owned range does not preserve dim-0 row boundaries, which
             would mean the layout invariants of megatron-fsdp changed.
     """
-    layout = buffer.layout
-    shape = layout.tensor_shapes[index]
+    owned = _megatron.owned_range(buffer, index)
+    shape, first_element, numel = owned.shape, owned.first_element, owned.numel
     row_size = shape[1:].numel()  # DBuffer refuses 0-D tensors, so dim 0 exists
-    tensor_start = layout.tensor_to_offset[index]
-    tensor_end = tensor_start + shape.numel()
-    owned_start = min(max(buffer.offset, tensor_start), tensor_end)
-    owned_end = max(min(buffer.offset + buffer.local_buffer.numel(), tensor_end), owned_start)
-    first_element = owned_start - tensor_start
-    numel = owned_end - owned_start
     if first_element % row_size or numel % row_size:
         raise AssertionError(
             f"Tensor {index} of shape {tuple(shape)}: this rank owns elements "
@@ -136,7 +130,7 @@ def parameter_chunk(parameter: torch.Tensor) -> ChunkStorageMetadata | None:
         return None
     for entry in _megatron.entries(group):
         if entry.sharded is parameter:
-            return _dbuffer_chunk_metadata(group.main_weight, entry.index)
+            return _dbuffer_chunk_metadata(_megatron.main_weight(group), entry.index)
     return None
 
 
@@ -183,7 +177,7 @@ def chunk_metadata_by_fqn(model: nn.Module) -> dict[str, ChunkStorageMetadata]:
                 "of its sharded parameters: the model is unsharded (inside forward or "
                 "backward). Take state dicts only between training steps."
             )
-        chunk = _dbuffer_chunk_metadata(group.main_weight, index)
+        chunk = _dbuffer_chunk_metadata(_megatron.main_weight(group), index)
         for fqn in fqns_of(name):
             chunks[fqn] = chunk
     if not chunks:

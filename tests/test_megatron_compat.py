@@ -236,11 +236,15 @@ def test_dbuffer_from_local_signature() -> None:
 
 
 def test_dbuffer_layout_attributes() -> None:
-    """uneven_dtensor._dbuffer_chunk_metadata reads layout, offset and local_buffer."""
-    shim = "uneven_dtensor._dbuffer_chunk_metadata (via _megatron.DBuffer)"
+    """_megatron.owned_range reads layout, offset and local_buffer; main_weight_local
+    reads ``get_local_tensor``."""
+    shim = "_megatron.owned_range / main_weight_local"
     annotations = _annotations(dbuffer_py.DBuffer)
     for name in ("layout", "offset", "local_buffer", "mesh", "placements"):
         assert name in annotations, _broken(shim, f"DBuffer.{name} is gone")
+    assert list(_parameters(dbuffer_py.DBuffer.get_local_tensor)) == ["self", "index"], _broken(
+        shim, "DBuffer.get_local_tensor(index) signature changed"
+    )
     layout = _megatron.GlobalLayout.build([torch.Size((2, 3))], 2)
     for name in ("tensor_shapes", "tensor_to_offset", "size"):
         assert hasattr(layout, name), _broken(shim, f"GlobalLayout.{name} is gone")
@@ -261,6 +265,71 @@ def test_dbuffer_allocation_stream() -> None:
         return
     assert "self.allocation_stream =" in init_source and "is_cuda" in init_source, _broken(
         shim, "DBuffer.__init__ no longer records allocation_stream only for CUDA buffers"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Prefetch and backward re-entry (release_prefetched, _once_per_backward)
+# ---------------------------------------------------------------------------------------
+
+
+def test_phase_flag_and_prefetch_state() -> None:
+    """0.7 module.py ``FsdpModule.Phase``/``phase``, ``_unshard_event`` and
+    ``_reshard_parameter_groups``: what release_prefetched reads and calls."""
+    shim = "_megatron.release_prefetched / fully_shard_optimizer (step pre-hook)"
+    module_cls = module_py.FsdpModule
+    phase = getattr(module_cls, "Phase", None)
+    assert (phase is None) == (_megatron._PHASE is None), _broken(shim, "flag _PHASE out of date")
+    assert "_unshard_event" in _annotations(module_cls), _broken(
+        shim, "FsdpModule._unshard_event is gone"
+    )
+    reshard = getattr(module_cls, "_reshard_parameter_groups", None)
+    assert callable(reshard) and "self._unshard_event = None" in inspect.getsource(reshard), (
+        _broken(shim, "_reshard_parameter_groups no longer clears _unshard_event")
+    )
+    # Both versions prefetch the next unit of a static order from pre_forward/pre_backward.
+    for hook, order in (("pre_forward", "forward_order"), ("pre_backward", "backward_order")):
+        assert f"context.{order}.next_item(self)" in inspect.getsource(getattr(module_cls, hook)), (
+            _broken(shim, f"{hook} no longer prefetches from {order}")
+        )
+    if phase is None:
+        # 0.6.1: no phase to tell a resting unit, so release_prefetched does nothing; that
+        # is safe only because a context has one root (no cross-root prefetch).
+        assert "root_module" in _parameters(module_py.FsdpContext.__init__), _broken(
+            shim, "no FsdpModule.phase, but FsdpContext no longer has one root"
+        )
+        return
+    assert {"RESTING", "FORWARD", "BACKWARD"} <= set(phase.__members__), _broken(
+        shim, f"FsdpModule.Phase is {list(phase.__members__)}"
+    )
+    assert isinstance(inspect.getattr_static(module_cls, "phase"), property), _broken(
+        shim, "FsdpModule.phase is no longer a property"
+    )
+
+
+def test_backward_pre_hook_and_pre_backward() -> None:
+    """module.py ``_register_hooks``: the full backward pre-hook that
+    ``_once_per_backward`` wraps calls ``pre_backward``, which our structured-output hook
+    calls too."""
+    shim = "_megatron._once_per_backward / _pre_backward_for_structured_output"
+    assert callable(getattr(module_py.FsdpModule, "pre_backward", None)), _broken(
+        shim, "FsdpModule.pre_backward is gone"
+    )
+    source = inspect.getsource(module_py.FsdpModule._register_hooks)
+    assert "register_full_backward_pre_hook" in source and "pre_backward()" in source, _broken(
+        shim, "_register_hooks no longer registers pre_backward as a full backward pre-hook"
+    )
+    if _megatron._PHASE is not None:
+        assert "self.phase = FsdpModule.Phase.BACKWARD" in inspect.getsource(
+            module_py.FsdpModule.pre_backward
+        ), _broken(shim, "pre_backward no longer enters the BACKWARD phase")
+
+
+def test_fully_shard_optimizer_signature() -> None:
+    shim = "_megatron.fully_shard_optimizer"
+    parameters = _parameters(experimental.fully_shard_optimizer)
+    assert list(parameters) == ["optimizer", "precision_aware"], _broken(
+        shim, f"fully_shard_optimizer parameters are {list(parameters)}"
     )
 
 
@@ -402,6 +471,12 @@ def _probe(rank: int, world_size: int) -> dict[str, Any]:
     facts["group_of_sharded"] = _megatron.group_of(entries[0].sharded) is group
     facts["group_of_unsharded"] = _megatron.group_of(entries[0].unsharded) is group
     facts["main_weight_is_dbuffer"] = isinstance(group.main_weight, dbuffer_py.DBuffer)
+    facts["owned_range_matches_local"] = all(
+        _megatron.owned_range(group.main_weight, e.index).numel
+        == _megatron.main_weight_local(group, e.index).numel()
+        for e in entries
+    )
+    facts["group_mesh_ok"] = _megatron.group_mesh(group) is mesh
     facts["owning_module_shim"] = _megatron.owning_module(group) is module
     facts["context_attr"] = isinstance(module._context, module_py.FsdpContext)
     facts["context_property"] = module.context is module._context
@@ -511,10 +586,14 @@ def test_get_containing_parameter_group(facts: dict[str, Any]) -> None:
 
 
 def test_main_weight_buffer(facts: dict[str, Any]) -> None:
-    shim = "uneven_dtensor.chunk_metadata_by_fqn (group.main_weight)"
+    shim = "_megatron.main_weight / owned_range (uneven_dtensor, sharding)"
     assert facts["group_has"]["main_weight"] and facts["main_weight_is_dbuffer"], _broken(
         shim, "FsdpParameterGroup.main_weight is not a DBuffer"
     )
+    assert facts["owned_range_matches_local"], _broken(
+        shim, "owned_range disagrees with DBuffer.get_local_tensor's rows"
+    )
+    assert facts["group_mesh_ok"], _broken("_megatron.group_mesh", "group.mesh is not the mesh")
 
 
 def test_sync_model_weight_from_main_weight(facts: dict[str, Any]) -> None:

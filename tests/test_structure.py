@@ -1,5 +1,5 @@
 """The package's shape, as docs/DESIGN.md states it: sizes, a one-way import graph, and
-megatron-fsdp internals reached through one module only.
+megatron-fsdp internals (imports and attributes) reached through one module only.
 
 Pure source analysis (``ast``), no imports of the package: fast, and it fails the moment a
 change adds an upward import, a private megatron-fsdp access elsewhere, or grows a module
@@ -82,3 +82,67 @@ def test_megatron_internals_only_through_one_module() -> None:
             if not names or not set(names) <= allowed:
                 offenders.append(f"{name}: from {target} import {', '.join(names) or '*'}")
     assert not offenders, offenders
+
+
+# Attributes of megatron-fsdp's internal objects (modules, parameter groups, DBuffers,
+# layouts, contexts) on 0.6.1 or 0.7. Outside MEGATRON_MODULES none may be read or written:
+# the package asks _megatron for them (``main_weight``, ``owned_range``, ``group_mesh``,
+# ...), so a renamed internal breaks one module, not several. Generic names (``mesh``,
+# ``offset``, ``context``) are left out: they are common on torch and DCP objects too.
+MEGATRON_ATTRIBUTES = {
+    "_context",
+    "_FSDP_CONTEXT",
+    "_lazy_init_context",
+    "_mfsdp_parameter_group",
+    "_owning_module",
+    "_parameter_groups",
+    "_reshard_parameter_groups",
+    "_set_module_parameter",
+    "_set_module_parameters",
+    "_switch_to_sharded_parameters",
+    "_switch_to_unsharded_parameters",
+    "_unshard_event",
+    "_unshard_parameter_groups",
+    "_unsharded_model_weight",
+    "allgather_stream",
+    "allocation_stream",
+    "backward_order",
+    "forward_order",
+    "fsdp_parameters",
+    "get_dtensor",
+    "get_local_tensor",
+    "is_last_microbatch",
+    "layout",
+    "local_buffer",
+    "main_grad",
+    "main_weight",
+    "model_weight",
+    "owning_module",
+    "parameter_groups",
+    "parameter_names",
+    "phase",
+    "pre_backward",
+    "reduce_scatter_stream",
+    "sharded_parameters",
+    "sync_model_weight_from_main_weight",
+    "tensor_to_offset",
+    "unsharded_parameters",
+}
+
+
+def test_megatron_attributes_only_in_one_module() -> None:
+    offenders = []
+    for name, tree in _modules().items():
+        if name in MEGATRON_MODULES:
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or node.attr not in MEGATRON_ATTRIBUTES:
+                continue
+            # ``_megatron.main_weight(group)``: the shim's function of that name is the way.
+            if not (isinstance(node.value, ast.Name) and node.value.id == "_megatron"):
+                offenders.append(f"{name}.py:{node.lineno}: .{node.attr}")
+    assert not offenders, offenders
+    # Not vacuous: the shim module itself reads them.
+    shim = _modules()["_megatron"]
+    used = {n.attr for n in ast.walk(shim) if isinstance(n, ast.Attribute)}
+    assert {"main_weight", "layout", "tensor_to_offset", "_unshard_event"} <= used
