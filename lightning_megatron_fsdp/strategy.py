@@ -47,7 +47,6 @@ Alternatives rejected:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 from collections.abc import Generator, Mapping
@@ -104,6 +103,7 @@ from lightning_megatron_fsdp.mesh import (
     MeshRequest,
     build_device_mesh,
     check_mesh_fits_world,
+    destroy_process_groups_at_exit,
     validate_device_mesh,
 )
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
@@ -375,7 +375,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         The group is created with Lightning's ``_init_dist_connection`` and lives until
         the process ends: later stages and any use of the model after ``fit`` run on it.
         Lightning registers its destruction at exit for NCCL only; the strategy does it
-        for every backend (:func:`_destroy_process_groups_at_exit`).
+        for every backend (:func:`~lightning_megatron_fsdp.mesh.destroy_process_groups_at_exit`).
         """
         super().setup_environment()
         world = self.num_nodes * self.num_processes
@@ -390,7 +390,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         if not _distributed_is_initialized():
             _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-            _destroy_process_groups_at_exit()
+            destroy_process_groups_at_exit()
         if self.root_device.type != "cuda":
             enable_cpu_execution()
         if self.precision_plugin.device_type is None:
@@ -944,30 +944,6 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-_EXIT_HOOK: list[Any] = []  # the atexit hook, once registered (one per process)
-
-
-def _destroy_process_groups_at_exit() -> None:
-    """Destroy every process group at interpreter exit, while the interpreter is whole.
-
-    Lightning registers such a hook for NCCL only. A gloo group left to interpreter
-    finalisation is destroyed after Python has torn down: its worker threads then release
-    work objects that hold Python tensors, and the process aborts ("terminate called
-    without an active exception", exit code 134) after its results were written. ``atexit``
-    runs after ``threading`` joined non-daemon threads (an async save's thread has been
-    joined by ``teardown`` already) and before finalisation.
-    """
-    if _EXIT_HOOK:
-        return
-
-    def destroy() -> None:
-        if _distributed_is_initialized():
-            dist.destroy_process_group()
-
-    atexit.register(destroy)
-    _EXIT_HOOK.append(destroy)
 
 
 def _default_checkpoint_io() -> CheckpointIO:

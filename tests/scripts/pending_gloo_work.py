@@ -23,10 +23,10 @@ import torch.distributed as dist
 if __name__ == "__main__":
     hook = sys.argv[1:] == ["exit_hook"]
     if hook:  # imported first: the import is slow, the collective's timing is the point
-        from lightning_megatron_fsdp.strategy import _destroy_process_groups_at_exit
+        from lightning_megatron_fsdp.mesh import destroy_process_groups_at_exit
     dist.init_process_group("gloo")
     if hook:
-        _destroy_process_groups_at_exit()
+        destroy_process_groups_at_exit()
     rank = dist.get_rank()
     tensor = torch.ones(1 << 20)
     if rank == 1:
