@@ -48,6 +48,7 @@ def launch_ranks(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
+                start_new_session=True,  # communicate_all kills its children too
             )
         )
     return communicate_all(processes, timeout)
