@@ -12,8 +12,8 @@ period it can predict the rest, so next-token accuracy climbs from chance (1/32)
 ~80% within a couple of CPU minutes, and the loss falls visibly.
 
 Outputs under ``--out`` (default ``runs/gpt``): ``checkpoints/`` (periodic + ``last.ckpt``,
-each a Megatron-FSDP DCP directory), ``logs/`` (CSV metrics per run) and ``loss.png``, the
-loss curve of every run so far with each resume point marked.
+each a Megatron-FSDP DCP directory), ``logs/`` (CSV metrics per run) and ``loss.png``: the
+runs so far as one loss curve (a resumed run continues it), each resume point marked.
 """
 
 from __future__ import annotations
@@ -144,30 +144,51 @@ class RecordStartStep(Callback):
             Path(log_dir, "start_step.txt").write_text(str(trainer.global_step))
 
 
-def plot_losses(log_dir: Path, output: Path) -> None:
-    """Plot train loss of every run under ``log_dir``, marking where each resume began."""
+def loss_curve(log_dir: Path) -> tuple[list[int], list[float], list[int]]:
+    """One train-loss curve over every run under ``log_dir``, and where each resume began.
+
+    Runs are read in version order. A run that started at step ``s`` (``start_step.txt``)
+    continues the history from there, so it replaces the earlier runs' points at steps
+    ``>= s`` (a resume from an older checkpoint re-trains those steps; a fresh run from 0
+    starts the history over). What is left is one run of training, as an uninterrupted run
+    would have logged it.
+
+    Returns:
+        ``(steps, losses, resumes)``: the curve in step order, and the steps at which a
+        resumed run took over.
+    """
     import csv
 
+    points: dict[int, float] = {}
+    resumes: list[int] = []
+    versions = sorted(log_dir.glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name[8:]))
+    for metrics in versions:
+        with metrics.open() as handle:
+            rows = [r for r in csv.DictReader(handle) if r.get("train_loss")]
+        if not rows:
+            continue
+        start_file = metrics.parent / "start_step.txt"
+        start = int(start_file.read_text()) if start_file.exists() else 0
+        points = {step: loss for step, loss in points.items() if step < start}
+        resumes = [step for step in resumes if step < start] + ([start] if start else [])
+        points.update((int(r["step"]), float(r["train_loss"])) for r in rows)
+    steps = sorted(points)
+    return steps, [points[step] for step in steps], resumes
+
+
+def plot_losses(log_dir: Path, output: Path) -> None:
+    """Plot :func:`loss_curve` as one line, with a dashed marker where each resume began."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    steps, losses, resumes = loss_curve(log_dir)
     figure, axis = plt.subplots(figsize=(7, 4))
-    versions = sorted(log_dir.glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name[8:]))
-    for run, metrics in enumerate(versions):
-        with metrics.open() as handle:
-            rows = [r for r in csv.DictReader(handle) if r.get("train_loss")]
-        steps = [int(r["step"]) for r in rows]
-        losses = [float(r["train_loss"]) for r in rows]
-        if not steps:
-            continue
-        start_file = metrics.parent / "start_step.txt"
-        start = int(start_file.read_text()) if start_file.exists() else 0
-        axis.plot(steps, losses, label=f"run {run}" + (f" (resumed @ {start})" if start else ""))
-        if start:
-            axis.axvline(start, color="gray", linestyle="--", linewidth=1)
-            axis.annotate(f" resume @ step {start}", (start, max(losses)), fontsize=8)
+    axis.plot(steps, losses, color="tab:blue", label="train loss")
+    for start in resumes:
+        axis.axvline(start, color="gray", linestyle="--", linewidth=1)
+        axis.annotate(f" resumed @ step {start}", (start, max(losses)), fontsize=8)
     axis.set(xlabel="global step", ylabel="train loss", title="GPT on repeated patterns")
     axis.legend()
     figure.tight_layout()

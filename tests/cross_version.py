@@ -24,6 +24,7 @@ import megatron_fsdp
 import pytest
 import torch
 
+from tests.harness import THIRD_PARTY_WARNINGS
 from tests.models import PackedLM
 from tests.shard_facts import assemble, same_bits
 
@@ -54,7 +55,8 @@ def _unavailable(reason: str) -> None:
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env["PYTHONWARNINGS"] = "ignore"
+    # Only the named third-party warnings are silenced: ours show in a failure's output.
+    env["PYTHONWARNINGS"] = THIRD_PARTY_WARNINGS
     return env
 
 

@@ -92,10 +92,16 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 
 def communicate_all(processes: list[Any], timeout: float) -> list[tuple[int, str]]:
-    """Each process's (exit code, combined output); every process is killed if time runs out.
+    """Each process's (exit code, combined output); on leaving, however it is left (time
+    ran out, an output could not be read), every process's session is killed.
+
+    Each process must have been started with ``start_new_session=True``, so its session
+    holds its children too (a ``torchrun`` agent's workers, Lightning's relaunched ranks):
+    ``Popen.kill`` alone would orphan them, still running, when the test fails.
 
     Args:
-        processes: ``subprocess.Popen`` objects started with ``stdout=PIPE``, text mode.
+        processes: ``subprocess.Popen`` objects started with ``stdout=PIPE``, text mode,
+            ``start_new_session=True``.
         timeout: Seconds each process may take (waited for in order).
     """
     results = []
@@ -105,9 +111,10 @@ def communicate_all(processes: list[Any], timeout: float) -> list[tuple[int, str
             results.append((process.returncode, output))
     finally:
         for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+            # The session outlives its leader while any member runs; none left: nothing to do.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
     return results
 
 

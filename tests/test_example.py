@@ -1,12 +1,14 @@
 """The README's main command works: the example trains on 2 CPU processes, checkpoints,
 resumes from ``last`` in a new process group mid-epoch, exactly as an uninterrupted run
-trains, and plots the loss with the resume point."""
+trains, and plots both runs as one loss curve with the resume point marked."""
 
 from __future__ import annotations
 
 import csv
+import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from lightning_megatron_fsdp import inspect_checkpoint
 from tests.harness import run_command
@@ -56,6 +58,21 @@ def test_example_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     resumed, reference = _losses(runs[1]), _losses(uninterrupted)
     assert sorted(resumed) == [6, 7, 8], resumed  # Lightning's step index: steps 7-9
     assert resumed == {step: reference[step] for step in resumed}, (resumed, reference)
+
+    # loss.png plots the two runs as one curve, the resume marked: the curve is the
+    # uninterrupted run's, every step once (no gap, no replayed step).
+    steps, losses, resumes = _example().loss_curve(tmp_path / "logs")
+    assert steps == list(range(9)) and resumes == [6], (steps, resumes)
+    assert dict(zip(steps, losses, strict=True)) == reference
+
+
+def _example() -> ModuleType:
+    """The example script, imported as a module (it is not in a package)."""
+    spec = importlib.util.spec_from_file_location("train_gpt_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _losses(run: Path) -> dict[int, float]:

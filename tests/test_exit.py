@@ -78,6 +78,7 @@ def launch_ranks(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,  # communicate_all kills its children too
         )
         for env in _rank_envs(world_size)
     ]

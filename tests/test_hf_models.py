@@ -44,6 +44,7 @@ SEQ_LEN = 8
 BATCH = 2  # per rank
 LR = 0.01
 PROBE = torch.arange(2 * SEQ_LEN).remainder(VOCAB).view(2, SEQ_LEN)
+DECODER_LAYERS = (LlamaDecoderLayer, GPT2Block)
 
 
 def llama_config() -> LlamaConfig:
@@ -94,9 +95,24 @@ class LitCausalLM(pl.LightningModule):
         super().__init__()
         self.model = build(name)
         if checkpointing:
-            self.model.activation_checkpointing_enable()
+            # transformers 5 renamed gradient_checkpointing_enable (kept as a deprecated alias).
+            enable = getattr(self.model, "activation_checkpointing_enable", None)
+            (enable or self.model.gradient_checkpointing_enable)()
         self.records: dict[int, dict[str, Tensor]] = {}
         self.samples: list[Tensor] = []
+        # Calls of a module inside the first decoder layer during training: two per step
+        # (the forward and its recompute in backward) when activation checkpointing really
+        # runs. (transformers checkpoints the layer's forward, not its hooks.)
+        self.layer_calls = 0
+        self.layer_calls_in_training = 0
+        first_layer = next(m for m in self.model.modules() if isinstance(m, DECODER_LAYERS))
+        next(first_layer.children()).register_forward_pre_hook(self._count_layer_call)
+
+    def _count_layer_call(self, module: nn.Module, args: Any) -> None:
+        self.layer_calls += 1
+
+    def on_train_end(self) -> None:
+        self.layer_calls_in_training = self.layer_calls
 
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         (tokens,) = batch
@@ -161,7 +177,12 @@ def _fit_llama(rank: int, world_size: int, root: str) -> dict[str, Any]:
     trainer = _trainer(world_size, Path(root), LlamaDecoderLayer, max_steps=LLAMA_STEPS)
     trainer.fit(model, data)
     units = sorted(n for n, m in model.named_modules() if isinstance(m, FsdpModule))
-    return {"records": model.records, "logits": _logits(model.model), "units": units}
+    return {
+        "records": model.records,
+        "logits": _logits(model.model),
+        "units": units,
+        "layer_calls": model.layer_calls_in_training,
+    }
 
 
 def test_llama_trains_like_a_single_process_reference(tmp_path: Path) -> None:
@@ -169,6 +190,8 @@ def test_llama_trains_like_a_single_process_reference(tmp_path: Path) -> None:
     world_size = 3
     results = run_distributed(_fit_llama, world_size, str(tmp_path), init_process_group=False)
     assert results[0]["units"] == ["model", "model.model.layers.0", "model.model.layers.1"]
+    for facts in results:  # activation checkpointing recomputed every layer in backward
+        assert facts["layer_calls"] == 2 * LLAMA_STEPS, facts["layer_calls"]
     reference = build("llama")
     optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
     for step in range(LLAMA_STEPS):

@@ -55,7 +55,13 @@ def _wait(processes: list[subprocess.Popen[str]]) -> None:
 
 def _popen(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        args,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # communicate_all kills the agents' workers too
     )
 
 

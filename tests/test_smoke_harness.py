@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_command, run_distributed, spawned
+from tests.harness import communicate_all, run_command, run_distributed, spawned
 
 
 def _sum_ranks(rank: int, world_size: int) -> int:
@@ -95,3 +95,30 @@ def test_run_command_kills_a_command_that_times_out() -> None:
         run_command(_FAMILY, timeout=1)
     completed = run_command(["sh", "-c", "echo out; echo err >&2; exit 3"], timeout=30)
     assert (completed.returncode, completed.stdout, completed.stderr) == (3, "out\n", "err\n")
+
+
+def test_communicate_all_kills_each_session_when_time_runs_out(tmp_path: Path) -> None:
+    """Launched ranks (torchrun agents and their workers) die with a test that timed out."""
+    pid_files = [tmp_path / f"child{i}" for i in range(2)]
+    processes = [
+        subprocess.Popen(
+            ["sh", "-c", f"sleep 600 & echo $! > {path}; wait"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for path in pid_files
+    ]
+    deadline = time.monotonic() + 10
+    while not all(p.exists() and p.read_text().strip() for p in pid_files):
+        assert time.monotonic() < deadline, "the shells did not start their children"
+        time.sleep(0.05)
+    children = [int(p.read_text()) for p in pid_files]
+    with pytest.raises(subprocess.TimeoutExpired):
+        communicate_all(processes, timeout=1)
+    deadline = time.monotonic() + 10
+    while any(map(_running, children)) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the orphans are reaped by whoever adopts them
+    assert not any(_running(p.pid) for p in processes)
+    assert not any(map(_running, children)), children
