@@ -21,6 +21,7 @@ the command itself left children behind -- is killed, grandchildren included.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing as mp
 import os
 import pickle
@@ -68,11 +69,29 @@ _CONTEXT.set_forkserver_preload(_PRELOAD)
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=45)
 
 
+_PORT_RANGE = (20000, 32000)  # below Linux's ephemeral range (32768-60999)
+_ports_taken = itertools.count()
+
+
 def free_port() -> int:
-    """Return a TCP port on loopback that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """Return a TCP port on loopback that was free a moment ago, for a rendezvous.
+
+    Not one the kernel picks (``bind(0)``): that comes from the ephemeral range, which every
+    outgoing connection (gloo opens many) also draws from, so it can be taken again between
+    this call and the rendezvous binding it. Ports below that range are taken only by
+    explicit binds; each process (a pytest-xdist worker, a parallel session) walks its own
+    sequence through them, so two callers do not race for one port.
+    """
+    low, high = _PORT_RANGE
+    for _ in range(high - low):
+        port = low + (os.getpid() * 7919 + next(_ports_taken) * 127) % (high - low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {low}-{high} on loopback")
 
 
 def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
