@@ -35,6 +35,10 @@ the async save replaced, one at a time, by what it does in the background --
   synchronous save takes: memory bandwidth;
 * ``Python only``: a thread that only runs Python bytecode for as long as a synchronous
   save takes: the GIL.
+* ``bytes only``: a thread at the save's priority that does once what any safe writer of
+  these bytes must: CRC-32 (the zip's), CRC32C and write the rank's state to a file in
+  1 MiB blocks, then fsync it. No DCP, no planning, no Python per record: the floor a
+  background save can reach on this machine.
 
 Run: ``python -m benchmarks.bench_async_save [--quick] [--json PATH]`` from the repo root.
 """
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -51,35 +56,47 @@ import time
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-import lightning_megatron_fsdp.checkpoint_io as checkpoint_io
+import lightning_megatron_fsdp.checkpoint_parts as checkpoint_parts
 from benchmarks.bench_save_load import (
     QUICK_WIDTH,
     WIDTH,
     BenchLM,
     bench_main,
     build_sharded,
+    local_tensors,
     median,
     resident_bytes,
     save_state,
     timed,
 )
-from lightning_megatron_fsdp import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp import MegatronFSDPCheckpointIO, tensor_records
 from tests.harness import run_distributed
 
 __all__ = ["VARIANTS", "format_table", "main", "run"]
 
 BATCH, SEQ = 4, 32
 # Background activities of --diagnose (see the module docstring); the first is the product.
-VARIANTS = ("default", "no checksums", "not niced", "memory copy only", "Python only")
-_THREAD_VARIANTS = ("memory copy only", "Python only")
+VARIANTS = (
+    "default",
+    "no checksums",
+    "not niced",
+    "memory copy only",
+    "Python only",
+    "bytes only",
+)
+_THREAD_VARIANTS = ("memory copy only", "Python only", "bytes only")
 
 
-def _background_load(variant: str, seconds: float, nbytes: int) -> threading.Thread:
-    """Start a thread doing only one of the async save's kinds of work for ``seconds``."""
+def _background_load(
+    variant: str, seconds: float, nbytes: int, tensors: list[Tensor], path: Path
+) -> threading.Thread:
+    """Start a thread doing only one of the async save's kinds of work: for ``seconds``
+    (memory copy, Python), or once over ``tensors`` into ``path`` (bytes only)."""
 
     def copy_only() -> None:
         source = torch.empty(nbytes // 4)
@@ -93,7 +110,23 @@ def _background_load(variant: str, seconds: float, nbytes: int) -> threading.Thr
         while time.perf_counter() < end:
             count += 1
 
-    thread = threading.Thread(target=copy_only if variant == "memory copy only" else python_only)
+    def bytes_only() -> None:
+        checkpoint_parts._lower_thread_priority()
+        with open(path, "wb") as file:
+            for tensor in tensors:
+                view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                crc = value = 0
+                for start in range(0, view.nbytes, 1 << 20):
+                    block = view[start : start + (1 << 20)]
+                    crc = tensor_records._payload_crc32(block, crc)
+                    value = crc32c.crc32c(block, value)
+                    file.write(block)
+            file.flush()
+            os.fsync(file.fileno())
+        path.unlink()
+
+    target = {"memory copy only": copy_only, "Python only": python_only}.get(variant, bytes_only)
+    thread = threading.Thread(target=target)
     thread.start()
     return thread
 
@@ -140,7 +173,7 @@ def _measure(
     rank: int, world_size: int, width: int, directory: str, repeats: int, variant: str = "default"
 ) -> dict[str, Any]:
     if variant == "not niced":
-        checkpoint_io._BACKGROUND_NICE = 0
+        checkpoint_parts._BACKGROUND_NICE = 0  # read by _lower_thread_priority
     model, optimizer = build_sharded(width, world_size)
     vocab = model.vocab
     step_index = 0
@@ -156,6 +189,7 @@ def _measure(
     sync_io = MegatronFSDPCheckpointIO()
     async_io = MegatronFSDPCheckpointIO(async_save=True, write_checksums=variant != "no checksums")
     state_bytes = resident_bytes(model, optimizer)
+    state_tensors = [t.contiguous() for t in local_tensors(save_state(model, optimizer)).values()]
     # Warm-up saves: the async plugin creates its background process group on first use.
     for io, name in ((sync_io, "warm-sync"), (async_io, "warm-async")):
         _save(model, optimizer, io, root / name)
@@ -184,7 +218,9 @@ def _measure(
                 idle += [_train_step(model, optimizer, next_batch()) for _ in range(steps)]
             elif variant in _THREAD_VARIANTS:  # --diagnose: one kind of work, no save
                 dist.barrier()
-                load = _background_load(variant, sync_probe, state_bytes)
+                load = _background_load(
+                    variant, sync_probe, state_bytes, state_tensors, root / "bytes-only.bin"
+                )
                 flags, times = [], []
                 for _ in range(steps):
                     flags.append(load.is_alive())

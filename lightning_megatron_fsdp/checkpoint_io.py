@@ -34,10 +34,10 @@ How (the format is in :mod:`lightning_megatron_fsdp.manifest` and docs/DESIGN.md
   ``atomic_load=True`` reads into CPU copies first, so any failure leaves every target as
   it was, for one more copy of the rank's shards in memory. DCP reshards by global offset.
 * Async save. Each rank copies its shards to CPU memory itself (DCP's ``DefaultStager``
-  fails on packed shards, see :func:`_stage`), keeping the chunk hooks on the copies;
-  one background thread of lowered CPU priority then runs ``dcp.save`` on them over a
-  dedicated gloo group and commits as above. (``dcp.async_save`` would run the same save
-  on a thread of its own executor, whose priority we do not control.)
+  fails on packed shards, see :func:`_stage`), into the previous async save's copies
+  (:class:`_StagingBuffers`), keeping the chunk hooks; one background thread of lowered
+  CPU priority runs ``dcp.save`` on them over a dedicated gloo group and commits as above.
+  ``dcp.async_save`` rejected: docs/DESIGN.md, "Async save" (thread and process kinds).
 * Lost peers. A rank that dies (or hangs) makes its peers' next collective fail (at the
   latest after the process group's timeout); every collective of a save or load turns
   that into a :class:`CheckpointSaveError` / :class:`CheckpointError` naming the phase,
@@ -101,6 +101,7 @@ from lightning_megatron_fsdp.checkpoint_parts import (
     _SaveJob,
     _split_checkpoint,
     _stage,
+    _StagingBuffers,
     _timeout_of,
     _versions,
     _write_meta,
@@ -210,9 +211,10 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
     Args:
         async_save: Write in the background (``dcp.save`` on a thread of lowered CPU
             priority); ``save_checkpoint`` returns once the shards are copied to CPU
-            memory. At most one save is in flight; its error surfaces at the next
-            ``save_checkpoint``, ``load_checkpoint``, :meth:`wait`, :meth:`poll` or
-            :meth:`teardown`.
+            memory, into the previous async save's copy (held until :meth:`teardown`:
+            one CPU copy of the rank's state). At most one save is in flight; its error
+            surfaces at the next ``save_checkpoint``, ``load_checkpoint``, :meth:`wait`,
+            :meth:`poll` or :meth:`teardown`.
         verify_checksums: On load, check ``meta.pt`` and ``.metadata`` against their
             CRC32C before DCP plans, and every record against its CRC32C as it is read
             (records no rank reads are not checked; ``inspect --verify`` checks every
@@ -298,6 +300,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         self._in_flight_path: Path | None = None
         self._committer: concurrent.futures.ThreadPoolExecutor | None = None
         self._background_group: dist.ProcessGroup | None = None
+        self._staging = _StagingBuffers()  # the async save's CPU copies, reused
 
     # ----------------------------------------------------------------------------- save
 
@@ -395,7 +398,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 job.written[META_FILE] = _write_meta(job.staging / META_FILE, meta, job)
             writer = (self._writer_factory(storage_options) or self._default_writer)(job.staging)
             if self.async_save:
-                tensors = _stage(tensors)
+                tensors = self._staging.stage(tensors)
         except Exception as err:
             error = f"rank {comm.rank}: {describe(err)}"
         try:
@@ -726,6 +729,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         try:
             self.wait()
         finally:
+            self._staging.release()
             if self._committer is not None:
                 self._committer.shutdown(wait=True)
                 self._committer = None
@@ -811,13 +815,8 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             ) from err
         agree_before_reading(comm, final, problems)
         manifest = read_manifest(final)
-        if manifest.world_size != comm.world_size:
-            log.info(
-                "Loading %s, saved by %d ranks, on %d ranks: DCP reshards by global offset.",
-                final,
-                manifest.world_size,
-                comm.world_size,
-            )
+        if (saved := manifest.world_size) != (ranks := comm.world_size):
+            log.info("Loading %s, saved by %d ranks, on %d: DCP reshards.", final, saved, ranks)
         assert reader is not None
         if isinstance(reader, VerifyingFileSystemReader):
             reader.expect(manifest, verify=self.verify_checksums)

@@ -624,6 +624,16 @@ def _async_vs_sync(rank: int, world_size: int, root: str) -> dict:
     plugin.wait()
     dist.barrier()
     removed_exists = (root_path / "removed").exists()
+    # A later async save copies into the earlier saves' staging buffers (the same memory)
+    # and still writes exactly what a sync save of the state at its call writes.
+    first_buffers = {t.data_ptr() for t in plugin._staging._held}
+    _step(model, adam, 1)
+    checkpoint = _checkpoint(model, adam, step=6)
+    MegatronFSDPCheckpointIO().save_checkpoint(checkpoint, root_path / "sync2")
+    plugin.save_checkpoint(checkpoint, root_path / "async2")
+    reused = {t.data_ptr() for t in plugin._staging._held} == first_buffers
+    _step(model, adam, 1)
+    plugin.wait()
     # teardown waits for the last save.
     plugin.save_checkpoint(_checkpoint(model, adam, step=5), root_path / "teardown")
     plugin.teardown()
@@ -636,6 +646,7 @@ def _async_vs_sync(rank: int, world_size: int, root: str) -> dict:
         "after_failure_step": after_failure_step,
         "complete_after_teardown": complete_after_teardown,
         "removed_exists": removed_exists,
+        "reused": reused and bool(first_buffers),
         "listing": sorted(os.listdir(root_path)),
     }
 
@@ -815,6 +826,7 @@ def test_bad_inputs_raise_on_every_rank(tmp_path: Path) -> None:
 def test_async_save_equals_sync_save_and_reports_failures(tmp_path: Path) -> None:
     results = _run(_async_vs_sync, 2, str(tmp_path))
     assert_same_save(tmp_path / "sync", tmp_path / "async", world_size=2)
+    assert_same_save(tmp_path / "sync2", tmp_path / "async2", world_size=2)
     before = assemble([r["before"] for r in results])
     changed = assemble([r["changed"] for r in results])
     assert any(not torch.equal(before[k], changed[k]) for k in before if "exp_avg" in k)
@@ -823,7 +835,8 @@ def test_async_save_equals_sync_save_and_reports_failures(tmp_path: Path) -> Non
         assert facts["after_failure_step"] == 3  # the failed saves left the old one
         assert facts["complete_after_teardown"]
         assert not facts["removed_exists"]
-        assert facts["listing"] == ["async", "sync", "teardown"]
+        assert facts["reused"]
+        assert facts["listing"] == ["async", "async2", "sync", "sync2", "teardown"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -1036,9 +1049,11 @@ def test_async_save_equals_sync_save_on_gpu(tmp_path: Path) -> None:
 
 def test_records_carry_their_crc32c_and_any_dcp_reader_reads_them(tmp_path: Path) -> None:
     """Every record's CRC32C (checked here with the ``crc32c`` package over the bytes on
-    disk) and its tensor payload offset ride in ``.metadata``; torch's own reader and ours
-    both load the files bit-exactly, including a view into a packed buffer, a transposed
-    tensor, bf16, an empty and a 0-d tensor."""
+    disk) and its tensor payload offset ride in ``.metadata``; each record is byte for byte
+    ``torch.save``'s output for its tensor (the second tensor of a kind is written from the
+    first one's template); torch's own reader and ours both load the files bit-exactly,
+    including a view into a packed buffer, a transposed tensor, bf16, an empty and a 0-d
+    tensor."""
     packed = torch.arange(40, dtype=torch.float32)
     tensors = {
         "view": packed[10:22].view(3, 4),
@@ -1047,6 +1062,8 @@ def test_records_carry_their_crc32c_and_any_dcp_reader_reads_them(tmp_path: Path
         "empty": torch.empty(0, 2),
         "scalar": torch.tensor(7),
         "ints": torch.arange(9, dtype=torch.int64),
+        "ints_2": torch.arange(9, 18, dtype=torch.int64),
+        "bf16_2": torch.randn(5, generator=torch.Generator().manual_seed(1)).bfloat16(),
     }
     path = tmp_path / "records.ckpt"
     MegatronFSDPCheckpointIO().save_checkpoint({"state_dict": tensors, "global_step": 1}, path)
@@ -1060,6 +1077,10 @@ def test_records_carry_their_crc32c_and_any_dcp_reader_reads_them(tmp_path: Path
         raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
         _, payload = record["payload"]
         assert data[payload : payload + len(raw)] == raw, index.fqn
+        # The record is exactly torch.save's output for the tensor in a storage of its own.
+        expected = io.BytesIO()
+        torch.save(tensor.clone(memory_format=torch.contiguous_format), expected)
+        assert data == expected.getvalue(), index.fqn
         payloads += 1
     assert payloads == len(tensors)
 
