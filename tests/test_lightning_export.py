@@ -61,6 +61,7 @@ from lightning_megatron_fsdp import (
     load_full_weights,
     load_lightning_module,
     shard_module,
+    sharding_scope,
 )
 from lightning_megatron_fsdp.cli import main
 from lightning_megatron_fsdp.lightning_checkpoint import EXPORT_INFO_KEY
@@ -469,9 +470,10 @@ def _with_unknown_dtype(source: Path, destination: Path, key: str, code: str) ->
 
 def _shard(module: torch.nn.Module, blocks: torch.nn.ModuleList) -> torch.nn.Module:
     mesh = dp_mesh(dist.get_world_size())
-    for block in blocks:
-        shard_module(block, mesh, fsdp_placements())
-    shard_module(module, mesh, fsdp_placements())
+    with sharding_scope():  # one context for the blocks and their parent (megatron-fsdp 0.7)
+        for block in blocks:
+            shard_module(block, mesh, fsdp_placements())
+        shard_module(module, mesh, fsdp_placements())
     return module
 
 
