@@ -206,22 +206,35 @@ def _parse(prefix: bytes, nbytes: int, suffix: bytes) -> _Template | None:
     return template if template.render(crc) == suffix else None
 
 
-class _Capture(io.RawIOBase):
+class _Forward(io.RawIOBase):
+    """A stream that hands every write to ``write``."""
+
+    def __init__(self, write: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self._write = write
+
+    @override
+    def writable(self) -> bool:
+        return True
+
+    @override
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._write(view)
+        return view.nbytes
+
+
+class _Capture(_Forward):
     """The stream ``torch.save`` writes a learning record to: forwards every write and
     keeps a copy of each but the payload (the one write of exactly ``nbytes`` bytes, above
     :data:`_SMALL`)."""
 
     def __init__(self, write: Callable[[Any], Any], nbytes: int) -> None:
-        super().__init__()
-        self._write = write
+        super().__init__(write)
         self._nbytes = nbytes
         self.before = bytearray()
         self.after = bytearray()
         self.skipped = False
-
-    @override
-    def writable(self) -> bool:
-        return True
 
     @override
     def write(self, data: Any) -> int:
@@ -371,24 +384,6 @@ def _learn(capture: _Capture, tensor: torch.Tensor, nbytes: int) -> _Template | 
         if template is not None and template.render(crc) == suffix:
             return template
     return None
-
-
-class _Forward(io.RawIOBase):
-    """A stream that hands every write to ``write``."""
-
-    def __init__(self, write: Callable[[Any], Any]) -> None:
-        super().__init__()
-        self._write = write
-
-    @override
-    def writable(self) -> bool:
-        return True
-
-    @override
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self._write(view)
-        return view.nbytes
 
 
 def _calibrate() -> bool:

@@ -4,40 +4,51 @@ trains, and plots both runs as one loss curve with the resume point marked."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
 
 from lightning_megatron_fsdp import inspect_checkpoint
-from tests.harness import run_command
+from tests.harness import free_port, spawned
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 
 
-def _run(out: Path, *args: str) -> None:
-    command = [
-        sys.executable,
-        str(EXAMPLE),
-        "--out",
-        str(out),
-        "--checkpoint-every",
-        "3",
-        "--log-every",
-        "1",
-        *args,
-    ]
-    result = run_command(command, timeout=240)  # Lightning's rank 1 too, whatever happens
-    assert result.returncode == 0, f"{command} exited {result.returncode}:\n{result.stderr[-4000:]}"
-    assert "terminate called" not in result.stderr
+def _runs(*runs: tuple[Path, tuple[str, ...]]) -> None:
+    """Run the example once per ``(out, args)``, as the README does, all at the same time.
+
+    Lightning's own launcher starts rank 1 only once rank 0 has imported everything, so a
+    run leaves a core idle for a while; two runs side by side fill it. Each run gets its
+    own rendezvous port. Lightning's rank 1 is killed too, whatever happens.
+    """
+    with contextlib.ExitStack() as stack:
+        started = []
+        for out, args in runs:
+            command = [
+                sys.executable, str(EXAMPLE), "--out", str(out),
+                "--checkpoint-every", "3", "--log-every", "1", *args,
+            ]  # fmt: skip
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+            started.append((command, stack.enter_context(spawned(command, env=env))))
+        for command, process in started:
+            _, stderr = process.communicate(timeout=240)
+            assert process.returncode == 0, (
+                f"{command} exited {process.returncode}:\n{stderr[-4000:]}"
+            )
+            assert "terminate called" not in stderr
 
 
 def test_example_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
-    _run(tmp_path, "--max-steps", "6")
+    # The first half, and beside it the uninterrupted run the resume is compared with.
+    straight = tmp_path / "uninterrupted"
+    _runs((tmp_path, ("--max-steps", "6")), (straight, ("--max-steps", "9")))
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert inspect_checkpoint(last).global_step == 6
-    _run(tmp_path, "--max-steps", "9", "--ckpt-path", "last")
+    _runs((tmp_path, ("--max-steps", "9", "--ckpt-path", "last")))
 
     assert inspect_checkpoint(last).global_step == 9
     assert inspect_checkpoint(last).world_size == 2
@@ -52,8 +63,6 @@ def test_example_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
 
     # The resume is exact: mid-epoch (step 6 of a 625-step epoch), with a resumable loader
     # and the checkpointed RNG states, steps 7-9 equal an uninterrupted run's, to the bit.
-    straight = tmp_path / "uninterrupted"
-    _run(straight, "--max-steps", "9")
     (uninterrupted,) = sorted((straight / "logs").glob("version_*"))
     resumed, reference = _losses(runs[1]), _losses(uninterrupted)
     assert sorted(resumed) == [6, 7, 8], resumed  # Lightning's step index: steps 7-9
