@@ -9,6 +9,7 @@ ranks' shards), both must train to the same bits, and every process must exit cl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness import THIRD_PARTY_WARNINGS, run_command
+from tests.harness import THIRD_PARTY_WARNINGS, spawned
 from tests.scripts.strategy_fit import BATCH, LR, STEPS, Model, dataset
 from tests.test_strategy import ATOL, _global_batches
 
@@ -28,19 +29,34 @@ SCRIPT = Path(__file__).parent / "scripts" / "strategy_fit.py"
 REPO = Path(__file__).parent.parent
 
 
-def _launch(command: list[str], out_dir: Path) -> list[dict[str, Any]]:
+def _launch_together(
+    launches: dict[str, tuple[list[str], Path]],
+) -> dict[str, list[dict[str, Any]]]:
+    """Run each launch ``name: (command, out_dir)`` at the same time; each one's reports.
+
+    Side by side because Lightning's own launcher starts rank 1 only after rank 0 has
+    imported everything, leaving a core idle that the other launch uses.
+    """
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": THIRD_PARTY_WARNINGS}
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
         env.pop(key, None)
-    # Every process of the launch (Lightning's rank 1, torchrun's workers) dies with the test.
-    completed = run_command(command, cwd=str(REPO), env=env, timeout=240)
-    output = completed.stdout + completed.stderr
-    assert completed.returncode == 0, output[-4000:]
-    # A process that exits with live process-group threads aborts with this message.
-    assert "terminate called" not in output, output[-4000:]
-    reports = sorted(out_dir.glob("rank*.json"))
-    assert [p.name for p in reports] == ["rank0.json", "rank1.json"], output[-4000:]
-    return [json.loads(p.read_text()) for p in reports]
+    results = {}
+    # Every process of a launch (Lightning's rank 1, torchrun's workers) dies with the test.
+    with contextlib.ExitStack() as stack:
+        processes = {
+            name: stack.enter_context(spawned(command, cwd=str(REPO), env=env))
+            for name, (command, _) in launches.items()
+        }
+        for name, process in processes.items():
+            stdout, stderr = process.communicate(timeout=240)
+            output = stdout + stderr
+            assert process.returncode == 0, (name, output[-4000:])
+            # A process that exits with live process-group threads aborts with this message.
+            assert "terminate called" not in output, (name, output[-4000:])
+            reports = sorted(launches[name][1].glob("rank*.json"))
+            assert [p.name for p in reports] == ["rank0.json", "rank1.json"], output[-4000:]
+            results[name] = [json.loads(p.read_text()) for p in reports]
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -78,41 +94,39 @@ def _assert_matches_reference(reports: list[dict[str, Any]], reference: dict[str
 
 
 @pytest.fixture(scope="module")
-def self_launched(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out_dir = tmp_path_factory.mktemp("self_launched")
-    return _launch([sys.executable, str(SCRIPT), str(out_dir)], out_dir)
+def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Both launches of the script: ``devices=2`` from the script, and torchrun."""
+    self_dir, torchrun_dir = (tmp_path_factory.mktemp(n) for n in ("self", "torchrun"))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return _launch_together(
+        {
+            "self": ([sys.executable, str(SCRIPT), str(self_dir)], self_dir),
+            "torchrun": ([*torchrun, "--nproc-per-node", "2", str(SCRIPT), str(torchrun_dir)],
+                         torchrun_dir),
+        }
+    )  # fmt: skip
 
 
 def test_devices_2_self_launch_trains_on_two_ranks(
-    self_launched: list[dict[str, Any]], reference: dict[str, Any]
+    launched: dict[str, list[dict[str, Any]]], reference: dict[str, Any]
 ) -> None:
     """``Trainer(devices=2)`` from a script: Lightning spawns rank 1 and both train like
     one process would."""
-    for rank, report in enumerate(self_launched):
+    for rank, report in enumerate(launched["self"]):
         assert report["rank"] == rank and report["world_size"] == 2
         assert report["environment"] == "LightningEnvironment"
         assert len(report["losses"]) == STEPS
-    _assert_matches_reference(self_launched, reference)
+    _assert_matches_reference(launched["self"], reference)
 
 
 def test_torchrun_matches_self_launch(
-    self_launched: list[dict[str, Any]], reference: dict[str, Any], tmp_path: Path
+    launched: dict[str, list[dict[str, Any]]], reference: dict[str, Any]
 ) -> None:
     """``torchrun --nproc-per-node 2``: external launch, trains like one process, and
     bit-identically to the self-launch."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(SCRIPT),
-        str(tmp_path),
-    ]
-    reports = _launch(command, tmp_path)
+    reports = launched["torchrun"]
     _assert_matches_reference(reports, reference)
-    for report, launched in zip(reports, self_launched, strict=True):
+    for report, self_launched in zip(reports, launched["self"], strict=True):
         assert report["environment"] == "TorchElasticEnvironment"
-        assert report["losses"] == launched["losses"]
-        assert report["shards"] == launched["shards"]
+        assert report["losses"] == self_launched["losses"]
+        assert report["shards"] == self_launched["shards"]
