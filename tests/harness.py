@@ -29,6 +29,8 @@ import queue
 import signal
 import socket
 import subprocess
+import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -38,6 +40,7 @@ import torch.distributed as dist
 
 __all__ = [
     "THIRD_PARTY_WARNINGS",
+    "LaunchTimeoutError",
     "communicate_all",
     "free_port",
     "run_command",
@@ -110,9 +113,27 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def communicate_all(processes: list[Any], timeout: float) -> list[tuple[int, str]]:
+class LaunchTimeoutError(subprocess.TimeoutExpired):
+    """Launched processes that did not finish in time, with what every process printed."""
+
+    def __init__(self, timeout: float, report: str) -> None:
+        super().__init__("launched processes", timeout)
+        self.report = report
+
+    def __str__(self) -> str:
+        return self.report
+
+
+def communicate_all(
+    processes: list[Any], timeout: float, grace: float = 30.0
+) -> list[tuple[int, str]]:
     """Each process's (exit code, combined output); on leaving, however it is left (time
     ran out, an output could not be read), every process's session is killed.
+
+    The processes are waited for together, so a peer left hanging by one that failed
+    (a torchrun agent whose partner could not bind its port, a rank whose peer died
+    before a rendezvous) costs ``grace`` seconds and is reported next to the failure,
+    instead of the whole ``timeout`` and a bare timeout error.
 
     Each process must have been started with ``start_new_session=True``, so its session
     holds its children too (a ``torchrun`` agent's workers, Lightning's relaunched ranks):
@@ -121,20 +142,51 @@ def communicate_all(processes: list[Any], timeout: float) -> list[tuple[int, str
     Args:
         processes: ``subprocess.Popen`` objects started with ``stdout=PIPE``, text mode,
             ``start_new_session=True``.
-        timeout: Seconds each process may take (waited for in order).
+        timeout: Seconds all of them may take together.
+        grace: Seconds the others may still take once one has exited non-zero.
+
+    Raises:
+        LaunchTimeoutError: Some did not finish; its message has every process's exit
+            code (or "still running") and the tail of its output.
     """
-    results = []
+    outputs: list[str | None] = [None] * len(processes)
+
+    def read(index: int) -> None:
+        outputs[index], _ = processes[index].communicate()
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(processes))]
     try:
-        for process in processes:
-            output, _ = process.communicate(timeout=timeout)
-            results.append((process.returncode, output))
+        for reader in readers:
+            reader.start()
+        deadline = time.monotonic() + timeout
+        while any(r.is_alive() for r in readers) and time.monotonic() < deadline:
+            if any(p.returncode not in (None, 0) for p in processes):
+                deadline = min(deadline, time.monotonic() + grace)
+            for reader in readers:
+                reader.join(0.1)
+        running = [r.is_alive() for r in readers]
     finally:
         for process in processes:
             # The session outlives its leader while any member runs; none left: nothing to do.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    return results
+        for reader in readers:
+            if reader.ident is not None:
+                reader.join(10)
+    if any(running):
+        states = [
+            f"process {i}: {'still running (killed)' if alive else f'exit code {p.returncode}'}"
+            + "\n"
+            + "\n".join((outputs[i] or "").splitlines()[-15:])
+            for i, (p, alive) in enumerate(zip(processes, running, strict=True))
+        ]
+        raise LaunchTimeoutError(
+            timeout,
+            f"{sum(running)} of {len(processes)} launched processes did not finish "
+            f"(timeout {timeout} s, {grace} s after a failure)\n" + "\n\n".join(states),
+        )
+    return [(p.returncode, outputs[i] or "") for i, p in enumerate(processes)]
 
 
 def _worker(

@@ -10,7 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import communicate_all, run_command, run_distributed, spawned
+from tests.harness import (
+    LaunchTimeoutError,
+    communicate_all,
+    run_command,
+    run_distributed,
+    spawned,
+)
 
 
 def _sum_ranks(rank: int, world_size: int) -> int:
@@ -122,3 +128,31 @@ def test_communicate_all_kills_each_session_when_time_runs_out(tmp_path: Path) -
         time.sleep(0.05)  # the orphans are reaped by whoever adopts them
     assert not any(_running(p.pid) for p in processes)
     assert not any(map(_running, children)), children
+
+
+def test_communicate_all_stops_waiting_soon_after_one_fails() -> None:
+    """A peer left waiting by a process that failed costs the grace period, not the
+    timeout, and the error shows both: the failure's exit code and output, and the peer."""
+
+    def launch(script: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            ["sh", "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
+    processes = [launch("echo could not bind; exit 3"), launch("echo waiting; exec sleep 600")]
+    started = time.monotonic()
+    with pytest.raises(LaunchTimeoutError) as raised:
+        communicate_all(processes, timeout=120, grace=1)
+    assert time.monotonic() - started < 30
+    report = str(raised.value)
+    assert report.startswith("1 of 2 launched processes did not finish"), report
+    assert "process 0: exit code 3\ncould not bind" in report, report
+    assert "process 1: still running (killed)\nwaiting" in report, report
+    assert all(p.returncode is not None for p in processes)
+    # Finished processes are returned as they ended, whatever their exit codes.
+    done = [launch("echo fine"), launch("echo bad; exit 5")]
+    assert communicate_all(done, timeout=30, grace=1) == [(0, "fine\n"), (5, "bad\n")]
