@@ -91,8 +91,11 @@ def _data() -> TensorDataset:
     return TensorDataset(torch.randn(2 * STEPS, 4, generator=torch.Generator().manual_seed(1)))
 
 
-def _reference(module: nn.Module, batches: Any) -> list[Tensor]:
+def _reference(module: nn.Module, batches: Any, optimizer_adapter: Any = None) -> list[Tensor]:
+    """SGD over ``batches``; ``optimizer_adapter`` (if any) is applied to the optimizer first."""
     optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+    if optimizer_adapter is not None:
+        optimizer_adapter(optimizer)
     losses = []
     for (x,) in batches:
         loss = module(x).square().mean()
@@ -109,16 +112,7 @@ def _manual_loop(optimizer_adapter: Any) -> list[Tensor]:
     with sharding.sharding_scope():
         for unit in sharding.plan_units(model, None):
             sharding.shard_module(unit, dp_mesh(1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    optimizer_adapter(optimizer)
-    losses = []
-    for (x,) in DataLoader(_data(), batch_size=2):
-        loss = model(x).square().mean()
-        losses.append(loss.detach().clone())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return losses
+    return _reference(model, DataLoader(_data(), batch_size=2), optimizer_adapter)
 
 
 class Tupled(nn.Module):
