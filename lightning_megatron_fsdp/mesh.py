@@ -21,9 +21,7 @@ Layout of the 2-D (HSDP) mesh over 4 ranks, ``device_mesh=(2, 2)``::
 
 from __future__ import annotations
 
-import atexit
 import math
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -37,7 +35,6 @@ __all__ = [
     "MeshRequest",
     "build_device_mesh",
     "check_mesh_fits_world",
-    "destroy_process_groups_at_exit",
     "validate_device_mesh",
 ]
 
@@ -165,27 +162,3 @@ def build_device_mesh(
         mesh=ranks,
         mesh_dim_names=(REPLICATE_DIM, SHARD_DIM),
     )
-
-
-_EXIT_HOOKS: list[Callable[[], None]] = []  # the atexit hook, once registered (one per process)
-
-
-def destroy_process_groups_at_exit() -> None:
-    """Destroy every process group at interpreter exit, while the interpreter is whole.
-
-    Lightning registers such a hook for NCCL only. A gloo group left to interpreter
-    finalisation is destroyed after Python has torn down: its worker threads then release
-    work objects that hold Python tensors, and the process aborts ("terminate called
-    without an active exception", exit code 134) after its results were written. ``atexit``
-    runs after ``threading`` joined non-daemon threads (an async save's thread has been
-    joined by ``teardown`` already) and before finalisation.
-    """
-    if _EXIT_HOOKS:
-        return
-
-    def destroy() -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-
-    atexit.register(destroy)
-    _EXIT_HOOKS.append(destroy)

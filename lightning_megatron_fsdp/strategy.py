@@ -92,6 +92,7 @@ from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_f
 from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
 from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY, ExactResume
 from lightning_megatron_fsdp.gather import bind_full_tensor, lightning_grad_norm_explained
+from lightning_megatron_fsdp.interpreter_exit import register_exit_hook
 from lightning_megatron_fsdp.join import (
     UnevenBatchJoin,
     join_uneven_batches,
@@ -103,7 +104,6 @@ from lightning_megatron_fsdp.mesh import (
     MeshRequest,
     build_device_mesh,
     check_mesh_fits_world,
-    destroy_process_groups_at_exit,
     validate_device_mesh,
 )
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
@@ -374,8 +374,9 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
         The group is created with Lightning's ``_init_dist_connection`` and lives until
         the process ends: later stages and any use of the model after ``fit`` run on it.
-        Lightning registers its destruction at exit for NCCL only; the strategy does it
-        for every backend (:func:`~lightning_megatron_fsdp.mesh.destroy_process_groups_at_exit`).
+        Lightning registers its destruction at exit for NCCL only; the strategy's exit
+        hook destroys it for every backend and waits for gloo's worker threads to finish
+        with Python first (:mod:`~lightning_megatron_fsdp.interpreter_exit`).
         """
         super().setup_environment()
         world = self.num_nodes * self.num_processes
@@ -390,7 +391,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         if not _distributed_is_initialized():
             _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-            destroy_process_groups_at_exit()
+            register_exit_hook()
         if self.root_device.type != "cuda":
             enable_cpu_execution()
         if self.precision_plugin.device_type is None:

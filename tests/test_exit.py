@@ -9,9 +9,14 @@ with periodic async checkpoints, a forward after ``fit`` and a save after ``fit`
 The 20 runs fork each rank from a zygote that imported the libraries once
 (:mod:`tests.prefork`): every rank is still a fresh process that runs the script as
 ``__main__`` and leaves through the interpreter's normal finalisation, where the abort
-happens, but 40 launches no longer pay 40 imports (about 9 CPU-seconds each). The same
-harness reproduces the abort without the strategy's exit hook, so it can see one; one
-more run starts the script the plain way (``python script.py``) as a cross-check.
+happens, but 40 launches no longer pay 40 imports (about 9 CPU-seconds each). Two more
+runs start the script the plain way (``python script.py`` per rank) and under Lightning's
+own launcher (``devices=2``, rank 1 its child) as cross-checks.
+
+The same harness reproduces the cause without the strategy's exit hook, so it can see an
+abort: gloo's worker thread freeing a finished collective's tensors (or running a
+collective's Python callback) once the interpreter finalises (pytorch/pytorch#190489;
+:mod:`lightning_megatron_fsdp.interpreter_exit`).
 """
 
 from __future__ import annotations
@@ -58,12 +63,12 @@ def zygote() -> Iterator[Zygote]:
 
 
 def fork_ranks(
-    zygote: Zygote, script: Path, argument: str, out: Path, timeout: float
+    zygote: Zygote, script: Path, arguments: list[str], out: Path, timeout: float
 ) -> list[tuple[int, str]]:
-    """Run ``script argument`` as 2 torchrun-style ranks forked from ``zygote``."""
+    """Run ``script *arguments`` as 2 torchrun-style ranks forked from ``zygote``."""
     out.mkdir(parents=True, exist_ok=True)
     logs = [out / f"rank{rank}.log" for rank in range(WORLD_SIZE)]
-    return zygote.run(script, [[argument]] * WORLD_SIZE, _rank_envs(WORLD_SIZE), logs, timeout)
+    return zygote.run(script, [arguments] * WORLD_SIZE, _rank_envs(WORLD_SIZE), logs, timeout)
 
 
 def launch_ranks(
@@ -85,6 +90,27 @@ def launch_ranks(
     return communicate_all(processes, timeout)
 
 
+def launch_under_lightning(script: Path, argument: str, timeout: float) -> tuple[int, str]:
+    """Run ``python script argument`` alone: Lightning's own launcher starts rank 1.
+
+    Rank 1 is Lightning's child and writes to the same pipe, so its output (an abort
+    message included) is seen; its exit code reaches no one, which is why the runs above
+    launch each rank themselves.
+    """
+    launched = {"TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"}
+    env = {k: v for k, v in _env().items() if k not in launched}
+    process = subprocess.Popen(
+        [sys.executable, str(script), argument],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    return communicate_all([process], timeout)[0]
+
+
 def _failures(run: str, results: list[tuple[int, str]]) -> list[str]:
     """Every rank that exited non-zero, printed the abort, or did not finish its work."""
     failures = []
@@ -99,39 +125,54 @@ def _failures(run: str, results: list[tuple[int, str]]) -> list[str]:
 def test_fit_with_async_checkpoints_exits_cleanly_every_time(
     zygote: Zygote, tmp_path: Path
 ) -> None:
-    """20 runs x 2 ranks (and one plain launch): every process exits 0, finishes its
-    work, and never aborts."""
+    """20 runs x 2 ranks, one plain launch and one under Lightning's launcher: every
+    process exits 0, finishes its work, and never aborts."""
     failures = []
     for run in range(RUNS):
         out = tmp_path / f"run{run}"
-        failures += _failures(f"run {run}", fork_ranks(zygote, SCRIPT, str(out), out, 120))
+        failures += _failures(f"run {run}", fork_ranks(zygote, SCRIPT, [str(out)], out, 120))
         assert (out / "after_fit.ckpt" / "manifest.json").is_file()
     plain = tmp_path / "plain"
     failures += _failures("plain launch", launch_ranks(SCRIPT, str(plain), WORLD_SIZE, 180))
     assert (plain / "after_fit.ckpt" / "manifest.json").is_file()
-    assert not failures, f"{len(failures)} of {(RUNS + 1) * WORLD_SIZE} processes failed:\n" + (
+    lightning = tmp_path / "lightning"
+    code, output = launch_under_lightning(SCRIPT, str(lightning), 180)
+    failures += _failures("Lightning's launcher", [(code, output), (code, output)])
+    assert (lightning / "after_fit.ckpt" / "manifest.json").is_file()
+    assert not failures, f"{len(failures)} of {(RUNS + 2) * WORLD_SIZE} processes failed:\n" + (
         "\n".join(failures)
     )
 
 
-def test_the_exit_hook_fixes_the_abort_of_pending_gloo_work(zygote: Zygote, tmp_path: Path) -> None:
-    """The cause, isolated: gloo work in flight at interpreter exit aborts the process
-    unless the process groups are destroyed at ``atexit`` (the strategy's hook).
+@pytest.mark.parametrize("trigger", ["release", "callback"])
+def test_the_exit_hook_fixes_the_abort_of_gloo_workers_at_finalisation(
+    trigger: str, zygote: Zygote, tmp_path: Path
+) -> None:
+    """The cause, isolated: a gloo worker thread that needs the GIL once the interpreter
+    finalises aborts the process, unless the strategy's exit hook waited for it.
 
-    Lightning registers its destroy-at-exit hook for NCCL only, so a gloo run leaves its
-    groups to interpreter finalisation; the strategy registers one for every backend.
-    Without the hook the abort must show (else this harness could not see one).
+    ``release`` is the race that aborts real runs (the worker freeing a finished
+    collective's temporaries), forced by sharing one core and keeping the GIL until
+    finalisation; ``callback`` a Python callback of a collective still in flight. The
+    group is held to the end in both, so destroying the registry does not join its
+    workers: the hook's wait for idle workers is what is tested. Without the hook the
+    abort must show (else this harness could not see one).
     """
     outcomes = {}
     for variant in ("no_hook", "exit_hook"):
-        aborts = 0
-        for run in range(2):
+        aborts = []
+        for run in range(3):
             out = tmp_path / f"{variant}{run}"
-            for code, output in fork_ranks(zygote, PENDING, variant, out, 120):
-                aborts += code != 0 or "terminate called" in output
+            for rank, (code, output) in enumerate(
+                fork_ranks(zygote, PENDING, [variant, trigger], out, 120)
+            ):
+                if code != 0 or "terminate called" in output:
+                    aborts.append(f"run {run} rank {rank}: exit code {code}")
+                else:
+                    assert f"finished rank {rank}" in output, output
         outcomes[variant] = aborts
-    assert outcomes["no_hook"] > 0, "the abort did not reproduce: the test proves nothing"
-    assert outcomes["exit_hook"] == 0, outcomes
+    assert outcomes["no_hook"], "the abort did not reproduce: the test proves nothing"
+    assert not outcomes["exit_hook"], outcomes
 
 
 if __name__ == "__main__":  # pragma: no cover - a diagnostic loop: python -m tests.test_exit N

@@ -1,0 +1,154 @@
+"""The process's end: no thread of a collective may need Python once the interpreter finalises.
+
+Problem: gloo runs each collective on a worker thread (``pt_gloo_runloop``), which drops its
+reference to the collective's tensors after the caller's ``wait()`` has returned. When the
+caller has already dropped the tensors' Python objects (a temporary: the buffers of
+``all_gather_object``, ``dist.all_reduce(torch.ones(1))``), that last reference owns the
+Python object, and freeing it takes the GIL (``TensorImpl::decref_pyobject``). If the
+interpreter is finalising by then, CPython ends a thread that takes the GIL with
+``pthread_exit``; its unwinding through torch's ``noexcept`` destructors calls
+``std::terminate``: "terminate called without an active exception", exit code 134, after
+the results were written (pytorch/pytorch#190489). The worker usually wins by microseconds.
+It loses on a loaded machine, or when the main thread keeps the GIL until finalisation
+frees the group: ``~ProcessGroupGloo`` releases the GIL and waits for the worker, which then
+takes the GIL and is ended. Any gloo job can abort this way (Lightning's ``DDPStrategy``
+too), and ``destroy_process_group`` does not prevent it while anything still holds the
+group (a model, a mesh, a C++ object): only the group's destructor stops its workers.
+
+How: an ``atexit`` hook, which runs after ``threading`` joined the non-daemon threads and
+before finalisation, destroys the process groups (a group nothing else holds is freed now,
+its destructor joining the workers while the interpreter is whole), then sleeps, the GIL
+released, until every gloo worker thread left is idle. Idle is how ``runLoop`` waits for
+work, read from ``/proc/self/task/<tid>/syscall``: glibc's ``pthread_cond_wait``, a
+``FUTEX_WAIT_BITSET`` without a timeout. A worker inside a collective, or waiting for the
+GIL, waits with a timeout; one blocked on a lock (perhaps behind a preempted holder) waits
+with ``FUTEX_WAIT``; one about to free a tensor is running. Where the syscall cannot be
+read or decoded (not glibc, an unknown machine), a thread that is not running counts as
+idle. ``_READINGS`` idle readings in a row end the wait; ``EXIT_WAIT`` bounds it (a
+collective in flight whose peer never joins), after which one line on stderr says so.
+
+Alternatives rejected: ``os._exit`` once the hooks ran (it skips the ``atexit`` hooks
+registered before this one and unflushed output); a collective at exit as a fence (a peer
+that already left or failed would hang it); sleeping a fixed time (a loaded machine starves
+a worker for longer, as CI did); ``ProcessGroup.shutdown`` or ``abort`` (on gloo neither
+stops or drains the workers).
+"""
+
+from __future__ import annotations
+
+import atexit
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+__all__ = ["EXIT_WAIT", "register_exit_hook", "wait_for_idle_gloo_workers"]
+
+EXIT_WAIT = 10.0  # seconds the exit hook waits at most for gloo's workers to go idle
+_POLL = 0.001  # seconds between two readings of the workers' states
+_READINGS = 3  # consecutive all-idle readings that end the wait
+_WORKER_NAME = "pt_gloo_runloop"  # the name torch gives gloo's worker threads
+# The futex syscall's number by machine, where glibc's pthread_cond_wait is known to wait
+# with FUTEX_WAIT_BITSET (elsewhere the worker's state, running or not, is all there is).
+_FUTEX = (
+    {"x86_64": 202, "aarch64": 98, "arm64": 98, "riscv64": 98, "ppc64le": 221, "s390x": 238}.get(
+        platform.machine()
+    )
+    if platform.libc_ver()[0] == "glibc"
+    else None
+)
+_FUTEX_CMD = 0x7F  # the command bits of a futex op (the rest: PRIVATE, CLOCK_REALTIME)
+_FUTEX_WAIT_BITSET = 9
+_TASKS = Path("/proc/self/task")
+_EXIT_HOOKS: list[Callable[[], None]] = []  # the atexit hook, once registered (one per process)
+
+
+def _gloo_workers() -> list[Path]:
+    """The task directories of this process's gloo worker threads (none off Linux)."""
+    try:
+        tasks = list(_TASKS.iterdir())
+    except OSError:
+        return []
+    workers = []
+    for task in tasks:
+        try:
+            if (task / "comm").read_text().strip() == _WORKER_NAME:
+                workers.append(task)
+        except OSError:  # the thread ended meanwhile
+            continue
+    return workers
+
+
+def _is_idle(task: Path) -> bool:
+    """Whether a gloo worker waits for work (so it holds and frees no tensor)."""
+    try:
+        syscall = (task / "syscall").read_text().split()
+    except OSError:  # the thread ended, or the kernel does not show syscalls
+        syscall = []
+    if syscall and _FUTEX is not None:
+        # "<nr> <uaddr> <op> <val> <timeout> ..." or "running". runLoop's wait for work is
+        # glibc's pthread_cond_wait: FUTEX_WAIT_BITSET without a timeout. A lock (FUTEX_WAIT:
+        # the worker may be blocked behind a preempted holder) or a timed wait is not idle.
+        return (
+            len(syscall) > 4
+            and syscall[0] == str(_FUTEX)
+            and int(syscall[2], 16) & _FUTEX_CMD == _FUTEX_WAIT_BITSET
+            and int(syscall[4], 16) == 0
+        )
+    try:
+        state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # the thread ended
+    return state not in ("R", "D")
+
+
+def wait_for_idle_gloo_workers(timeout: float = EXIT_WAIT) -> bool:
+    """Sleep, the GIL released, until every gloo worker thread is idle.
+
+    Args:
+        timeout: seconds to wait at most.
+
+    Returns:
+        True when the workers were idle for ``_READINGS`` readings in a row (at once when
+        there are none); False when ``timeout`` passed first.
+    """
+    deadline = time.monotonic() + timeout
+    idle_readings = 0
+    while idle_readings < _READINGS:
+        workers = _gloo_workers()
+        if not workers:
+            return True
+        idle_readings = idle_readings + 1 if all(_is_idle(task) for task in workers) else 0
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_POLL)
+    return True
+
+
+def _leave_cleanly() -> None:
+    """The exit hook: destroy the process groups, then wait for gloo's workers."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    if not wait_for_idle_gloo_workers():
+        print(
+            f"lightning-megatron-fsdp: a gloo collective was still in flight {EXIT_WAIT:.0f} s "
+            "after the end of the script (a peer that never joined it?); leaving anyway, and "
+            "the interpreter may abort at exit (exit code 134).",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def register_exit_hook() -> None:
+    """Register, once per process, the hook that ends the process groups at exit.
+
+    Lightning registers ``destroy_process_group`` at exit for NCCL only; this hook runs
+    for every backend and waits for gloo's workers (see the module docstring).
+    """
+    if _EXIT_HOOKS:
+        return
+    atexit.register(_leave_cleanly)
+    _EXIT_HOOKS.append(_leave_cleanly)
