@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ if __name__ == "__main__":
         from lightning_megatron_fsdp.interpreter_exit import register_exit_hook
     if trigger == "release":  # before the group exists: its threads inherit the one core
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     if hook == "exit_hook":
         register_exit_hook()
     group = dist.group.WORLD  # held to the end, as a model holds its mesh's groups
