@@ -391,7 +391,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         if not _distributed_is_initialized():
             _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-            register_exit_hook()
+        register_exit_hook()  # also for a group the user created: the race is the same
         if self.root_device.type != "cuda":
             enable_cpu_execution()
         if self.precision_plugin.device_type is None:
