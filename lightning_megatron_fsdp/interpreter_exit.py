@@ -84,20 +84,21 @@ def _gloo_workers() -> list[Path]:
 
 def _is_idle(task: Path) -> bool:
     """Whether a gloo worker waits for work (so it holds and frees no tensor)."""
-    try:
-        syscall = (task / "syscall").read_text().split()
-    except OSError:  # the thread ended, or the kernel does not show syscalls
-        syscall = []
-    if syscall and _FUTEX is not None:
-        # "<nr> <uaddr> <op> <val> <timeout> ..." or "running". runLoop's wait for work is
-        # glibc's pthread_cond_wait: FUTEX_WAIT_BITSET without a timeout. A lock (FUTEX_WAIT:
-        # the worker may be blocked behind a preempted holder) or a timed wait is not idle.
-        return (
-            len(syscall) > 4
-            and syscall[0] == str(_FUTEX)
-            and int(syscall[2], 16) & _FUTEX_CMD == _FUTEX_WAIT_BITSET
-            and int(syscall[4], 16) == 0
-        )
+    if _FUTEX is not None:
+        try:
+            syscall = (task / "syscall").read_text().split()
+        except OSError:  # the thread ended, or the kernel does not show syscalls
+            syscall = []
+        if syscall:
+            # "<nr> <uaddr> <op> <val> <timeout> ..." or "running". runLoop's wait for work
+            # is glibc's pthread_cond_wait: FUTEX_WAIT_BITSET without a timeout. A lock
+            # (FUTEX_WAIT: perhaps behind a preempted holder) or a timed wait is not idle.
+            return (
+                len(syscall) > 4
+                and syscall[0] == str(_FUTEX)
+                and int(syscall[2], 16) & _FUTEX_CMD == _FUTEX_WAIT_BITSET
+                and int(syscall[4], 16) == 0
+            )
     try:
         state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):

@@ -375,8 +375,8 @@ class MegatronFSDPStrategy(ParallelStrategy):
         The group is created with Lightning's ``_init_dist_connection`` and lives until
         the process ends: later stages and any use of the model after ``fit`` run on it.
         Lightning registers its destruction at exit for NCCL only; the strategy's exit
-        hook destroys it for every backend and waits for gloo's worker threads to finish
-        with Python first (:mod:`~lightning_megatron_fsdp.interpreter_exit`).
+        hook destroys it for every backend, then waits until gloo's worker threads are done
+        with Python (:mod:`~lightning_megatron_fsdp.interpreter_exit`).
         """
         super().setup_environment()
         world = self.num_nodes * self.num_processes
