@@ -9,7 +9,7 @@ job's world size, nor a process group, nor a GPU, nor memory for the whole model
 How: DCP's ``.metadata`` records every tensor's global shape and where each saved chunk
 lies (file, byte range, offsets in the global tensor). :func:`consolidate_checkpoint`
 checks that metadata against the manifest (read and size/checksum-checked by
-:mod:`lightning_megatron_fsdp.manifest`, as the loader does) and against the files on
+:mod:`lightning_megatron_fsdp.checkpoint.format`, as the loader does) and against the files on
 disk, and that every tensor's chunks tile it exactly once; then, for one tensor at
 a time, allocates only that full tensor and has ``dcp.load(..., no_dist=True)`` (no
 process group) plan its reads: only that tensor's chunks, each read straight into place
@@ -91,6 +91,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
+from lightning_megatron_fsdp.checkpoint.format import (
+    DCP_METADATA_FILE,
+    MANIFEST_FILE,
+    CheckpointCorruptedError,
+    NotACheckpointError,
+)
 from lightning_megatron_fsdp.inspection import (
     _MAX_EXAMPLES,
     MODEL_PREFIX,
@@ -99,12 +105,6 @@ from lightning_megatron_fsdp.inspection import (
     _Checked,
     _ordered_keys,
     _summarise,
-)
-from lightning_megatron_fsdp.manifest import (
-    DCP_METADATA_FILE,
-    MANIFEST_FILE,
-    CheckpointCorruptedError,
-    NotACheckpointError,
 )
 
 __all__ = ["consolidate_checkpoint"]

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from lightning_megatron_fsdp.manifest import (
+from lightning_megatron_fsdp.checkpoint.format import (
     DCP_METADATA_FILE,
     FORMAT_NAME,
     MANIFEST_FILE,

@@ -89,6 +89,8 @@ from typing_extensions import override
 from lightning_megatron_fsdp import _megatron
 from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
+from lightning_megatron_fsdp.checkpoint.format import CheckpointError, CheckpointSaveError
+from lightning_megatron_fsdp.checkpoint.load import load_into_sharded_model
 from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
 from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY, ExactResume
 from lightning_megatron_fsdp.gather import bind_full_tensor, lightning_grad_norm_explained
@@ -99,7 +101,6 @@ from lightning_megatron_fsdp.join import (
     refuse_uneven_batches,
 )
 from lightning_megatron_fsdp.launcher import resolving_last_launcher
-from lightning_megatron_fsdp.manifest import CheckpointError, CheckpointSaveError
 from lightning_megatron_fsdp.mesh import (
     MeshRequest,
     build_device_mesh,
@@ -117,7 +118,6 @@ from lightning_megatron_fsdp.pretrained import (
     apply_pretrained_weights,
     as_pretrained_weights,
 )
-from lightning_megatron_fsdp.restore import load_into_sharded_model
 from lightning_megatron_fsdp.sharding import (
     AutoWrapPolicy,
     check_fully_sharded,
@@ -948,7 +948,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
 
 def _default_checkpoint_io() -> CheckpointIO:
-    from lightning_megatron_fsdp.checkpoint_io import MegatronFSDPCheckpointIO
+    from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 
     return MegatronFSDPCheckpointIO()
 

@@ -28,8 +28,7 @@ import torch.distributed as dist
 
 from lightning_megatron_fsdp import upstream_checkpoint
 from lightning_megatron_fsdp.agreement import Problem, Ranks
-from lightning_megatron_fsdp.export import _checkpoints_inside
-from lightning_megatron_fsdp.manifest import (
+from lightning_megatron_fsdp.checkpoint.format import (
     DCP_METADATA_FILE,
     MANIFEST_FILE,
     CheckpointError,
@@ -38,6 +37,7 @@ from lightning_megatron_fsdp.manifest import (
     check_files,
     read_manifest,
 )
+from lightning_megatron_fsdp.export import _checkpoints_inside
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 

@@ -48,17 +48,7 @@ from lightning_megatron_fsdp import (
     shard_module,
     sharding_scope,
 )
-from lightning_megatron_fsdp.checkpoint_io import (
-    CheckpointCorruptedError,
-    CheckpointError,
-    CheckpointMismatchError,
-    CheckpointSaveError,
-    MegatronFSDPCheckpointIO,
-    NotACheckpointError,
-    VerifyingFileSystemReader,
-)
-from lightning_megatron_fsdp.dcp_storage import RECORD_ATTR
-from lightning_megatron_fsdp.manifest import (
+from lightning_megatron_fsdp.checkpoint.format import (
     ASIDE,
     MANIFEST_FILE,
     STAGING,
@@ -72,6 +62,16 @@ from lightning_megatron_fsdp.manifest import (
     read_manifest,
     resolve_latest_checkpoint,
 )
+from lightning_megatron_fsdp.checkpoint.io import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    MegatronFSDPCheckpointIO,
+    NotACheckpointError,
+    VerifyingFileSystemReader,
+)
+from lightning_megatron_fsdp.checkpoint.storage import RECORD_ATTR
 from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import run_distributed
 from tests.legacy_format import downgrade_to_format_1

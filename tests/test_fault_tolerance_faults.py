@@ -33,15 +33,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import lightning_megatron_fsdp.checkpoint_io
-from lightning_megatron_fsdp.checkpoint_io import (
+import lightning_megatron_fsdp.checkpoint.io
+from lightning_megatron_fsdp.checkpoint.format import (
+    ASIDE,
+    STAGING,
+    parse_hidden_name,
+    read_manifest,
+)
+from lightning_megatron_fsdp.checkpoint.io import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointSaveError,
     MegatronFSDPCheckpointIO,
 )
 from lightning_megatron_fsdp.inspection import verify_checkpoint
-from lightning_megatron_fsdp.manifest import ASIDE, STAGING, parse_hidden_name, read_manifest
 from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import run_distributed
 from tests.scripts.fault_injection import (
@@ -127,7 +132,7 @@ def test_every_phase_the_code_names_is_injected() -> None:
     from tests.test_fault_tolerance import CRASHES
 
     save = _named_phases(FaultyWriter, "self.fault.reached")
-    save |= _named_phases(lightning_megatron_fsdp.checkpoint_io, "_fault")
+    save |= _named_phases(lightning_megatron_fsdp.checkpoint.io, "_fault")
     load = _named_phases(FaultyReader, "self.fault.reached")
     assert {"plan", "metadata", "commit:hashed", "commit:replaced"} <= save  # parsed
     assert {"read:metadata", "read:after"} <= load
@@ -184,7 +189,7 @@ def _phase_faults(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # After the rename nothing may fail the save: the new checkpoint is committed, and
     # the previous one is left behind for the next save to delete.
     records = _Records()
-    logging.getLogger("lightning_megatron_fsdp.checkpoint_io").addHandler(records)
+    logging.getLogger("lightning_megatron_fsdp.checkpoint.io").addHandler(records)
     for phase, failing, how in COMMITTED_FAULTS:
         replaced = base / f"replaced-{how}" / "last.ckpt"
         plugin.save_checkpoint(checkpoint_dict(model, adam, 2), replaced)

@@ -18,10 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_megatron_fsdp.agreement import Problem, Ranks
-from lightning_megatron_fsdp.dcp_storage import (
-    ReadProgress,
-)
-from lightning_megatron_fsdp.manifest import (
+from lightning_megatron_fsdp.checkpoint.format import (
     CheckpointCorruptedError,
     CheckpointError,
     CheckpointMismatchError,
@@ -30,6 +27,9 @@ from lightning_megatron_fsdp.manifest import (
     compare_fingerprints,
     model_fingerprint,
     optimizer_fingerprint,
+)
+from lightning_megatron_fsdp.checkpoint.storage import (
+    ReadProgress,
 )
 
 # Problem kinds of a load, most fundamental first; the first kind present picks the error.

@@ -9,7 +9,7 @@ How: the last file written into a checkpoint is ``manifest.json`` (see docs/DESI
 "On-disk format"). It records the layout fingerprint (every model and optimizer-state
 tensor's global shape and dtype, keyed by FQN), the world size and mesh, package versions,
 the training position, and the size and checksum (CRC32C; sha256 in format 1, see
-:mod:`lightning_megatron_fsdp.checksums`) of every other file. A directory is a complete
+:mod:`lightning_megatron_fsdp.checkpoint.checksums`) of every other file. A directory is a complete
 checkpoint iff its manifest parses and every file it lists has the recorded size.
 A checkpoint is written under a hidden temporary name and renamed into place, so a
 complete-looking directory under a final name is never half written::
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron_fsdp.checksums import ALGORITHMS, file_digest
+from lightning_megatron_fsdp.checkpoint.checksums import ALGORITHMS, file_digest
 
 __all__ = [
     "ASIDE",

@@ -5,7 +5,7 @@ which would need every sharded parameter gathered onto one rank; and a checkpoin
 by many ranks can be half written, overwritten halfway, or loaded into a model it does not
 fit, and DCP only notices the last of these while it is already reading tensor data.
 
-How (the format is in :mod:`lightning_megatron_fsdp.manifest` and docs/DESIGN.md):
+How (the format is in :mod:`lightning_megatron_fsdp.checkpoint.format` and docs/DESIGN.md):
 
 * Save. Before anything is written, the ranks agree on what they save: each sends a
   digest of its state's layout (every key, every tensor's global shape and dtype), so a
@@ -14,20 +14,20 @@ How (the format is in :mod:`lightning_megatron_fsdp.manifest` and docs/DESIGN.md
   DCP (the chunk hooks of ``uneven_dtensor`` put each packed shard at its true offset);
   rank 0 writes the non-tensor rest of Lightning's dict to ``meta.pt``. All of it goes
   into a hidden sibling ``.<name>.tmp-<token>``. The writer
-  (:class:`~lightning_megatron_fsdp.dcp_storage.ChecksummingFileSystemWriter`) CRC32Cs
+  (:class:`~lightning_megatron_fsdp.checkpoint.storage.ChecksummingFileSystemWriter`) CRC32Cs
   every record as its bytes go out. Once DCP returns, every rank's data and ``.metadata``
   are on disk (DCP's final step gathers every rank's write result before rank 0 writes
   ``.metadata``); rank 0 gathers each rank's file sizes and CRC32Cs, writes
   ``manifest.json`` last and commits: one atomic ``renameat2(RENAME_EXCHANGE)`` of the
   hidden directory with ``<name>`` (two renames where the filesystem refuses it; a crash
-  between them is repaired by :func:`~lightning_megatron_fsdp.manifest.recover_checkpoint`),
+  between them is repaired by ``recover_checkpoint``),
   then the previous checkpoint and stale hidden siblings are deleted (docs/DESIGN.md,
   "Commit"). ``<name>`` therefore always holds a complete checkpoint, the previous one or
   the new one. Rank 0 broadcasts the outcome, so every rank returns or raises together.
 * Load. Before any tensor is read, every rank checks the manifest, file sizes, the
   layout fingerprint against the targets, and reads and verifies ``meta.pt``; the ranks
   all-gather their problems and raise the same error. ``dcp.load`` then reads with a
-  :class:`~lightning_megatron_fsdp.dcp_storage.VerifyingFileSystemReader`: ``.metadata``
+  :class:`~lightning_megatron_fsdp.checkpoint.storage.VerifyingFileSystemReader`: ``.metadata``
   verified before DCP plans, each record read straight into its target and CRC32C-checked
   (format-1 sha256 checkpoints: file by file, first). A failure after the first write
   raises on every rank naming what each rank had written (docs/DESIGN.md, "Atomic load");
@@ -92,33 +92,15 @@ from lightning_megatron_fsdp.agreement import (
     dcp_failure_message,
     describe,
 )
-from lightning_megatron_fsdp.checkpoint_parts import (
-    _exchange,
-    _fill,
-    _layout_disagreement,
-    _layout_summary,
-    _lower_thread_priority,
-    _SaveJob,
-    _split_checkpoint,
-    _stage,
-    _StagingBuffers,
-    _timeout_of,
-    _versions,
-    _write_meta,
-)
-from lightning_megatron_fsdp.checksums import bytes_digest, crc32c_hex, file_digest
-from lightning_megatron_fsdp.dcp_storage import (
-    ChecksummingFileSystemWriter,
-    VerifyingFileSystemReader,
-)
-from lightning_megatron_fsdp.load_checks import (
+from lightning_megatron_fsdp.checkpoint.checks import (
     _LOAD_ERRORS,
     _aftermath,
     _fingerprint_problems,
     _state_shape_error,
     agree_before_reading,
 )
-from lightning_megatron_fsdp.manifest import (
+from lightning_megatron_fsdp.checkpoint.checksums import bytes_digest, crc32c_hex, file_digest
+from lightning_megatron_fsdp.checkpoint.format import (
     ASIDE,
     DCP_METADATA_FILE,
     DELETING,
@@ -147,6 +129,24 @@ from lightning_megatron_fsdp.manifest import (
     remove_tree,
     report_interrupted_saves,
     resolve_latest_checkpoint,
+)
+from lightning_megatron_fsdp.checkpoint.save import (
+    _exchange,
+    _fill,
+    _layout_disagreement,
+    _layout_summary,
+    _lower_thread_priority,
+    _SaveJob,
+    _split_checkpoint,
+    _stage,
+    _StagingBuffers,
+    _timeout_of,
+    _versions,
+    _write_meta,
+)
+from lightning_megatron_fsdp.checkpoint.storage import (
+    ChecksummingFileSystemWriter,
+    VerifyingFileSystemReader,
 )
 
 __all__ = [

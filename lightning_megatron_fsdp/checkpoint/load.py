@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 
 from lightning_megatron_fsdp import _megatron
 from lightning_megatron_fsdp.agreement import Ranks
-from lightning_megatron_fsdp.manifest import (
+from lightning_megatron_fsdp.checkpoint.format import (
     DCP_METADATA_FILE,
     MANIFEST_FILE,
     META_FILE,

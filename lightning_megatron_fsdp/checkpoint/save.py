@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron_fsdp.checksums import crc32c, crc32c_hex
-from lightning_megatron_fsdp.manifest import (
+from lightning_megatron_fsdp.checkpoint.checksums import crc32c, crc32c_hex
+from lightning_megatron_fsdp.checkpoint.format import (
     FileRecord,
     TensorSpec,
 )

@@ -19,7 +19,7 @@ starts and ends with a ``stream.tell()``.
   the manifest lists. It also saves a view into a packed buffer through a storage of
   exactly its size, so DCP does not clone it first. Nothing is read back. Its write loop
   is torch's (same files, order, threads and fsyncs), except that each tensor record is
-  written by :class:`~lightning_megatron_fsdp.tensor_records.TensorRecords`: the bytes
+  written by :class:`~lightning_megatron_fsdp.checkpoint.records.TensorRecords`: the bytes
   ``torch.save`` would write, from a template of its output, without a ``torch.save``
   per tensor (the per-call cost that made the 98 M GPT's 592 records per rank save at
   1.4x a single per-rank ``torch.save``; see that module).
@@ -33,7 +33,7 @@ starts and ends with a ``stream.tell()``.
 
 What a load guarantees (see docs/DESIGN.md, "Atomic load"): every check that needs no
 tensor bytes passes on every rank before any rank writes into a target; a record that
-fails its CRC raises :class:`~lightning_megatron_fsdp.manifest.CheckpointCorruptedError`
+fails its CRC raises :class:`~lightning_megatron_fsdp.checkpoint.format.CheckpointCorruptedError`
 naming the file and key, and :attr:`VerifyingFileSystemReader.progress` says how many of
 the rank's records were already written.
 
@@ -91,21 +91,21 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from typing_extensions import override
 
-from lightning_megatron_fsdp.checksums import (
+from lightning_megatron_fsdp.checkpoint.checksums import (
     bytes_digest,
     crc32c,
     crc32c_combine,
     crc32c_hex,
     file_digest,
 )
-from lightning_megatron_fsdp.manifest import (
+from lightning_megatron_fsdp.checkpoint.format import (
     DCP_METADATA_FILE,
     CheckpointCorruptedError,
     Manifest,
     NotACheckpointError,
     read_manifest,
 )
-from lightning_megatron_fsdp.tensor_records import TensorRecords, shared_records
+from lightning_megatron_fsdp.checkpoint.records import TensorRecords, shared_records
 
 __all__ = [
     "RECORD_ATTR",
@@ -180,7 +180,7 @@ class _RecordStream(io.RawIOBase):
         return size
 
     def write_raw(self, data: Any) -> None:
-        """Write a piece of a record that :class:`~lightning_megatron_fsdp.tensor_records.
+        """Write a piece of a record that :class:`~lightning_megatron_fsdp.checkpoint.records.
         TensorRecords` built itself (no sniffing: it reports the payload's place)."""
         if self._checksum:
             self._crc = _crc32c_update(data, self._crc)
@@ -332,7 +332,7 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
         checksum: Compute CRC32Cs; ``False`` still records payload offsets (they make
             loading fast) and file sizes.
         records: Writes the tensor records; the process's shared
-            :class:`~lightning_megatron_fsdp.tensor_records.TensorRecords` (whose
+            :class:`~lightning_megatron_fsdp.checkpoint.records.TensorRecords` (whose
             templates outlive one save) when ``None``.
         **kwargs: ``FileSystemWriter``'s options (``thread_count``, ...).
     """
@@ -362,7 +362,7 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
         self, planner: SavePlanner, file_queue: queue.Queue[Any]
     ) -> Future[list[WriteResult]]:
         """torch's ``_write_data`` (the same files, threads and fsyncs), with each tensor
-        record written by :class:`~lightning_megatron_fsdp.tensor_records.TensorRecords`:
+        record written by :class:`~lightning_megatron_fsdp.checkpoint.records.TensorRecords`:
         the bytes ``torch.save`` would write, without a ``torch.save`` per tensor. With
         stream extensions or another serialization format, torch's own loop runs."""
         if (
