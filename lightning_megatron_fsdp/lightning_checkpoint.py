@@ -57,13 +57,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from lightning_megatron_fsdp.checkpoint.format import (
-    DCP_METADATA_FILE,
-    META_FILE,
-    CheckpointCorruptedError,
-    Manifest,
-    NotACheckpointError,
-)
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
+from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, META_FILE, Manifest
 from lightning_megatron_fsdp.export import (
     _check_output,
     _Entry,

@@ -50,7 +50,7 @@ from lightning_megatron_fsdp import (
     chunk_metadata_by_fqn,
     enable_cpu_execution,
 )
-from lightning_megatron_fsdp.checkpoint.format import CheckpointCorruptedError, NotACheckpointError
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.cli import main
 from lightning_megatron_fsdp.export import consolidate_checkpoint

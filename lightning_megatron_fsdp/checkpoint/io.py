@@ -1,148 +1,57 @@
-"""``MegatronFSDPCheckpointIO``: sharded, atomic, verified checkpoints for Megatron-FSDP.
+"""``MegatronFSDPCheckpointIO``: the Lightning plugin over the checkpoint protocol.
 
-Problem: Lightning's default checkpoint plugin ``torch.save``\\ s one dict from rank 0,
-which would need every sharded parameter gathered onto one rank; and a checkpoint written
-by many ranks can be half written, overwritten halfway, or loaded into a model it does not
-fit, and DCP only notices the last of these while it is already reading tensor data.
-
-How (the format is in :mod:`lightning_megatron_fsdp.checkpoint.format` and docs/DESIGN.md):
-
-* Save. Before anything is written, the ranks agree on what they save: each sends a
-  digest of its state's layout (every key, every tensor's global shape and dtype), so a
-  rank whose model or optimizer state differs fails the save on every rank instead of
-  writing a checkpoint no rank can load. Every rank then writes only its own shards with
-  DCP (the chunk hooks of ``uneven_dtensor`` put each packed shard at its true offset);
-  rank 0 writes the non-tensor rest of Lightning's dict to ``meta.pt``. All of it goes
-  into a hidden sibling ``.<name>.tmp-<token>``. The writer
-  (:class:`~lightning_megatron_fsdp.checkpoint.storage.ChecksummingFileSystemWriter`) CRC32Cs
-  every record as its bytes go out. Once DCP returns, every rank's data and ``.metadata``
-  are on disk (DCP's final step gathers every rank's write result before rank 0 writes
-  ``.metadata``); rank 0 gathers each rank's file sizes and CRC32Cs, writes
-  ``manifest.json`` last and commits: one atomic ``renameat2(RENAME_EXCHANGE)`` of the
-  hidden directory with ``<name>`` (two renames where the filesystem refuses it; a crash
-  between them is repaired by ``recover_checkpoint``),
-  then the previous checkpoint and stale hidden siblings are deleted (docs/DESIGN.md,
-  "Commit"). ``<name>`` therefore always holds a complete checkpoint, the previous one or
-  the new one. Rank 0 broadcasts the outcome, so every rank returns or raises together.
-* Load. Before any tensor is read, every rank checks the manifest, file sizes, the
-  layout fingerprint against the targets, and reads and verifies ``meta.pt``; the ranks
-  all-gather their problems and raise the same error. ``dcp.load`` then reads with a
-  :class:`~lightning_megatron_fsdp.checkpoint.storage.VerifyingFileSystemReader`: ``.metadata``
-  verified before DCP plans, each record read straight into its target and CRC32C-checked
-  (format-1 sha256 checkpoints: file by file, first). A failure after the first write
-  raises on every rank naming what each rank had written (docs/DESIGN.md, "Atomic load");
-  ``atomic_load=True`` reads into CPU copies first, so any failure leaves every target as
-  it was, for one more copy of the rank's shards in memory. DCP reshards by global offset.
-* Async save. Each rank copies its shards to CPU memory itself (DCP's ``DefaultStager``
-  fails on packed shards, see :func:`_stage`), into the previous async save's copies
-  (:class:`_StagingBuffers`), keeping the chunk hooks; one background thread of lowered
-  CPU priority runs ``dcp.save`` on them over a dedicated gloo group and commits as above.
-  ``dcp.async_save`` rejected: docs/DESIGN.md, "Async save" (thread and process kinds).
-* Lost peers. A rank that dies (or hangs) makes its peers' next collective fail (at the
-  latest after the process group's timeout); every collective of a save or load turns
-  that into a :class:`CheckpointSaveError` / :class:`CheckpointError` naming the phase,
-  and the hidden directory never becomes a checkpoint.
-
-Alternatives rejected:
-    * A marker file instead of renames: a reader must know to look for it, and Lightning's
-      ``last*`` lookup and ``os.path.exists`` checks do not.
-    * Hashing the files after writing and again before loading (format 1): two extra
-      passes over every byte.
-    * Verifying every file before loading so that a corrupt record never reaches a target:
-      one more full read of the checkpoint; ``atomic_load=True`` gives the stronger
-      guarantee for memory instead.
-    * Committing from DCP's ``finish`` on rank 0: it runs before the other ranks have
-      hashed their files, and a failure there is not reported to the other ranks.
-    * Restoring a snapshot after a failed in-place load: the copy ``atomic_load=True``
-      costs, and a rank that dies mid-read cannot restore anything.
-    * Comparing the ranks' full fingerprints on every save: a digest per rank suffices;
-      the full lists are gathered only to explain a mismatch.
+Lightning's default checkpoint plugin ``torch.save``\\ s one dict from rank 0, which would
+need every sharded parameter gathered onto one rank. This plugin keeps Lightning's small
+surface (save, load, remove, teardown) and hands each call to the protocol's phases:
+:mod:`~lightning_megatron_fsdp.checkpoint.save`, :mod:`~lightning_megatron_fsdp.checkpoint.load`
+and :mod:`~lightning_megatron_fsdp.checkpoint.commit`. It owns what outlives one call: the
+options, the async save's thread, gloo group and CPU copies (docs/DESIGN.md, "Async save").
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
-import hashlib
-import io
-import json
-import logging
 import os
-import re
-import uuid
+import sys
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from typing_extensions import override
 
-from lightning_megatron_fsdp.agreement import (
-    LOST_PEER_HINT,
-    PeerLostError,
-    Ranks,
-    dcp_failure_message,
-    describe,
+from lightning_megatron_fsdp import _torch
+from lightning_megatron_fsdp.agreement import PeerLostError, Ranks, describe
+from lightning_megatron_fsdp.checkpoint.commit import (
+    CheckpointStore,
+    LocalDirectories,
+    resolve_latest_checkpoint,
 )
-from lightning_megatron_fsdp.checkpoint.checks import (
-    _LOAD_ERRORS,
-    _aftermath,
-    _fingerprint_problems,
-    _state_shape_error,
-    agree_before_reading,
-)
-from lightning_megatron_fsdp.checkpoint.checksums import bytes_digest, crc32c_hex, file_digest
-from lightning_megatron_fsdp.checkpoint.format import (
-    ASIDE,
-    DCP_METADATA_FILE,
-    DELETING,
-    MANIFEST_FILE,
-    META_FILE,
-    STAGING,
+from lightning_megatron_fsdp.checkpoint.copies import StagingBuffers
+from lightning_megatron_fsdp.checkpoint.errors import (
     CheckpointCorruptedError,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointSaveError,
-    FileRecord,
-    Manifest,
     NotACheckpointError,
-    check_files,
-    check_replaceable,
-    finite_int_or_none,
-    fsync_path,
-    hidden_path,
-    is_complete_checkpoint,
-    mesh_info,
-    model_fingerprint,
-    optimizer_fingerprint,
-    parse_hidden_name,
-    read_manifest,
-    recover_checkpoint,
-    remove_tree,
-    report_interrupted_saves,
-    resolve_latest_checkpoint,
+)
+from lightning_megatron_fsdp.checkpoint.format import is_complete_checkpoint, read_manifest
+from lightning_megatron_fsdp.checkpoint.load import (
+    LoadOptions,
+    StorageReaderFactory,
+    open_checkpoint,
+    read_checkpoint,
 )
 from lightning_megatron_fsdp.checkpoint.save import (
-    _exchange,
-    _fill,
-    _layout_disagreement,
-    _layout_summary,
-    _lower_thread_priority,
-    _SaveJob,
-    _split_checkpoint,
-    _stage,
-    _StagingBuffers,
-    _timeout_of,
-    _versions,
-    _write_meta,
+    PendingSave,
+    SaveOptions,
+    StorageWriterFactory,
+    begin_save,
+    commit_save,
+    write_save,
 )
 from lightning_megatron_fsdp.checkpoint.storage import (
     ChecksummingFileSystemWriter,
@@ -165,36 +74,20 @@ __all__ = [
     "resolve_latest_checkpoint",
 ]
 
-log = logging.getLogger(__name__)
-
-StorageWriterFactory = Callable[[Path], StorageWriter]
-"""Builds the DCP writer for a save, given the hidden directory it must write into."""
-
-StorageReaderFactory = Callable[[Path], StorageReader]
-"""Builds the DCP reader for a load, given the checkpoint directory."""
-
-# DCP's FileSystemWriter names rank r's files __<r>_<n>.distcp.
-_DISTCP_RE = r"__{rank}_\d+\.distcp"
-_FAULT_HOOK: Callable[[str], None] | None = None
-"""Test seam: when set, called with the name of each commit step as it is reached.
-
-Fault-injection tests raise or kill the process at one commit step (no ``StorageWriter``
-reaches those). Points, in order: ``"commit:hashed"`` (every rank, its files' sizes and digests
-collected, before the gather), ``"commit:manifest"`` (rank 0, before writing ``manifest.json``),
-``"commit:publish"`` (rank 0, manifest written, before the rename), ``"commit:aside"``
-(rank 0, two-rename fallback only: the previous checkpoint renamed aside, the new one not
-yet in place) and ``"commit:replaced"`` (rank 0, the new checkpoint in place, the previous
-one not yet deleted). ``None`` in production.
-"""
-
-_USE_RENAME_EXCHANGE = True
-"""Commit with one ``renameat2(RENAME_EXCHANGE)`` where the OS supports it; tests set this
-to ``False`` to exercise the two-rename fallback that other systems use."""
+_BACKGROUND_NICE = 10
+"""Nice increment of the async-save thread (Linux: per thread). Training keeps the core
+when both want it; the save still progresses (weight 110 against 1024 under CFS)."""
 
 
-def _fault(point: str) -> None:
-    if _FAULT_HOOK is not None:
-        _FAULT_HOOK(point)
+def _lower_thread_priority() -> None:
+    """Lower the calling thread's CPU priority by :data:`_BACKGROUND_NICE` where the OS
+    allows it per thread (Linux; no privilege needed); elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            tid = threading.get_native_id()
+            os.setpriority(
+                os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + _BACKGROUND_NICE
+            )
 
 
 class MegatronFSDPCheckpointIO(CheckpointIO):
@@ -300,13 +193,29 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         self._in_flight_path: Path | None = None
         self._committer: concurrent.futures.ThreadPoolExecutor | None = None
         self._background_group: dist.ProcessGroup | None = None
-        self._staging = _StagingBuffers()  # the async save's CPU copies, reused
+        self._copies = StagingBuffers()  # the async save's CPU copies, reused
+        self.store: CheckpointStore = LocalDirectories()
+
+    @property
+    def load_options(self) -> LoadOptions:
+        """How this plugin loads (the strategy's load path reads it)."""
+        return LoadOptions(
+            store=self.store,
+            verify_checksums=self.verify_checksums,
+            atomic_load=self.atomic_load,
+            reader_factory=self.storage_reader_factory,
+        )
 
     # ----------------------------------------------------------------------------- save
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any = None
+        self,
+        checkpoint: dict[str, Any],
+        path: str | os.PathLike[str],
+        storage_options: Any = None,
+        *,
+        prepare: Callable[[], None] | None = None,
     ) -> None:
         """Save ``checkpoint`` as a directory at ``path``, atomically. Collective.
 
@@ -317,6 +226,9 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             path: Final path of the checkpoint directory; the same on every rank.
             storage_options: ``None``, or ``{"storage_writer_factory": factory}`` to
                 override the plugin's writer for this save.
+            prepare: Rank-local work to run before the ranks agree (the strategy attaches
+                chunk metadata here); its failure on one rank fails the save on every rank
+                in the same round.
 
         Raises:
             CheckpointSaveError: On every rank, naming the failing rank(s), if any rank
@@ -324,30 +236,49 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 With ``async_save``, also the error of the previous background save.
         """
         self.wait()
-        comm = Ranks.of(self.process_group)
-        final = Path(os.path.abspath(os.fspath(path)))
+        ranks = Ranks.of(self.process_group)
         try:
-            job, tensors, writer = self._prepare_save(checkpoint, final, storage_options, comm)
+            factory, bad_options = self._writer_factory(storage_options), None
+        except TypeError as err:  # agreed on like any rank-local failure
+            factory, bad_options = None, err
+
+        def prepare_all() -> None:
+            if bad_options is not None:
+                raise bad_options
+            if prepare is not None:
+                prepare()
+
+        options = SaveOptions(
+            store=self.store,
+            write_checksums=self.write_checksums,
+            thread_count=self.thread_count,
+            writer_factory=factory or self.storage_writer_factory,
+        )
+        try:
+            pending = begin_save(
+                checkpoint,
+                path,
+                ranks,
+                options,
+                prepare=prepare_all,
+                copies=self._copies if self.async_save else None,
+            )
         except PeerLostError as err:
             raise CheckpointSaveError(
-                f"Saving checkpoint {final} failed before any tensor was written: {err}. The "
+                f"Saving checkpoint {path} failed before any tensor was written: {err}. The "
                 "previous checkpoint there, if any, is untouched."
             ) from err
         if not self.async_save:
-            metadata = self._run_dcp_save(
-                job,
-                comm,
-                lambda: dcp.save(tensors, storage_writer=writer, process_group=comm.group),
-            )
-            self._commit(job, metadata, comm, writer)
+            commit_save(pending, write_save(pending, ranks), ranks)
             return
         try:
-            background = self._background_comm(comm)
+            background = self._background_ranks(ranks)
         except Exception as err:
-            self._discard(final, job.token, comm)
+            if ranks.rank == 0:
+                options.store.discard(pending.final, pending.token)
             raise CheckpointSaveError(
-                f"Saving checkpoint {final} failed starting the background save on rank "
-                f"{comm.rank}: {describe(err)}. The previous checkpoint there, if any, is "
+                f"Saving checkpoint {pending.final} failed starting the background save on rank "
+                f"{ranks.rank}: {describe(err)}. The previous checkpoint there, if any, is "
                 "untouched."
             ) from err
         if self._committer is None:
@@ -356,75 +287,13 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 thread_name_prefix="lmf-checkpoint-save",
                 initializer=_lower_thread_priority,
             )
-        self._in_flight = self._committer.submit(
-            self._finish_background, job, tensors, background, writer
-        )
-        self._in_flight_path = final
-
-    def _prepare_save(
-        self, checkpoint: Any, final: Path, storage_options: Any, comm: Ranks
-    ) -> tuple[_SaveJob, dict[str, Any], StorageWriter]:
-        """Check and set up a save on every rank; all ranks go on, or all raise.
-
-        Every check that can fail on one rank (the checkpoint's shape, the options, the
-        target name, rank 0's ``meta.pt``, the ranks agreeing on the layout) runs before
-        one gather of the outcome, so no rank enters DCP's collectives alone.
-
-        Raises:
-            CheckpointSaveError: Naming each failing rank and its error, or the ranks
-                whose state differs from rank 0's; rank 0's hidden directory is removed.
-            PeerLostError: If a peer is gone.
-        """
-        # Agree on the hidden directory first.
-        token = comm.broadcast_from_first(uuid.uuid4().hex)
-        job = writer = None
-        tensors: dict[str, Any] = {}
-        error: str | None = None
-        digest: str | None = None
-        try:
-            tensors, meta = _split_checkpoint(checkpoint)
-            layout = _layout_summary(tensors)
-            digest = hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
-            job = _SaveJob(
-                final,
-                hidden_path(final, STAGING, token),
-                token,
-                self.write_checksums,
-                self._manifest_fields(checkpoint, tensors, comm),
-            )
-            if comm.rank == 0:
-                check_replaceable(final)
-                job.staging.mkdir(parents=True)
-                job.written[META_FILE] = _write_meta(job.staging / META_FILE, meta, job)
-            writer = (self._writer_factory(storage_options) or self._default_writer)(job.staging)
-            if self.async_save:
-                tensors = self._staging.stage(tensors)
-        except Exception as err:
-            error = f"rank {comm.rank}: {describe(err)}"
-        try:
-            gathered = comm.all_gather((error, digest))
-            errors = [e for e, _ in gathered if e is not None]
-            if not errors and len({d for _, d in gathered}) > 1:
-                # Rare and fatal: now gather the full layouts to say exactly what differs.
-                layouts = comm.all_gather(_layout_summary(tensors))
-                errors = _layout_disagreement(layouts)
-        except PeerLostError:
-            self._discard(final, token, comm)
-            raise
-        if errors:
-            self._discard(final, token, comm)
-            raise CheckpointSaveError(
-                f"Saving checkpoint {final} failed before any tensor was written; the "
-                "previous checkpoint there, if any, is untouched:\n  " + "\n  ".join(errors)
-            )
-        assert job is not None and writer is not None
-        return job, tensors, writer
+        self._in_flight = self._committer.submit(self._finish_background, pending, background)
+        self._in_flight_path = pending.final
 
     @staticmethod
-    def _discard(final: Path, token: str, comm: Ranks) -> None:
-        if comm.rank == 0:
-            with contextlib.suppress(OSError):
-                remove_tree(hidden_path(final, STAGING, token))
+    def _finish_background(pending: PendingSave, ranks: Ranks) -> None:
+        """The background thread's part: DCP's write over the background group, the commit."""
+        commit_save(pending, write_save(pending, ranks), ranks)
 
     def _writer_factory(self, storage_options: Any) -> StorageWriterFactory | None:
         if storage_options is None:
@@ -441,254 +310,24 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             )
         return storage_options["storage_writer_factory"]
 
-    def _default_writer(self, staging: Path) -> StorageWriter:
-        return ChecksummingFileSystemWriter(
-            staging, checksum=self.write_checksums, thread_count=self.thread_count
-        )
-
-    def _manifest_fields(
-        self, checkpoint: Mapping[str, Any], tensors: Mapping[str, Any], comm: Ranks
-    ) -> dict[str, Any]:
-        return {
-            "fingerprint": model_fingerprint(tensors["state_dict"]),
-            "optimizer_fingerprints": [
-                optimizer_fingerprint(o) for o in tensors.get("optimizer_states", [])
-            ],
-            "world_size": comm.world_size,
-            "mesh": mesh_info(tensors),
-            "versions": dict(_versions()),
-            "global_step": finite_int_or_none(checkpoint.get("global_step")),
-            "epoch": finite_int_or_none(checkpoint.get("epoch")),
-        }
-
-    def _background_comm(self, comm: Ranks) -> Ranks:
+    def _background_ranks(self, ranks: Ranks) -> Ranks:
         """A gloo group of the same ranks for the background thread's collectives.
 
         Its own group, even when the default group is gloo already: collectives issued
         from two threads on one group are matched by issue order, which differs per rank.
         Created once, on the first async save (collective: every rank is here).
         """
-        if comm.group is None:
-            return comm
+        if ranks.group is None:
+            return ranks
         if self._background_group is None:
-            ranks = dist.get_process_group_ranks(comm.group)
+            members = dist.get_process_group_ranks(ranks.group)
             self._background_group = dist.new_group(
-                ranks=ranks,
+                ranks=members,
                 backend="gloo",
-                timeout=_timeout_of(comm.group),
-                use_local_synchronization=len(ranks) != dist.get_world_size(),
+                timeout=_torch.group_timeout(ranks.group),
+                use_local_synchronization=len(members) != dist.get_world_size(),
             )
-        return Ranks(self._background_group, comm.rank, comm.world_size)
-
-    def _run_dcp_save(self, job: _SaveJob, comm: Ranks, save: Callable[[], Metadata]) -> Metadata:
-        """Run a DCP save, turning its failure into a ``CheckpointSaveError``.
-
-        DCP gathers every rank's failure and raises ``CheckpointException`` (a
-        ``BaseException``) on all ranks, after every rank's writes have stopped, so rank 0
-        can delete the hidden directory safely.
-        """
-        try:
-            return save()
-        except (CheckpointException, Exception) as err:
-            if comm.rank == 0:
-                with contextlib.suppress(OSError):
-                    remove_tree(job.staging)
-            message = (
-                dcp_failure_message("Saving", job.final, err)
-                if isinstance(err, CheckpointException)
-                else f"Saving checkpoint {job.final} failed on rank {comm.rank}: {describe(err)}"
-                f"\nDCP reports each rank's own errors as one CheckpointException, so this "
-                f"error most likely means {LOST_PEER_HINT}."
-            )
-            raise CheckpointSaveError(
-                message + "\nThe previous checkpoint there, if any, is untouched."
-            ) from err
-
-    def _finish_background(
-        self, job: _SaveJob, tensors: dict[str, Any], comm: Ranks, writer: StorageWriter
-    ) -> None:
-        """The background thread's whole save: DCP's write over the background group, then
-        the commit."""
-        metadata = self._run_dcp_save(
-            job,
-            comm,
-            lambda: dcp.save(tensors, storage_writer=writer, process_group=comm.group),
-        )
-        self._commit(job, metadata, comm, writer)
-
-    def _commit(
-        self, job: _SaveJob, metadata: Metadata, comm: Ranks, writer: StorageWriter
-    ) -> None:
-        """Gather sizes and digests, write the manifest and rename into place; every rank
-        learns how it went.
-
-        Raises:
-            CheckpointSaveError: On every rank if any rank failed to describe its files or
-                rank 0 failed to commit; the hidden directory is then deleted.
-        """
-        error, records = None, {}
-        try:
-            records = self._local_records(job, comm.rank, writer)
-            _fault("commit:hashed")
-        except Exception as err:
-            error = f"rank {comm.rank}: {describe(err)}"
-        try:
-            gathered = comm.all_gather((error, records))
-        except PeerLostError as err:
-            if comm.rank == 0:
-                with contextlib.suppress(OSError):
-                    remove_tree(job.staging)
-            raise CheckpointSaveError(
-                f"Saving checkpoint {job.final} failed before the commit: {err}. The previous "
-                "checkpoint there, if any, is untouched."
-            ) from err
-        outcome = None
-        errors = [e for e, _ in gathered if e is not None]
-        if errors:
-            outcome = "\n  ".join(errors)
-            if comm.rank == 0:
-                with contextlib.suppress(OSError):
-                    remove_tree(job.staging)
-        elif comm.rank == 0:
-            try:
-                files: dict[str, FileRecord] = {}
-                for _, rank_records in gathered:
-                    files.update(rank_records)
-                self._check_claims(job, files, metadata)
-                manifest = Manifest(files=files, **job.manifest_fields)
-                _fault("commit:manifest")
-                self._write_manifest(job.staging, manifest)
-                _fault("commit:publish")
-                self._publish(job)
-            except Exception as err:
-                outcome = describe(err)
-                with contextlib.suppress(OSError):
-                    remove_tree(job.staging)
-        try:
-            outcome = comm.broadcast_from_first(outcome)
-        except PeerLostError as err:
-            if comm.rank == 0 and outcome is None:
-                raise CheckpointError(
-                    f"Checkpoint {job.final} was saved and committed, but the other ranks "
-                    f"could not be told: {err}."
-                ) from err
-            if comm.rank == 0:
-                raise CheckpointSaveError(
-                    f"Saving checkpoint {job.final} failed while committing: {outcome}\nThe "
-                    f"previous checkpoint there, if any, is untouched. Also, {err}."
-                ) from err
-            raise CheckpointSaveError(
-                f"Saving checkpoint {job.final}: contact with rank 0 was lost while it "
-                f"committed ({err}). {job.final.name} holds the previous or the new "
-                "checkpoint, complete either way (load_checkpoint and "
-                "resolve_latest_checkpoint restore it if a crash left it renamed aside); "
-                "its manifest's global_step tells which."
-            ) from err
-        if outcome is not None:
-            raise CheckpointSaveError(
-                f"Saving checkpoint {job.final} failed while committing: {outcome}\nThe "
-                "previous checkpoint there, if any, is untouched."
-            )
-
-    @staticmethod
-    def _local_records(job: _SaveJob, rank: int, writer: StorageWriter) -> dict[str, FileRecord]:
-        """Size and CRC32C of the files this rank wrote: its shards; rank 0 also the rest.
-
-        Taken from the bytes as they were written (:class:`ChecksummingFileSystemWriter`,
-        ``meta.pt``); a file written by another writer, or whose size on disk is not what
-        was written, is read back and hashed.
-        """
-        pattern = re.compile(_DISTCP_RE.format(rank=rank))
-        names = sorted(p.name for p in job.staging.iterdir() if pattern.fullmatch(p.name))
-        if rank == 0:
-            names += [DCP_METADATA_FILE, META_FILE]
-        hashed = writer.written_files() if isinstance(writer, ChecksummingFileSystemWriter) else {}
-        records = {}
-        for name in names:
-            size = (job.staging / name).stat().st_size
-            if not job.write_checksums:
-                records[name] = FileRecord(size)
-                continue
-            known = job.written.get(name)
-            if known is None and name in hashed and hashed[name].crc32c is not None:
-                known = FileRecord(hashed[name].size, crc32c=crc32c_hex(hashed[name].crc32c))
-            if known is not None and known.size == size:
-                records[name] = known
-            else:
-                records[name] = FileRecord(size, crc32c=file_digest(job.staging / name, "crc32c"))
-        return records
-
-    @staticmethod
-    def _check_claims(job: _SaveJob, files: Mapping[str, FileRecord], metadata: Metadata) -> None:
-        """Every file on disk was claimed by a rank, and every file DCP indexed exists.
-
-        Raises:
-            RuntimeError: Otherwise: DCP's file naming changed, or a writer misbehaved.
-        """
-        on_disk = {p.name for p in job.staging.iterdir()}
-        unclaimed = sorted(on_disk - set(files))
-        storage = getattr(metadata, "storage_data", None) or {}
-        indexed = {
-            info.relative_path for info in storage.values() if hasattr(info, "relative_path")
-        }
-        missing = sorted(indexed - set(files))
-        if unclaimed or missing:
-            raise RuntimeError(
-                f"the files on disk do not match what the ranks wrote: unclaimed {unclaimed}, "
-                f"indexed by .metadata but not written {missing}. Expected DCP's "
-                "__<rank>_<n>.distcp naming; use torch's FileSystemWriter."
-            )
-
-    @staticmethod
-    def _write_manifest(staging: Path, manifest: Manifest) -> None:
-        partial = staging / f"{MANIFEST_FILE}.partial"
-        with open(partial, "w", encoding="utf-8") as file:
-            file.write(manifest.dumps())
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(partial, staging / MANIFEST_FILE)
-        fsync_path(staging)
-
-    @staticmethod
-    def _publish(job: _SaveJob) -> None:
-        """Put the finished hidden directory in place (see the module docstring).
-
-        Raises:
-            CheckpointSaveError: If ``<name>`` exists and is not replaceable.
-            OSError: If the rename failed; ``<name>`` then holds the previous checkpoint.
-            Once the new checkpoint is in place nothing raises: leftovers are logged.
-        """
-        final = job.final
-        if final.exists() or final.is_symlink():
-            check_replaceable(final)
-            if not _exchange(job.staging, final, use_exchange=_USE_RENAME_EXCHANGE):
-                aside = hidden_path(final, ASIDE, job.token)
-                os.rename(final, aside)
-                try:
-                    _fault("commit:aside")
-                    os.rename(job.staging, final)
-                except BaseException:
-                    os.rename(aside, final)
-                    raise
-        else:
-            os.rename(job.staging, final)
-        # Committed: from here on only space can be lost, so nothing may fail the save.
-        try:
-            _fault("commit:replaced")
-            fsync_path(final.parent)
-            for sibling in list(final.parent.iterdir()):
-                hidden = parse_hidden_name(sibling.name)
-                if hidden is not None and hidden[0] == final.name:
-                    try:
-                        remove_tree(sibling)
-                    except OSError as err:
-                        log.warning("Could not delete stale %s: %s", sibling, err)
-        except Exception as err:
-            log.warning(
-                "Checkpoint %s is committed, but cleaning up after it failed: %s",
-                final,
-                describe(err),
-            )
+        return Ranks(self._background_group, ranks.rank, ranks.world_size)
 
     # ----------------------------------------------------------------------------- async
 
@@ -729,7 +368,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         try:
             self.wait()
         finally:
-            self._staging.release()
+            self._copies.release()
             if self._committer is not None:
                 self._committer.shutdown(wait=True)
                 self._committer = None
@@ -739,8 +378,6 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             if group is not None and dist.is_initialized():
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(group)
-
-    # ----------------------------------------------------------------------------- load
 
     @override
     def load_checkpoint(
@@ -788,166 +425,18 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             each rank had already written into them.
         """
         self.wait()
-        comm = Ranks.of(self.process_group)
-        final = Path(os.path.abspath(os.fspath(path)))
-        if comm.rank == 0:
-            try:
-                if recover_checkpoint(final):
-                    log.warning("Restored %s, which an interrupted save had renamed aside.", final)
-            except OSError as err:
-                log.warning("Could not restore %s from a renamed-aside copy: %s", final, err)
-            report_interrupted_saves(final.parent, log)
-        try:
-            comm.broadcast_from_first(None)  # nobody looks at the path before recovery is done
-            reader, problems = None, []
-            try:
-                reader = (self.storage_reader_factory or self._default_reader)(final)
-            except Exception as err:
-                problems = [(_LOAD_ERRORS.index(CheckpointError), describe(err))]
-            if reader is not None:
-                problems, meta = self._validate(
-                    final, state, strict, comm, map_location, weights_only, reader
-                )
-        except PeerLostError as err:
-            raise CheckpointError(
-                f"Loading checkpoint {final} failed before any tensor was read: {err}. The "
-                "targets are unchanged."
-            ) from err
-        agree_before_reading(comm, final, problems)
-        manifest = read_manifest(final)
-        if (saved := manifest.world_size) != (ranks := comm.world_size):
-            log.info("Loading %s, saved by %d ranks, on %d: DCP reshards.", final, saved, ranks)
-        assert reader is not None
-        if isinstance(reader, VerifyingFileSystemReader):
-            reader.expect(manifest, verify=self.verify_checksums)
-        loaded: dict[str, Any] = {}
-        if state is not None:
-            targets = {k: state[k] for k in ("state_dict", "optimizer_states") if k in state}
-            # Tied entries are one object in both: _stage copies them once, _fill copies twice.
-            into = _stage(targets) if self.atomic_load else targets
-            try:
-                dcp.load(
-                    into,
-                    storage_reader=reader,
-                    planner=DefaultLoadPlanner(allow_partial_load=not strict),
-                    process_group=comm.group,
-                )
-            except (CheckpointException, Exception) as err:
-                raise self._load_failure(final, err, reader, comm) from err
-            if self.atomic_load:
-                with torch.no_grad():
-                    _fill(targets, into)
-            loaded = targets
-        return {**meta, **loaded}
-
-    def _default_reader(self, final: Path) -> StorageReader:
-        return VerifyingFileSystemReader(final, verify=self.verify_checksums)
-
-    def _load_failure(
-        self, final: Path, err: BaseException, reader: StorageReader, comm: Ranks
-    ) -> CheckpointError:
-        """The error every rank raises when ``dcp.load`` failed: DCP's per-rank errors, and
-        what the targets now hold on each rank.
-
-        Without ``atomic_load`` the ranks all-gather how far their readers got (one more
-        collective, bounded by the group's timeout; a lost peer is reported as unknown),
-        so every rank states the same partial state.
-        """
-        if isinstance(err, CheckpointException):
-            message = dcp_failure_message("Loading", final, err)
-            failures = [exc for exc, _ in err.failures.values()]
-        else:
-            message = (
-                f"Loading checkpoint {final} failed on rank {comm.rank}: {describe(err)}\n"
-                "DCP reports each rank's own errors as one CheckpointException, so this "
-                f"error most likely means {LOST_PEER_HINT}."
-            )
-            failures = [err]
-        corrupted = all(isinstance(e, CheckpointCorruptedError) for e in failures)
-        error = CheckpointCorruptedError if corrupted else CheckpointError
-        if corrupted:
-            message += (
-                "\nThe files differ from what the save recorded: load an older complete "
-                "checkpoint, or restore these files from an intact copy (check it offline with "
-                f"`lightning-megatron-fsdp inspect --verify {final}`)."
-            )
-        if self.atomic_load:
-            return error(f"{message}\nThe targets are unchanged (atomic_load).")
-        progress = reader.progress if isinstance(reader, VerifyingFileSystemReader) else None
-        try:
-            states = comm.all_gather(None if progress is None else dataclasses.asdict(progress))
-        except PeerLostError:
-            states = [None] * comm.world_size
-            states[comm.rank] = None if progress is None else dataclasses.asdict(progress)
-        return error(f"{message}\n{_aftermath(final, states)}")
-
-    def _validate(
-        self,
-        final: Path,
-        state: dict[str, Any] | None,
-        strict: bool,
-        comm: Ranks,
-        map_location: Any,
-        weights_only: bool | None,
-        reader: StorageReader,
-    ) -> tuple[list[tuple[int, str]], dict[str, Any]]:
-        """This rank's problems with loading ``final`` into ``state``, as (kind, text),
-        and the checkpoint's ``meta.pt`` (empty if it could not be read).
-
-        Sizes always; with ``verify_checksums``, ``meta.pt``'s digest on every rank (it is
-        read here anyway) and, unless ``reader`` verifies as it reads, this rank's share
-        of the other files' digests.
-        """
-        kind = {cls: i for i, cls in enumerate(_LOAD_ERRORS)}
-        if state is not None:
-            shape_error = _state_shape_error(state)
-            if shape_error:
-                return [(kind[TypeError], shape_error)], {}
-        try:
-            manifest = read_manifest(final)
-        except NotACheckpointError as err:
-            return [(kind[NotACheckpointError], str(err))], {}
-        share = None
-        if self.verify_checksums and not isinstance(reader, VerifyingFileSystemReader):
-            hashed = sorted(
-                n for n, r in manifest.files.items() if r.digest() is not None and n != META_FILE
-            )
-            share = hashed[comm.rank :: comm.world_size]
-        try:
-            damaged = check_files(final, manifest, checksum_files=share)
-            data = None if damaged else (final / META_FILE).read_bytes()
-        except OSError as err:
-            damaged, data = [f"cannot read a file: {describe(err)}"], None
-        digest = manifest.files[META_FILE].digest() if self.verify_checksums else None
-        if data is not None and digest is not None:
-            found = bytes_digest(data, digest[0])
-            if found != digest[1]:
-                damaged.append(
-                    f"{META_FILE}: {digest[0]} {found} on disk, {digest[1]} in the manifest "
-                    "(the file changed after it was written)"
-                )
-        problems = [(kind[CheckpointCorruptedError], line) for line in damaged]
-        if state is not None:
-            problems += [
-                (kind[CheckpointMismatchError], line)
-                for line in _fingerprint_problems(manifest, state, strict)
-            ]
-        meta: dict[str, Any] = {}
-        if not damaged and data is not None:
-            try:
-                meta = torch.load(
-                    io.BytesIO(data), map_location=map_location, weights_only=weights_only
-                )
-            except Exception as err:
-                problems.append(
-                    (
-                        kind[CheckpointError],
-                        f"{META_FILE}: torch.load(weights_only={weights_only}) failed: "
-                        f"{describe(err)}. If it holds objects the weights-only unpickler "
-                        "refuses and you trust the checkpoint, load with weights_only=False.",
-                    )
-                )
-        return problems, meta
+        ranks = Ranks.of(self.process_group)
+        options = self.load_options
+        opened = open_checkpoint(path, ranks, options.store)
+        return read_checkpoint(
+            opened,
+            state,
+            ranks,
+            options,
+            map_location=map_location,
+            weights_only=weights_only,
+            strict=strict,
+        )
 
     # ----------------------------------------------------------------------------- remove
 
@@ -971,28 +460,4 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             # Let the background save commit first, or it would re-create the directory.
             # Its error stays for wait()/poll(): every rank must see it there.
             concurrent.futures.wait([self._in_flight])
-        if target.is_symlink():  # e.g. Lightning's save_last="link": only the link goes
-            target.unlink()
-            return
-        if not target.exists():
-            return
-        hidden = parse_hidden_name(target.name)
-        ours = target.is_dir()
-        if ours and hidden is None:
-            try:
-                read_manifest(target)
-            except NotACheckpointError:
-                ours = False
-        if not ours:
-            raise CheckpointError(
-                f"MegatronFSDPCheckpointIO.remove_checkpoint: refusing to delete {target}: it "
-                "is not a checkpoint written by this plugin (expected a directory with a "
-                "manifest.json, or a hidden .<name>.tmp-/.old-/.del-<token> directory). "
-                "Delete it by hand if it is really unwanted."
-            )
-        if hidden is None:
-            trash = hidden_path(target, DELETING, uuid.uuid4().hex)
-            os.rename(target, trash)
-            fsync_path(target.parent)
-            target = trash
-        remove_tree(target)
+        self.store.remove(target)

@@ -1,165 +1,144 @@
-"""What a save writes: Lightning's dict split into tensors and the rest, and their digests.
+"""A save's three phases: the ranks agree on what they save, DCP writes, rank 0 commits.
 
-Problem: Lightning hands the checkpoint IO one nested dict mixing sharded DTensors, plain
-tensors and Python objects; DCP must get only the tensors, ``meta.pt`` the rest, an async
-save a private copy of every tensor (training goes on mutating the live ones), and the ranks
-one digest of every key, shape and dtype to agree on before anything is written.
-
-How: pure functions over the dict, rank-local, no collective: :func:`_split_checkpoint`,
-:func:`_stage` (copies that keep the chunk hooks), :func:`_layout_summary` and
-:func:`_layout_disagreement`, :func:`_fill` (copy loaded values into the live targets), and
-the package versions a manifest records.
+Lightning hands the plugin one dict mixing sharded DTensors, plain tensors and Python
+objects. DCP writes the tensors, each rank only its own shards, into a staging location of
+the :class:`~lightning_megatron_fsdp.checkpoint.commit.CheckpointStore`; rank 0 writes the
+non-tensor rest to ``meta.pt``; the manifest is written last and the store publishes the
+directory. Every rank-local check happens before the first of our three collective rounds,
+so a rank whose state differs fails the save on every rank before anything is written
+(docs/DESIGN.md, "Save path").
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import ctypes
 import dataclasses
-import errno
-import functools
-import importlib.metadata
+import hashlib
 import io
+import json
 import os
-import sys
-import threading
-from collections.abc import Mapping, MutableMapping
-from datetime import timedelta
+import re
+import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.storage import StorageWriter
 
-from lightning_megatron_fsdp.checkpoint.checksums import crc32c, crc32c_hex
-from lightning_megatron_fsdp.checkpoint.format import (
-    FileRecord,
-    TensorSpec,
+from lightning_megatron_fsdp.agreement import (
+    LOST_PEER_HINT,
+    PeerLostError,
+    Ranks,
+    dcp_failure_message,
+    describe,
 )
-from lightning_megatron_fsdp.uneven_dtensor import CHUNK_ATTR
+from lightning_megatron_fsdp.checkpoint.checksums import crc32c, crc32c_hex, file_digest
+from lightning_megatron_fsdp.checkpoint.commit import CheckpointStore, reach
+from lightning_megatron_fsdp.checkpoint.copies import StagingBuffers
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointError, CheckpointSaveError
+from lightning_megatron_fsdp.checkpoint.format import (
+    DCP_METADATA_FILE,
+    META_FILE,
+    FileRecord,
+    Manifest,
+    TensorSpec,
+    finite_int_or_none,
+    listed,
+    mesh_info,
+    model_fingerprint,
+    optimizer_fingerprint,
+    package_versions,
+)
+from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
 
-# Attributes uneven_dtensor attaches to a local shard; the staging copy keeps them.
-_HOOK_ATTRS = ("__create_chunk_list__", "__create_write_items__", CHUNK_ATTR)
+__all__ = [
+    "PendingSave",
+    "PerRank",
+    "SaveOptions",
+    "StorageWriterFactory",
+    "begin_save",
+    "commit_save",
+    "layout_disagreement",
+    "layout_summary",
+    "split_checkpoint",
+    "write_save",
+]
+
+StorageWriterFactory = Callable[[Path], StorageWriter]
+"""Builds the DCP writer for a save, given the staging directory it must write into."""
+
+# DCP's FileSystemWriter names rank r's files __<r>_<n>.distcp.
+_DISTCP_RE = r"__{rank}_\d+\.distcp"
 
 
-_BufferKey = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
+@dataclasses.dataclass(frozen=True)
+class PerRank:
+    """A value every rank contributes to the checkpoint's non-tensor part.
 
-
-def _copy_tensor(
-    tensor: torch.Tensor, spare: dict[_BufferKey, list[torch.Tensor]] | None = None
-) -> torch.Tensor:
-    """A CPU copy of ``tensor`` (``tensor.to("cpu", copy=True)``), written into a spare
-    buffer of the same shape, strides and dtype when ``spare`` has one."""
-    source = tensor.detach()
-    buffers = spare.get((tuple(source.shape), source.stride(), source.dtype)) if spare else None
-    if buffers:
-        staged = buffers.pop().requires_grad_(False)
-        staged.copy_(source)
-    else:
-        staged = source.to("cpu", copy=True)
-    if staged.is_floating_point() or staged.is_complex():
-        staged.requires_grad_(tensor.requires_grad)  # DCP records it in TensorProperties
-    return staged
-
-
-class _StagingBuffers:
-    """The CPU copies an async save writes from, kept for the next async save.
-
-    Copying a rank's state into freshly allocated memory costs a page fault per 4 KiB page
-    on top of the copy: measured here, 400 MB took 0.15-0.24 s into new tensors and
-    0.08 s into existing ones, and that copy is nearly all the time an async save blocks
-    training. So the copies of one save are the buffers of the next (tensors of the same
-    shape, strides and dtype; any other gets a new one, and buffers no longer needed are
-    dropped). The next save starts only after the previous one finished (at most one is
-    in flight), so no buffer is overwritten while it is being written.
-
-    Cost: after the first async save the plugin holds one CPU copy of the rank's state
-    until :meth:`release` (the plugin's ``teardown``), where it would otherwise hold it
-    only while a save is in flight; the peak is the same. (torch's ``BlockingAsyncStager``
-    offers the same trade as ``cache_staged_state_dict``.)
+    Put it at the top level of the checkpoint dict: the save gathers every rank's
+    ``value`` in its first round (no collective of its own) and ``meta.pt`` holds
+    ``combine([value of rank 0, value of rank 1, ...])`` under the same key.
     """
 
-    def __init__(self) -> None:
-        self._held: list[torch.Tensor] = []
-
-    def stage(self, obj: Any) -> Any:
-        """:func:`_stage` ``obj``, reusing the previous save's copies."""
-        spare: dict[_BufferKey, list[torch.Tensor]] = {}
-        for buffer in self._held:
-            key = (tuple(buffer.shape), buffer.stride(), buffer.dtype)
-            spare.setdefault(key, []).append(buffer)
-        staged = _stage(obj, spare=spare)
-        held: dict[int, torch.Tensor] = {}
-        _collect_tensors(staged, held)
-        self._held = list(held.values())
-        return staged
-
-    def release(self) -> None:
-        """Drop the buffers."""
-        self._held = []
+    value: Any
+    combine: Callable[[list[Any]], Any] = list
 
 
-def _collect_tensors(obj: Any, found: dict[int, torch.Tensor]) -> None:
-    """Every tensor of a staged tree (of a DTensor: its local shard) by ``id``,
-    so a copy reachable twice (tied weights) is one buffer, never handed out twice."""
-    if isinstance(obj, DTensor):
-        found[id(obj._local_tensor)] = obj._local_tensor
-    elif isinstance(obj, torch.Tensor):
-        found[id(obj)] = obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            _collect_tensors(value, found)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            _collect_tensors(value, found)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SaveOptions:
+    """How a save writes; the plugin's options."""
+
+    store: CheckpointStore
+    """Where the checkpoint is staged and published."""
+    write_checksums: bool = True
+    """Record the CRC32C of every record and file."""
+    thread_count: int = 1
+    """Writer threads per rank of the default writer."""
+    writer_factory: StorageWriterFactory | None = None
+    """The DCP writer; a :class:`ChecksummingFileSystemWriter` when ``None``."""
+
+    def writer(self, staging: Path) -> StorageWriter:
+        """The DCP writer for ``staging``."""
+        if self.writer_factory is not None:
+            return self.writer_factory(staging)
+        return ChecksummingFileSystemWriter(
+            staging, checksum=self.write_checksums, thread_count=self.thread_count
+        )
 
 
-def _stage(
-    obj: Any,
-    memo: dict[int, Any] | None = None,
-    spare: dict[_BufferKey, list[torch.Tensor]] | None = None,
-) -> Any:
-    """Copy a nested state dict so training can go on while a background thread writes it.
+@dataclasses.dataclass
+class PendingSave:
+    """A save the ranks agreed on, not yet written or committed."""
 
-    Tensors are copied to CPU memory (into ``spare`` buffers where one fits, see
-    :class:`_StagingBuffers`). A DTensor is rebuilt around a copy of its local shard with
-    the same spec, and the chunk hooks of ``uneven_dtensor`` are carried over
-    unchanged, so DCP plans exactly the writes a synchronous save plans (the tests compare
-    the files byte for byte). Tensors seen twice (tied weights) are copied once.
-
-    Alternative rejected: torch's ``DefaultStager``. It copies whole storages and re-views
-    them, which raises "invalid python storage" for shards that are views at an offset into
-    a packed Megatron-FSDP buffer (torch 2.13), and it keeps the hooks only as a side
-    effect of copying ``__dict__``.
-    """
-    memo = {} if memo is None else memo
-    if id(obj) in memo:
-        return memo[id(obj)]
-    if isinstance(obj, DTensor):
-        local = obj._local_tensor
-        staged_local = _copy_tensor(local, spare)
-        for attr in _HOOK_ATTRS:
-            if attr in vars(local):
-                setattr(staged_local, attr, vars(local)[attr])
-        # DTensor.from_local would move the copy back to the mesh's device.
-        staged: Any = DTensor(staged_local, obj._spec, requires_grad=False)
-    elif isinstance(obj, torch.Tensor):
-        staged = _copy_tensor(obj, spare)
-    elif isinstance(obj, Mapping):
-        staged = {key: _stage(value, memo, spare) for key, value in obj.items()}
-    elif isinstance(obj, list):
-        staged = [_stage(value, memo, spare) for value in obj]
-    elif isinstance(obj, tuple):
-        staged = tuple(_stage(value, memo, spare) for value in obj)
-    else:
-        staged = copy.deepcopy(obj)
-    memo[id(obj)] = staged
-    return staged
+    final: Path
+    staging: Path
+    token: str
+    options: SaveOptions
+    tensors: dict[str, Any]
+    writer: StorageWriter
+    manifest_fields: dict[str, Any] | None = None
+    """Rank 0: the manifest's fields other than ``files``."""
+    meta: bytes | None = None
+    """Rank 0: ``meta.pt``'s bytes."""
+    problem: str | None = None
+    """A failure of this rank after the agreement, reported in the commit round."""
 
 
-def _split_checkpoint(checkpoint: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+@dataclasses.dataclass(frozen=True)
+class _Proposal:
+    """What each rank sends in the save's first round."""
+
+    path: str
+    token: str
+    error: str | None
+    digest: str | None
+    per_rank: dict[str, Any]
+
+
+def split_checkpoint(checkpoint: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split Lightning's checkpoint dict into DCP's tensor part and ``meta.pt``'s rest.
 
     Raises:
@@ -188,7 +167,7 @@ def _split_checkpoint(checkpoint: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, meta
 
 
-def _layout_summary(tensors: Mapping[str, Any]) -> dict[str, str]:
+def layout_summary(tensors: Mapping[str, Any]) -> dict[str, str]:
     """Every leaf of the state to save, DCP-flattened (``state_dict.<fqn>``,
     ``optimizer_states.<i>.state.<fqn>.<name>``, ...), with its global shape and dtype.
 
@@ -211,22 +190,19 @@ def _layout_summary(tensors: Mapping[str, Any]) -> dict[str, str]:
     return summary
 
 
-def _listed(keys: list[str], limit: int = 10) -> str:
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return f"[{shown}{f', ... and {len(keys) - limit} more' if len(keys) > limit else ''}]"
-
-
-def _layout_disagreement(layouts: list[dict[str, str]]) -> list[str]:
-    """Say how each rank's layout differs from rank 0's (see :func:`_layout_summary`)."""
+def layout_disagreement(layouts: list[dict[str, str]]) -> list[str]:
+    """Say how each rank's layout differs from rank 0's (see :func:`layout_summary`)."""
     reference, lines = layouts[0], []
     for rank, layout in enumerate(layouts[1:], start=1):
         extra = sorted(set(layout) - set(reference))
         lacking = sorted(set(reference) - set(layout))
         differ = sorted(k for k in set(layout) & set(reference) if layout[k] != reference[k])
         if extra:
-            lines.append(f"rank {rank} has {len(extra)} key(s) rank 0 has not: {_listed(extra)}")
+            lines.append(f"rank {rank} has {len(extra)} key(s) rank 0 has not: {listed(extra, 10)}")
         if lacking:
-            lines.append(f"rank {rank} lacks {len(lacking)} key(s) of rank 0: {_listed(lacking)}")
+            lines.append(
+                f"rank {rank} lacks {len(lacking)} key(s) of rank 0: {listed(lacking, 10)}"
+            )
         lines += [
             f"rank {rank} {key!r}: {layout[key]}, rank 0: {reference[key]}" for key in differ[:10]
         ]
@@ -238,146 +214,305 @@ def _layout_disagreement(layouts: list[dict[str, str]]) -> list[str]:
     return lines
 
 
-def _fill(target: Any, source: Any) -> None:
-    """Write what DCP read into ``source`` (a :func:`_stage` copy of ``target``) into
-    ``target``, in place: tensors by ``copy_`` (a DTensor's local shard, no collective),
-    other leaves by assignment, as an in-place ``dcp.load`` would have left them."""
-    items = source.items() if isinstance(source, Mapping) else enumerate(source)
-    for key, value in items:
-        current = target[key]
-        if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
-            if isinstance(current, DTensor):
-                local = value._local_tensor if isinstance(value, DTensor) else value
-                current._local_tensor.copy_(local)
-            else:
-                current.copy_(value)
-        elif (isinstance(current, MutableMapping) and isinstance(value, Mapping)) or (
-            isinstance(current, list) and isinstance(value, list) and len(current) == len(value)
-        ):
-            _fill(current, value)
-        else:
-            target[key] = value
+def begin_save(
+    checkpoint: Any,
+    path: str | os.PathLike[str],
+    ranks: Ranks,
+    options: SaveOptions,
+    *,
+    prepare: Callable[[], None] | None = None,
+    copies: StagingBuffers | None = None,
+) -> PendingSave:
+    """Round 1: every rank checks and prepares its part, then the ranks agree.
 
+    One all-gather carries rank 0's path and staging token (so every rank writes one
+    checkpoint even if their paths differ), every rank's outcome, a digest of its state's
+    layout and its :class:`PerRank` values. Only when the digests differ do the ranks
+    gather their full layouts, to say what differs.
 
-@functools.cache
-def _versions() -> dict[str, str]:
-    """Package versions, looked up once per process (``importlib.metadata`` scans
-    ``sys.path`` on every call); callers copy the dict."""
-    versions = {"torch": torch.__version__}
-    for key, distribution in (
-        ("lightning", "lightning"),
-        ("megatron_fsdp", "megatron-fsdp"),
-        ("lightning_megatron_fsdp", "lightning-megatron-fsdp"),
-    ):
-        try:
-            versions[key] = importlib.metadata.version(distribution)
-        except importlib.metadata.PackageNotFoundError:
-            versions[key] = "unknown"
-    return versions
-
-
-def _timeout_of(group: dist.ProcessGroup) -> timedelta:
-    """The collective timeout of ``group``'s backend, or torch's default."""
-    for device in getattr(group, "_device_types", []):
-        try:
-            timeout = group._get_backend(device).options._timeout
-        except (AttributeError, RuntimeError):
-            continue
-        if isinstance(timeout, timedelta):
-            return timeout
-    return dist.default_pg_timeout
-
-
-_RENAME_EXCHANGE_FLAG = 2  # linux/fs.h
-
-
-_AT_FDCWD = -100
-
-
-_EXCHANGE_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
-
-
-@functools.cache
-def _renameat2() -> Any:
-    """libc's ``renameat2``, or ``None`` where there is none (not Linux, old glibc, musl)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_uint,
-    ]
-    function.restype = ctypes.c_int
-    return function
-
-
-def _exchange(a: Path, b: Path, *, use_exchange: bool = True) -> bool:
-    """Atomically swap two existing directory entries; ``False`` where unsupported.
+    Args:
+        checkpoint: Lightning's checkpoint dict.
+        path: The checkpoint's final path; rank 0's is used.
+        ranks: The ranks that save together.
+        options: How to write.
+        prepare: Rank-local work to run first (its failure fails the save on every rank).
+        copies: Stage the tensors into these CPU copies (an async save).
 
     Raises:
-        OSError: If the exchange is supported but failed (say, permissions).
+        CheckpointSaveError: On every rank, naming each failing rank, or the ranks whose
+            state differs from rank 0's; rank 0's staging location is removed.
+        PeerLostError: If a peer is gone.
     """
-    function = _renameat2() if use_exchange else None
-    if function is None:
-        return False
-    if function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE_FLAG) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in _EXCHANGE_UNSUPPORTED:
-        return False
-    raise OSError(code, f"renameat2(RENAME_EXCHANGE): {os.strerror(code)}", str(a), None, str(b))
+    final = Path(os.path.abspath(os.fspath(path)))
+    token = uuid.uuid4().hex
+    tensors: dict[str, Any] = {}
+    meta: dict[str, Any] = {}
+    error: str | None = None
+    digest: str | None = None
+    fields: dict[str, Any] | None = None
+    own: dict[str, Any] = {}
+    try:
+        if prepare is not None:
+            prepare()
+        tensors, meta = split_checkpoint(checkpoint)
+        own = {k: v.value for k, v in meta.items() if isinstance(v, PerRank)}
+        layout = layout_summary(tensors)
+        digest = hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
+        if ranks.rank == 0:
+            fields = _manifest_fields(checkpoint, tensors, ranks.world_size)
+            _pickled({k: v for k, v in meta.items() if k not in own})  # fails here, not later
+            options.store.stage(final, token)
+        if copies is not None:
+            tensors = copies.stage(tensors)
+    except Exception as err:
+        error = f"rank {ranks.rank}: {describe(err)}"
+    try:
+        gathered = ranks.all_gather(_Proposal(str(final), token, error, digest, own))
+        errors = [p.error for p in gathered if p.error is not None]
+        if not errors and len({p.digest for p in gathered}) > 1:
+            # Rare and fatal: now gather the full layouts to say exactly what differs.
+            errors = layout_disagreement(ranks.all_gather(layout_summary(tensors)))
+    except PeerLostError:
+        if ranks.rank == 0:
+            options.store.discard(final, token)
+        raise
+    if errors:
+        if ranks.rank == 0:
+            options.store.discard(final, token)
+        raise CheckpointSaveError(
+            f"Saving checkpoint {gathered[0].path} failed before any tensor was written; the "
+            "previous checkpoint there, if any, is untouched:\n  " + "\n  ".join(errors)
+        )
+    final, token = Path(gathered[0].path), gathered[0].token
+    staging = options.store.staging_path(final, token)
+    pending = PendingSave(final, staging, token, options, tensors, _FailedWriter(None))
+    if ranks.rank == 0:
+        pending.manifest_fields = fields
+        try:
+            for key in own:
+                meta[key] = meta[key].combine([p.per_rank[key] for p in gathered])
+            pending.meta = _pickled(meta)
+        except Exception as err:
+            pending.problem = f"rank 0: {describe(err)}"
+    try:
+        pending.writer = options.writer(staging)
+    except Exception as err:
+        # DCP's planning gathers this failure from every rank: no round of ours needed.
+        pending.writer = _FailedWriter(err)
+    return pending
 
 
-@dataclasses.dataclass(frozen=True)
-class _SaveJob:
-    """Everything the commit of one save needs, computed on the calling thread."""
+def write_save(pending: PendingSave, ranks: Ranks) -> Metadata:
+    """DCP writes every rank's shards and rank 0's ``.metadata`` (DCP's collectives only).
 
-    final: Path
-    staging: Path
-    token: str
-    write_checksums: bool
-    manifest_fields: dict[str, Any]
-    written: dict[str, FileRecord] = dataclasses.field(default_factory=dict)
-    """Files this rank wrote itself outside DCP (rank 0's ``meta.pt``), as written."""
-
-
-_BACKGROUND_NICE = 10
-"""Nice increment of the async-save thread (Linux: per thread). Training keeps the core
-when both want it; the save still progresses (weight 110 against 1024 under CFS)."""
-
-
-def _lower_thread_priority() -> None:
-    """Lower the calling thread's CPU priority by :data:`_BACKGROUND_NICE`, where the OS
-    allows it per thread (Linux); elsewhere a no-op.
-
-    The async save's thread writes and hashes hundreds of MB while training runs: where
-    the two share a core, the scheduler should favour training. Raising one's own nice
-    value needs no privilege; the thread lives in the plugin's own one-thread executor,
-    so no other work inherits the priority.
+    Raises:
+        CheckpointSaveError: On every rank (DCP gathers every rank's failure, after every
+            rank's writes have stopped, so rank 0 removes the staging location safely).
     """
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            tid = threading.get_native_id()
-            os.setpriority(
-                os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + _BACKGROUND_NICE
-            )
+    try:
+        return dcp.save(pending.tensors, storage_writer=pending.writer, process_group=ranks.group)
+    except (CheckpointException, Exception) as err:
+        if ranks.rank == 0:
+            pending.options.store.discard(pending.final, pending.token)
+        message = (
+            dcp_failure_message("Saving", pending.final, err)
+            if isinstance(err, CheckpointException)
+            else f"Saving checkpoint {pending.final} failed on rank {ranks.rank}: "
+            f"{describe(err)}\nDCP reports each rank's own errors as one CheckpointException, "
+            f"so this error most likely means {LOST_PEER_HINT}."
+        )
+        raise CheckpointSaveError(
+            message + "\nThe previous checkpoint there, if any, is untouched."
+        ) from err
 
 
-def _write_meta(path: Path, meta: dict[str, Any], job: _SaveJob) -> FileRecord:
-    """``torch.save`` the non-tensor rest to ``path``, fsync'd; its size and CRC32C are
-    taken from the bytes written (pickled in memory first: it is small)."""
+def commit_save(pending: PendingSave, metadata: Metadata, ranks: Ranks) -> None:
+    """Rounds 2 and 3: gather every rank's files, rank 0 publishes, every rank learns how.
+
+    Raises:
+        CheckpointSaveError: On every rank if any rank failed to describe its files or rank
+            0 failed to commit; the staging location is then removed.
+        CheckpointError: On rank 0 when the checkpoint was committed but the other ranks
+            could not be told.
+    """
+    store, final = pending.options.store, pending.final
+    error, records = pending.problem, {}
+    if error is None:
+        try:
+            records = _local_records(pending, ranks.rank)
+            reach("commit:hashed")
+        except Exception as err:
+            error = f"rank {ranks.rank}: {describe(err)}"
+    try:
+        gathered = ranks.all_gather((error, records))
+    except PeerLostError as err:
+        if ranks.rank == 0:
+            store.discard(final, pending.token)
+        raise CheckpointSaveError(
+            f"Saving checkpoint {final} failed before the commit: {err}. The previous "
+            "checkpoint there, if any, is untouched."
+        ) from err
+    outcome = None
+    errors = [e for e, _ in gathered if e is not None]
+    if errors:
+        outcome = "\n  ".join(errors)
+        if ranks.rank == 0:
+            store.discard(final, pending.token)
+    elif ranks.rank == 0:
+        try:
+            files: dict[str, FileRecord] = {}
+            for _, rank_records in gathered:
+                files.update(rank_records)
+            _check_claims(pending.staging, files, metadata)
+            assert pending.manifest_fields is not None
+            manifest = Manifest(files=files, **pending.manifest_fields)
+            store.publish(final, pending.staging, manifest, pending.token)
+        except Exception as err:
+            outcome = describe(err)
+            store.discard(final, pending.token)
+    try:
+        outcome = ranks.broadcast_from_first(outcome)
+    except PeerLostError as err:
+        if ranks.rank == 0 and outcome is None:
+            raise CheckpointError(
+                f"Checkpoint {final} was saved and committed, but the other ranks could not "
+                f"be told: {err}."
+            ) from err
+        if ranks.rank == 0:
+            raise CheckpointSaveError(
+                f"Saving checkpoint {final} failed while committing: {outcome}\nThe previous "
+                f"checkpoint there, if any, is untouched. Also, {err}."
+            ) from err
+        raise CheckpointSaveError(
+            f"Saving checkpoint {final}: contact with rank 0 was lost while it committed "
+            f"({err}). {final.name} holds the previous or the new checkpoint, complete either "
+            "way (load_checkpoint and resolve_latest_checkpoint restore it if a crash left it "
+            "renamed aside); its manifest's global_step tells which."
+        ) from err
+    if outcome is not None:
+        raise CheckpointSaveError(
+            f"Saving checkpoint {final} failed while committing: {outcome}\nThe previous "
+            "checkpoint there, if any, is untouched."
+        )
+
+
+def _manifest_fields(
+    checkpoint: Mapping[str, Any], tensors: Mapping[str, Any], world_size: int
+) -> dict[str, Any]:
+    return {
+        "fingerprint": model_fingerprint(tensors["state_dict"]),
+        "optimizer_fingerprints": [
+            optimizer_fingerprint(o) for o in tensors.get("optimizer_states", [])
+        ],
+        "world_size": world_size,
+        "mesh": mesh_info(tensors),
+        "versions": dict(package_versions()),
+        "global_step": finite_int_or_none(checkpoint.get("global_step")),
+        "epoch": finite_int_or_none(checkpoint.get("epoch")),
+    }
+
+
+def _pickled(meta: dict[str, Any]) -> bytes:
     buffer = io.BytesIO()
     torch.save(meta, buffer)
-    data = buffer.getbuffer()
+    return buffer.getvalue()
+
+
+def _write_meta(path: Path, data: bytes, checksum: bool) -> FileRecord:
+    """Write ``meta.pt``, fsync'd; its size and CRC32C from the bytes written."""
     with open(path, "wb") as file:
         file.write(data)
         file.flush()
         os.fsync(file.fileno())
-    digest = crc32c_hex(crc32c(data)) if job.write_checksums else None
-    return FileRecord(size=data.nbytes, crc32c=digest)
+    return FileRecord(size=len(data), crc32c=crc32c_hex(crc32c(data)) if checksum else None)
+
+
+def _local_records(pending: PendingSave, rank: int) -> dict[str, FileRecord]:
+    """Size and CRC32C of the files this rank wrote: its shards; rank 0 also the rest.
+
+    Taken from the bytes as they were written (:class:`ChecksummingFileSystemWriter`,
+    ``meta.pt``); a file written by another writer, or whose size on disk is not what was
+    written, is read back and hashed.
+    """
+    staging, checksum = pending.staging, pending.options.write_checksums
+    written: dict[str, FileRecord] = {}
+    if rank == 0:
+        assert pending.meta is not None
+        written[META_FILE] = _write_meta(staging / META_FILE, pending.meta, checksum)
+    pattern = re.compile(_DISTCP_RE.format(rank=rank))
+    names = sorted(p.name for p in staging.iterdir() if pattern.fullmatch(p.name))
+    if rank == 0:
+        names += [DCP_METADATA_FILE, META_FILE]
+    writer = pending.writer
+    hashed = writer.written_files() if isinstance(writer, ChecksummingFileSystemWriter) else {}
+    records = {}
+    for name in names:
+        size = (staging / name).stat().st_size
+        if not checksum:
+            records[name] = FileRecord(size)
+            continue
+        known = written.get(name)
+        if known is None and name in hashed and hashed[name].crc32c is not None:
+            known = FileRecord(hashed[name].size, crc32c=crc32c_hex(hashed[name].crc32c))
+        if known is not None and known.size == size:
+            records[name] = known
+        else:
+            records[name] = FileRecord(size, crc32c=file_digest(staging / name, "crc32c"))
+    return records
+
+
+def _check_claims(staging: Path, files: Mapping[str, FileRecord], metadata: Metadata) -> None:
+    """Every file on disk was claimed by a rank, and every file DCP indexed exists.
+
+    Raises:
+        RuntimeError: Otherwise: DCP's file naming changed, or a writer misbehaved.
+    """
+    on_disk = {p.name for p in staging.iterdir()}
+    unclaimed = sorted(on_disk - set(files))
+    storage = getattr(metadata, "storage_data", None) or {}
+    indexed = {info.relative_path for info in storage.values() if hasattr(info, "relative_path")}
+    missing = sorted(indexed - set(files))
+    if unclaimed or missing:
+        raise RuntimeError(
+            f"the files on disk do not match what the ranks wrote: unclaimed {unclaimed}, "
+            f"indexed by .metadata but not written {missing}. Expected DCP's "
+            "__<rank>_<n>.distcp naming; use torch's FileSystemWriter."
+        )
+
+
+class _FailedWriter(StorageWriter):
+    """Stands in for a writer this rank could not build: DCP's planning raises its error,
+    and DCP reports it on every rank."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+    def _fail(self) -> Any:
+        raise RuntimeError(f"building the storage writer failed: {describe(self.error)}") from (
+            self.error
+        )
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        """Nothing to reset."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+    def storage_meta(self) -> StorageMeta | None:
+        return None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._fail()
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return self._fail()
+
+    def prepare_global_plan(self, plans: Any) -> Any:
+        return self._fail()
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        return self._fail()
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        self._fail()
