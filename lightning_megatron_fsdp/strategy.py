@@ -58,23 +58,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.device_dtype_mixin import _update_properties
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -86,7 +75,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp import _lightning, _megatron, _torch
 from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointError, CheckpointSaveError
@@ -199,7 +188,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         mixed_precision_policy: MixedPrecisionPolicy | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        init_weights_from: _PATH | PretrainedWeights | None = None,
+        init_weights_from: _lightning.PATH | PretrainedWeights | None = None,
         allow_weights_only_resume: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -316,7 +305,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         if self._checkpoint_io is None:
             self._checkpoint_io = _default_checkpoint_io()
         elif (
-            isinstance(self._checkpoint_io, _WrappingCheckpointIO)
+            isinstance(self._checkpoint_io, _lightning.WrappingCheckpointIO)
             and self._checkpoint_io.checkpoint_io is None
         ):
             self._checkpoint_io.checkpoint_io = _default_checkpoint_io()
@@ -351,13 +340,13 @@ class MegatronFSDPStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
+            self._launcher = _lightning.SubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
 
     @property
     @override
-    def launcher(self) -> _Launcher | None:
+    def launcher(self) -> _lightning.Launcher | None:
         """Lightning's launcher, wrapped so ``ckpt_path="last"`` means a complete checkpoint.
 
         See :mod:`~lightning_megatron_fsdp.launcher`: the launch is the one strategy hook
@@ -391,8 +380,10 @@ class MegatronFSDPStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        if not _distributed_is_initialized():
-            _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if not _lightning.distributed_is_initialized():
+            _lightning.init_dist_connection(
+                self.cluster_environment, self._process_group_backend, **kwargs
+            )
         register_exit_hook()  # also for a group the user created: the race is the same
         if self.root_device.type != "cuda":
             enable_cpu_execution()
@@ -419,7 +410,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or _get_default_process_group_backend_for_device(
+        return self._process_group_backend or _lightning.default_process_group_backend(
             self.root_device
         )
 
@@ -429,7 +420,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if self._layer_sync is not None:
+        if _lightning.layer_sync(self) is not None:
             raise ValueError(
                 f"{_STRATEGY} does not support Trainer(sync_batchnorm=True): its buffers are "
                 "not sharded and SyncBatchNorm's conversion would replace sharded modules. "
@@ -449,7 +440,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         # Re-create optimizers on every fit: an earlier stage's optimizers may hold other
         # parameter objects.
-        self._reset_optimizers_and_schedulers()
+        _lightning.reset_optimizers_and_schedulers(self)
         super().setup_optimizers(trainer)
         assert self.lightning_module is not None
         for index, optimizer in enumerate(self.optimizers):
@@ -703,7 +694,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
+        if not _lightning.distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
@@ -712,7 +703,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
+        if not _lightning.distributed_is_initialized():
             return obj
         container = [obj]
         dist.broadcast_object_list(container, src, group=_group.WORLD)
@@ -726,7 +717,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         reduce_op: ReduceOp | str | None = "mean",
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return _lightning.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
@@ -765,7 +756,10 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self,
+        checkpoint: dict[str, Any],
+        filepath: _lightning.PATH,
+        storage_options: Any | None = None,
     ) -> None:
         """Save on every rank (a collective): each rank writes only its own shards.
 
@@ -833,7 +827,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(
-        self, checkpoint_path: _PATH, weights_only: bool | None = None
+        self, checkpoint_path: _lightning.PATH, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Load a checkpoint in place into the sharded model (and optimizers when fitting).
 
@@ -885,7 +879,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         return checkpoint
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: _lightning.PATH) -> None:
         """Remove a checkpoint directory: rank 0 deletes, every rank learns the outcome.
 
         ``ModelCheckpoint`` calls this on every rank (``save_top_k``, a replaced
@@ -950,7 +944,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: _lightning.StrategyRegistry) -> None:
         if cls.strategy_name in strategy_registry:
             return
         strategy_registry.register(
@@ -975,10 +969,11 @@ def _move_unsharded_state(model: nn.Module, device: torch.device) -> None:
         if isinstance(module, Metric):
             module.to(device)
             continue
-        for name, buffer in module._buffers.items():
+        buffers = _torch.own_buffers(module)
+        for name, buffer in buffers.items():
             if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
-    _update_properties(model, device=device)
+                buffers[name] = buffer.to(device)
+    _lightning.update_properties(model, device=device)
 
 
 def _loss_of(output: Any) -> Tensor | None:
