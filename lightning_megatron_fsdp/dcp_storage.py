@@ -231,6 +231,9 @@ class _RecordStream(io.RawIOBase):
 
     @override
     def fileno(self) -> int:
+        """The file's descriptor, with every byte written so far handed to the kernel, so
+        an ``os.fsync`` on it (ours, or torch's on ``.metadata``) syncs the whole file."""
+        self.flush()
         return cast(int, self._file.fileno())
 
     @override
@@ -428,6 +431,7 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
                 for tensor, item in loader.values():
                     written.append(self._write_record(stream, storage_key, item, tensor))
                 if self.sync_files:
+                    stream.flush()  # the buffer's tail, before the sync that commits it
                     try:
                         os.fsync(stream.fileno())
                     except (AttributeError, io.UnsupportedOperation):
