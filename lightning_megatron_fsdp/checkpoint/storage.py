@@ -218,6 +218,9 @@ class _RecordStream(io.RawIOBase):
 
     @override
     def fileno(self) -> int:
+        """The file's descriptor, with every byte written so far handed to the kernel, so
+        an ``os.fsync`` on it (ours, or torch's on ``.metadata``) syncs the whole file."""
+        self.flush()
         return cast(int, self._file.fileno())
 
     @override
