@@ -18,13 +18,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
 from lightning_megatron_fsdp.checkpoint import commit
 from lightning_megatron_fsdp.checkpoint.format import Manifest
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock
+from tests.scripts.fault_injection import checkpoint_dict, init_group, live_state, step, trained
 from tests.test_checkpoint_roundtrip import _C10D_COLLECTIVES
 from tests.test_trainer_checkpointing import CheckpointedLM, make_trainer, token_loader
 
@@ -146,3 +151,62 @@ def test_a_save_and_a_load_take_at_most_three_rounds_of_ours(tmp_path: Path) -> 
         # Rank 0 parses the manifest once and runs crash recovery once, for every rank.
         assert result["parsed"] == [1 if rank == 0 else 0], result["parsed"]
         assert result["recovered"] == [1 if rank == 0 else 0], result["recovered"]
+
+
+class _PlanRecordingWriter(ChecksummingFileSystemWriter):
+    """The default writer, recording on the coordinator which local plans reached it."""
+
+    seen: list[list[tuple[bool, int]]] = []
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        _PlanRecordingWriter.seen.append([(plan.usable, len(plan.items)) for plan in plans])
+        return super().prepare_global_plan(plans)
+
+
+def _saves_of_one_layout(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    init_group(rank, world_size)
+    model, adam = trained(world_size)
+    plugin = MegatronFSDPCheckpointIO(storage_writer_factory=_PlanRecordingWriter)
+    for index in range(3):
+        if index:
+            step(model, adam, index)  # new values, the same layout
+        plugin.save_checkpoint(checkpoint_dict(model, adam, index), Path(root) / f"c{index}")
+    target_model, target_adam = trained(world_size, steps=0)
+    state = live_state(target_model, target_adam)
+    plugin.load_checkpoint(Path(root) / "c2", state=state)
+    expected = live_state(model, adam)
+    same = all(
+        torch.equal(_local(a), _local(b))
+        for a, b in zip(_tensors(state), _tensors(expected), strict=True)
+    )
+    return {"seen": _PlanRecordingWriter.seen, "loaded_exactly": same}
+
+
+def _local(tensor: Any) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _tensors(obj: Any) -> list[Any]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for key in sorted(obj, key=str) for t in _tensors(obj[key])]
+    if isinstance(obj, (list, tuple)):
+        return [t for value in obj for t in _tensors(value)]
+    return []
+
+
+def test_dcp_plans_a_layout_once_and_reuses_the_plan(tmp_path: Path) -> None:
+    """The first save of a layout sends every rank's local plan to the coordinator; later
+    saves of the same layout send empty ones (DCP's plan caching, keyed by our layout
+    digest), and the checkpoint they write still loads bit-exactly."""
+    results = run_distributed(
+        _saves_of_one_layout, 2, str(tmp_path), timeout=TIMEOUT, init_process_group=False
+    )
+    seen = results[0]["seen"]  # the coordinator's view
+    assert len(seen) == 3, seen
+    first, *later = seen
+    assert all(usable and items for usable, items in first), first
+    for plans in later:
+        assert all(not usable and items == 0 for usable, items in plans), plans
+    assert all(result["loaded_exactly"] for result in results)
