@@ -90,7 +90,11 @@ from lightning_megatron_fsdp import _megatron
 from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
 from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
-from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY, ExactResume
+from lightning_megatron_fsdp.exact_resume import (
+    RNG_STATES_KEY,
+    ExactResume,
+    continue_progress_bar,
+)
 from lightning_megatron_fsdp.gather import bind_full_tensor, lightning_grad_norm_explained
 from lightning_megatron_fsdp.interpreter_exit import register_exit_hook
 from lightning_megatron_fsdp.join import (
@@ -645,6 +649,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         refuse_uneven_batches("training", [trainer.num_training_batches], where=_STRATEGY)
         # Last of the on_train_start hooks, right before the first batch: see exact_resume.
         self._exact_resume.train_starting(self.root_device)
+        continue_progress_bar(trainer)  # a mid-epoch resume's bar: its epoch and total
 
     @override
     def on_validation_end(self) -> None:
