@@ -652,6 +652,16 @@ class MegatronFSDPStrategy(ParallelStrategy):
         continue_progress_bar(trainer)  # a mid-epoch resume's bar: its epoch and total
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # A failed background save raises here, at this rank's first step after it ended
+        # (rank-local, no collective; a peer already inside that step's collectives fails
+        # there when this rank stops).
+        from lightning_megatron_fsdp.checkpoint_io import MegatronFSDPCheckpointIO
+
+        if isinstance(self.checkpoint_io, MegatronFSDPCheckpointIO):
+            self.checkpoint_io.poll()
+
+    @override
     def on_validation_end(self) -> None:
         # Validation inside fit does not shift the training random streams (exact_resume).
         self._exact_resume.validation_ended(self.root_device)
