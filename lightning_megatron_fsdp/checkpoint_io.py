@@ -338,6 +338,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 job,
                 comm,
                 lambda: dcp.save(tensors, storage_writer=writer, process_group=comm.group),
+                writer,
             )
             self._commit(job, metadata, comm, writer)
             return
@@ -480,12 +481,15 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             )
         return Ranks(self._background_group, comm.rank, comm.world_size)
 
-    def _run_dcp_save(self, job: _SaveJob, comm: Ranks, save: Callable[[], Metadata]) -> Metadata:
+    def _run_dcp_save(
+        self, job: _SaveJob, comm: Ranks, save: Callable[[], Metadata], writer: StorageWriter
+    ) -> Metadata:
         """Run a DCP save, turning its failure into a ``CheckpointSaveError``.
 
         DCP gathers every rank's failure and raises ``CheckpointException`` (a
         ``BaseException``) on all ranks, after every rank's writes have stopped, so rank 0
-        can delete the hidden directory safely.
+        can delete the hidden directory safely. Any other error is a failed collective (a
+        lost or hung peer); it says how far this rank got.
         """
         try:
             return save()
@@ -493,13 +497,22 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             if comm.rank == 0:
                 with contextlib.suppress(OSError):
                     remove_tree(job.staging)
-            message = (
-                dcp_failure_message("Saving", job.final, err)
-                if isinstance(err, CheckpointException)
-                else f"Saving checkpoint {job.final} failed on rank {comm.rank}: {describe(err)}"
-                f"\nDCP reports each rank's own errors as one CheckpointException, so this "
-                f"error most likely means {LOST_PEER_HINT}."
-            )
+            if isinstance(err, CheckpointException):
+                message = dcp_failure_message("Saving", job.final, err)
+            else:
+                wrote = isinstance(writer, ChecksummingFileSystemWriter) and any(
+                    name != DCP_METADATA_FILE for name in writer.written_files()
+                )
+                where = (
+                    "after this rank wrote its shard files"
+                    if wrote
+                    else "before this rank's shard files were all written"
+                )
+                message = (
+                    f"Saving checkpoint {job.final} failed on rank {comm.rank} during DCP's "
+                    f"save, {where}: {describe(err)}\nDCP reports each rank's own errors as "
+                    f"one CheckpointException, so this error most likely means {LOST_PEER_HINT}."
+                )
             raise CheckpointSaveError(
                 message + "\nThe previous checkpoint there, if any, is untouched."
             ) from err
@@ -513,6 +526,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             job,
             comm,
             lambda: dcp.save(tensors, storage_writer=writer, process_group=comm.group),
+            writer,
         )
         self._commit(job, metadata, comm, writer)
 
