@@ -40,7 +40,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_megatron_fsdp.manifest import (
+from lightning_megatron_fsdp.checkpoint.commit import (
     latest_complete_checkpoint,
     matching_checkpoints,
     recover_matching,

@@ -18,8 +18,13 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_megatron_fsdp import consolidate_checkpoint, read_manifest, verify_checkpoint
-from lightning_megatron_fsdp.checkpoint_io import CheckpointCorruptedError, MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp import (
+    CheckpointCorruptedError,
+    consolidate_checkpoint,
+    read_manifest,
+    verify_checkpoint,
+)
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from tests.harness import run_distributed
 from tests.scripts.fault_injection import init_group, target_state
 from tests.shard_facts import assemble, facts

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from lightning_megatron_fsdp.checkpoint_io import CheckpointCorruptedError, MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp import CheckpointCorruptedError
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.inspection import verify_checkpoint
 from tests.harness import run_distributed
 from tests.scripts.fault_injection import (
