@@ -354,6 +354,11 @@ class ExactResume:
         if snapshot is not None:
             restore_rng_states(snapshot, device)
 
+    @staticmethod
+    def continue_progress_bar(trainer: pl.Trainer) -> None:
+        """:func:`continue_progress_bar`, for the strategy's ``on_train_start``."""
+        continue_progress_bar(trainer)
+
     def reset(self) -> None:
         """Forget anything a stage left (called at teardown)."""
         self._validation_snapshot = None

@@ -94,12 +94,7 @@ from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.checkpoint.load import load_into_sharded_model
 from lightning_megatron_fsdp.checkpoint.save import PerRank
 from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
-from lightning_megatron_fsdp.exact_resume import (
-    RNG_STATES_KEY,
-    ExactResume,
-    continue_progress_bar,
-    rng_states_of,
-)
+from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY, ExactResume, rng_states_of
 from lightning_megatron_fsdp.gather import bind_full_tensor, lightning_grad_norm_explained
 from lightning_megatron_fsdp.interpreter_exit import register_exit_hook
 from lightning_megatron_fsdp.join import (
@@ -652,13 +647,11 @@ class MegatronFSDPStrategy(ParallelStrategy):
         refuse_uneven_batches("training", [trainer.num_training_batches], where=_STRATEGY)
         # Last of the on_train_start hooks, right before the first batch: see exact_resume.
         self._exact_resume.train_starting(self.root_device)
-        continue_progress_bar(trainer)  # a mid-epoch resume's bar: its epoch and total
+        self._exact_resume.continue_progress_bar(trainer)  # a mid-epoch resume's bar
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # A failed background save raises here, at this rank's first step after it ended
-        # (rank-local, no collective; a peer already inside that step's collectives fails
-        # there when this rank stops).
+        # A failed background save raises at each rank's next step (no collective).
         if isinstance(self.checkpoint_io, MegatronFSDPCheckpointIO):
             self.checkpoint_io.poll()
 
