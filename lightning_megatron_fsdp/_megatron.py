@@ -77,6 +77,7 @@ __all__ = [
     "fully_shard_optimizer",
     "group_mesh",
     "group_of",
+    "group_placements",
     "hsdp_placements",
     "is_sharded_parameter",
     "join_gradient_reduction",
@@ -402,6 +403,29 @@ def main_weight_local(group: FsdpParameterGroup, index: int) -> torch.Tensor:
 def group_mesh(group: FsdpParameterGroup) -> Any:
     """The data-parallel mesh the group is sharded over (parameter_group.py ``mesh``)."""
     return group.mesh
+
+
+def group_placements(group: FsdpParameterGroup) -> tuple[Any, Any, Any]:
+    """The (compute weight, gradient, main weight) placements ``group`` was built with.
+
+    The gradient's is ``None`` for a group without gradients. Read from what each version
+    keeps: 0.7 parameter_group.py ``_model_weight_placements``/``_main_grad_placements``
+    (``model_weight`` changes placement within a step there), 0.6.1 ``model_weight``'s
+    placements and ``_accumulation_placements``; ``main_weight``'s on both.
+    """
+    parameter = getattr(group, "_model_weight_placements", None)
+    if parameter is None:
+        parameter = group.model_weight.placements
+    gradient = getattr(group, "_main_grad_placements", None)
+    if gradient is None:
+        gradient = getattr(group, "_accumulation_placements", None)
+    if group.main_grad is None:
+        gradient = None
+    return (
+        tuple(parameter),
+        None if gradient is None else tuple(gradient),
+        tuple(group.main_weight.placements),
+    )
 
 
 def sync_group_compute_weights(group: FsdpParameterGroup) -> None:

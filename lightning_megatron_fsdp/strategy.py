@@ -124,6 +124,7 @@ from lightning_megatron_fsdp.sharding import (
     check_fully_sharded,
     check_no_foreign_sharding,
     check_optimizer_parameters,
+    check_placements,
     fsdp_placements,
     hsdp_placements,
     plan_units,
@@ -538,6 +539,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         self._close_sharding(None)
         _move_unsharded_state(model, self.root_device)
         check_fully_sharded(model, _STRATEGY)
+        check_placements(model, self.placements, _STRATEGY)
 
     def _close_sharding(self, error: BaseException | None) -> None:
         """Finalise the sharding context (or abandon it after ``error``)."""

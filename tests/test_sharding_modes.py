@@ -32,6 +32,7 @@ refusal instead.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,10 @@ from lightning_megatron_fsdp import (
     _megatron,
     chunk_metadata_by_fqn,
     consolidate_checkpoint,
+    fsdp_placements,
     inspect_checkpoint,
+    shard_module,
+    sharding_scope,
     verify_checkpoint,
 )
 from lightning_megatron_fsdp.sharding_modes import MODES, resolve_sharding_mode
@@ -137,6 +141,38 @@ def test_sharding_strategy_is_validated_at_construction() -> None:
         MegatronFSDPStrategy(sharding_strategy=_megatron.fsdp_placements(), device_mesh=(2, 2))
     with pytest.raises(ValueError, match="unknown name 'ZERO9'"):
         ShardingMode("ZERO9", _megatron.fsdp_placements())
+
+
+class _ShardedByHand(PackedLit):
+    """Shards itself in ``configure_model`` with ZeRO-3 placements, whatever the strategy."""
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        with sharding_scope():
+            for block in self.lm.blocks:
+                shard_module(block, mesh, fsdp_placements())
+            shard_module(self, mesh, fsdp_placements())
+
+
+def _fit_sharded_by_hand(rank: int, world_size: int) -> str:
+    strategy = MegatronFSDPStrategy(timeout=PROCESS_GROUP_TIMEOUT, sharding_strategy="optim")
+    trainer = make_trainer(world_size, strategy, max_steps=1)
+    with pytest.raises(ValueError) as info:
+        trainer.fit(_ShardedByHand(), DataLoader(TensorDataset(*token_data()), batch_size=12))
+    return str(info.value)
+
+
+@needs_07
+def test_units_sharded_in_another_mode_are_refused() -> None:
+    """A model sharded by hand in ZeRO-3 under a ZeRO-1 strategy: one clear error at setup."""
+    (message,) = run_distributed(_fit_sharded_by_hand, 1, init_process_group=False)
+    assert re.search(
+        r"unit '<root>' is sharded with parameter/gradient/optimizer placements "
+        r"\[Shard\(dim=0\)\]/\[Shard\(dim=0\)\]/\[Shard\(dim=0\)\], but sharding_strategy "
+        r"asks for \[Replicate\(\)\]/\[Partial\(avg\)\]/\[Shard\(dim=0\)\]\. Shard units in "
+        r"configure_model with self\.trainer\.strategy\.shard\(module\)",
+        message,
+    ), message
 
 
 # ---------------------------------------------------------------------- state, gathered
