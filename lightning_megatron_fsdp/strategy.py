@@ -638,6 +638,13 @@ class MegatronFSDPStrategy(ParallelStrategy):
         refuse_uneven_batches("training", [trainer.num_training_batches], where=_STRATEGY)
         # Last of the on_train_start hooks, right before the first batch: see exact_resume.
         self._exact_resume.train_starting(self.root_device)
+        self._exact_resume.continue_progress_bar(trainer)  # a mid-epoch resume's bar
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # A failed background save raises at each rank's next step (no collective).
+        if isinstance(self.checkpoint_io, MegatronFSDPCheckpointIO):
+            self.checkpoint_io.poll()
 
     @override
     def on_validation_end(self) -> None:
