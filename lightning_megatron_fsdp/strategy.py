@@ -58,23 +58,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.device_dtype_mixin import _update_properties
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -86,11 +75,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp import _lightning, _megatron, _torch
 from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointError, CheckpointSaveError
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.checkpoint.load import load_into_sharded_model
+from lightning_megatron_fsdp.checkpoint.save import PerRank
 from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
-from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY, ExactResume
+from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY, ExactResume, rng_states_of
 from lightning_megatron_fsdp.gather import bind_full_tensor, lightning_grad_norm_explained
 from lightning_megatron_fsdp.interpreter_exit import register_exit_hook
 from lightning_megatron_fsdp.join import (
@@ -99,7 +92,6 @@ from lightning_megatron_fsdp.join import (
     refuse_uneven_batches,
 )
 from lightning_megatron_fsdp.launcher import resolving_last_launcher
-from lightning_megatron_fsdp.manifest import CheckpointError, CheckpointSaveError
 from lightning_megatron_fsdp.mesh import (
     MeshRequest,
     build_device_mesh,
@@ -118,7 +110,6 @@ from lightning_megatron_fsdp.pretrained import (
     apply_pretrained_weights,
     as_pretrained_weights,
 )
-from lightning_megatron_fsdp.restore import load_into_sharded_model
 from lightning_megatron_fsdp.sharding import (
     AutoWrapPolicy,
     check_fully_sharded,
@@ -210,7 +201,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         mixed_precision_policy: MixedPrecisionPolicy | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        init_weights_from: _PATH | PretrainedWeights | None = None,
+        init_weights_from: _lightning.PATH | PretrainedWeights | None = None,
         allow_weights_only_resume: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -335,7 +326,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         if self._checkpoint_io is None:
             self._checkpoint_io = _default_checkpoint_io()
         elif (
-            isinstance(self._checkpoint_io, _WrappingCheckpointIO)
+            isinstance(self._checkpoint_io, _lightning.WrappingCheckpointIO)
             and self._checkpoint_io.checkpoint_io is None
         ):
             self._checkpoint_io.checkpoint_io = _default_checkpoint_io()
@@ -370,13 +361,13 @@ class MegatronFSDPStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
+            self._launcher = _lightning.SubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
 
     @property
     @override
-    def launcher(self) -> _Launcher | None:
+    def launcher(self) -> _lightning.Launcher | None:
         """Lightning's launcher, wrapped so ``ckpt_path="last"`` means a complete checkpoint.
 
         See :mod:`~lightning_megatron_fsdp.launcher`: the launch is the one strategy hook
@@ -410,8 +401,10 @@ class MegatronFSDPStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        if not _distributed_is_initialized():
-            _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if not _lightning.distributed_is_initialized():
+            _lightning.init_dist_connection(
+                self.cluster_environment, self._process_group_backend, **kwargs
+            )
         register_exit_hook()  # also for a group the user created: the race is the same
         if self.root_device.type != "cuda":
             enable_cpu_execution()
@@ -438,7 +431,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or _get_default_process_group_backend_for_device(
+        return self._process_group_backend or _lightning.default_process_group_backend(
             self.root_device
         )
 
@@ -448,7 +441,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if self._layer_sync is not None:
+        if _lightning.layer_sync(self) is not None:
             raise ValueError(
                 f"{_STRATEGY} does not support Trainer(sync_batchnorm=True): its buffers are "
                 "not sharded and SyncBatchNorm's conversion would replace sharded modules. "
@@ -468,7 +461,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         # Re-create optimizers on every fit: an earlier stage's optimizers may hold other
         # parameter objects.
-        self._reset_optimizers_and_schedulers()
+        _lightning.reset_optimizers_and_schedulers(self)
         super().setup_optimizers(trainer)
         assert self.lightning_module is not None
         for index, optimizer in enumerate(self.optimizers):
@@ -667,6 +660,13 @@ class MegatronFSDPStrategy(ParallelStrategy):
         refuse_uneven_batches("training", [trainer.num_training_batches], where=_STRATEGY)
         # Last of the on_train_start hooks, right before the first batch: see exact_resume.
         self._exact_resume.train_starting(self.root_device)
+        self._exact_resume.continue_progress_bar(trainer)  # a mid-epoch resume's bar
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # A failed background save raises at each rank's next step (no collective).
+        if isinstance(self.checkpoint_io, MegatronFSDPCheckpointIO):
+            self.checkpoint_io.poll()
 
     @override
     def on_validation_end(self) -> None:
@@ -723,7 +723,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
+        if not _lightning.distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
@@ -732,7 +732,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
+        if not _lightning.distributed_is_initialized():
             return obj
         container = [obj]
         dist.broadcast_object_list(container, src, group=_group.WORLD)
@@ -746,7 +746,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         reduce_op: ReduceOp | str | None = "mean",
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return _lightning.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
@@ -785,7 +785,10 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self,
+        checkpoint: dict[str, Any],
+        filepath: _lightning.PATH,
+        storage_options: Any | None = None,
     ) -> None:
         """Save on every rank (a collective): each rank writes only its own shards.
 
@@ -801,34 +804,48 @@ class MegatronFSDPStrategy(ParallelStrategy):
             CheckpointSaveError: On every rank if any rank fails (naming the failing rank
                 and its error); nothing is written.
         """
-        path = self.broadcast(str(filepath))
         model = self.lightning_module
         assert model is not None
-        # Every rank's random streams, gathered into rank 0's (meta.pt) part: a collective,
-        # so every rank runs it before any rank-local step that may fail on one rank alone.
-        checkpoint[RNG_STATES_KEY] = self._exact_resume.gather_for_checkpoint(self.root_device)
-        error: Exception | None = None
-        try:
+
+        def attach() -> None:
             attach_uneven_dtensor_metadata(model, checkpoint.get("state_dict", {}), {})
             for optimizer_state in checkpoint.get("optimizer_states", []):
                 attach_uneven_dtensor_metadata(model, {}, optimizer_state)
-        except Exception as err:
-            error = err
-        Ranks.of().raise_together(
-            f"{_STRATEGY}: saving checkpoint {path} (attaching chunk metadata)",
-            error,
-            CheckpointSaveError,
-            consequence="nothing was written",
+
+        # Every rank's random streams, in rank 0's meta.pt: gathered by the save's first round.
+        checkpoint[RNG_STATES_KEY] = PerRank(
+            self._exact_resume.states_for_checkpoint(self.root_device), combine=rng_states_of
         )
+        io = self.checkpoint_io
         try:
-            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            if isinstance(io, MegatronFSDPCheckpointIO):
+                # One round agrees on the path, the attached metadata and the layout.
+                io.save_checkpoint(checkpoint, filepath, storage_options, prepare=attach)
+            else:  # a wrapper or another plugin: the same steps, a round each
+                path = self.broadcast(str(filepath))
+                ranks = Ranks.of()
+                checkpoint[RNG_STATES_KEY] = rng_states_of(
+                    ranks.all_gather(checkpoint[RNG_STATES_KEY].value)
+                )
+                error: Exception | None = None
+                try:
+                    attach()
+                except Exception as err:
+                    error = err
+                ranks.raise_together(
+                    f"{_STRATEGY}: saving checkpoint {path} (attaching chunk metadata)",
+                    error,
+                    CheckpointSaveError,
+                    consequence="nothing was written",
+                )
+                io.save_checkpoint(checkpoint, path, storage_options=storage_options)
             if not self._stage_running():
                 # After fit nothing else waits for an async write (no later step, save or
                 # teardown): the checkpoint must be committed when the call returns.
-                self.checkpoint_io.teardown()
+                io.teardown()
         except CheckpointException as err:  # a BaseException: never let it escape as is
             raise CheckpointSaveError(
-                f"{_STRATEGY}: " + dcp_failure_message("Saving", path, err)
+                f"{_STRATEGY}: " + dcp_failure_message("Saving", filepath, err)
             ) from err
 
     def _stage_running(self) -> bool:
@@ -839,7 +856,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(
-        self, checkpoint_path: _PATH, weights_only: bool | None = None
+        self, checkpoint_path: _lightning.PATH, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Load a checkpoint in place into the sharded model (and optimizers when fitting).
 
@@ -863,7 +880,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
                 error is raised on every rank; before any tensor is read, the model and
                 optimizers are unchanged.
         """
-        path = self.broadcast(str(checkpoint_path))
+        path = str(checkpoint_path)  # rank 0's is loaded
         model = self.lightning_module
         assert model is not None
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
@@ -891,7 +908,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         return checkpoint
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: _lightning.PATH) -> None:
         """Remove a checkpoint directory: rank 0 deletes, every rank learns the outcome.
 
         ``ModelCheckpoint`` calls this on every rank (``save_top_k``, a replaced
@@ -956,7 +973,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: _lightning.StrategyRegistry) -> None:
         if cls.strategy_name in strategy_registry:
             return
         strategy_registry.register(
@@ -970,8 +987,6 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
 
 def _default_checkpoint_io() -> CheckpointIO:
-    from lightning_megatron_fsdp.checkpoint_io import MegatronFSDPCheckpointIO
-
     return MegatronFSDPCheckpointIO()
 
 
@@ -983,10 +998,11 @@ def _move_unsharded_state(model: nn.Module, device: torch.device) -> None:
         if isinstance(module, Metric):
             module.to(device)
             continue
-        for name, buffer in module._buffers.items():
+        buffers = _torch.own_buffers(module)
+        for name, buffer in buffers.items():
             if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
-    _update_properties(model, device=device)
+                buffers[name] = buffer.to(device)
+    _lightning.update_properties(model, device=device)
 
 
 def _loss_of(output: Any) -> Tensor | None:
