@@ -42,6 +42,9 @@ __all__ = [
     "metadata_path",
     "narrow_tensor_by_index",
     "obj_state",
+    "own_buffers",
+    "own_parameters",
+    "random_sampler_num_samples",
     "serialization_skips_data",
     "storage_alignment",
     "storage_info",
@@ -75,6 +78,26 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta:
         if isinstance(timeout, timedelta):
             return timeout
     return dist.default_pg_timeout
+
+
+# ------------------------------------------------------------------------------ modules
+
+
+def own_parameters(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own parameter slots (not its children's), the live dict: assigning
+    into it replaces a parameter without ``register_parameter``'s checks."""
+    return cast(dict[str, Any], module._parameters)
+
+
+def own_buffers(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own buffer slots (not its children's), the live dict."""
+    return cast(dict[str, Any], module._buffers)
+
+
+def random_sampler_num_samples(sampler: Any) -> int | None:
+    """The ``num_samples`` a torchdata ``RandomSampler`` was built with (``None``: the
+    whole dataset)."""
+    return cast("int | None", sampler._num_samples)
 
 
 # -------------------------------------------------------------------------- state dicts

@@ -81,12 +81,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.callbacks import TQDMProgressBar
-from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DistributedSampler
+
+from lightning_megatron_fsdp import _lightning, _torch
 
 __all__ = [
     "RNG_STATES_KEY",
@@ -197,7 +197,11 @@ def shuffle_by_epoch(dataloader: object) -> None:
     except ImportError:
         return
     inner = getattr(wrapper.dataset, "_sampler", None)
-    if type(inner) is not RandomSampler or inner.replacement or inner._num_samples is not None:
+    if (
+        type(inner) is not RandomSampler
+        or inner.replacement
+        or _torch.random_sampler_num_samples(inner) is not None
+    ):
         return
     batch_sampler.sampler = DistributedSampler(  # type: ignore[union-attr]
         inner.data_source,
@@ -216,7 +220,7 @@ def align_sampler_epoch(dataloader: object, epoch: int) -> None:
     iterator, with the epoch Lightning will pass to ``set_epoch`` right after; a sampler
     without ``set_epoch`` is left alone.
     """
-    _set_sampler_epoch(dataloader, epoch)
+    _lightning.set_sampler_epoch(dataloader, epoch)
 
 
 def continue_progress_bar(trainer: pl.Trainer) -> None:
@@ -325,7 +329,7 @@ class ExactResume:
             if progress.processed == progress.ready:
                 # Saved at or after on_train_epoch_end: nothing of that epoch is left to
                 # restart. FitLoop's own setter forces restarting under max_steps.
-                _Loop.restarting.fset(fit_loop, False)  # type: ignore[attr-defined]
+                _lightning.Loop.restarting.fset(fit_loop, False)  # type: ignore[attr-defined]
             self.train_starting(device)
         shuffle_by_epoch(dataloader)
         align_sampler_epoch(dataloader, epoch)

@@ -86,8 +86,9 @@ def reach(point: str) -> None:
 class CheckpointStore(Protocol):
     """Where checkpoints live and how a staged one becomes visible: the commit's backend.
 
-    A save calls :meth:`stage` (rank 0), lets every rank write into the returned location,
-    then :meth:`publish` (rank 0) or, on failure, :meth:`discard`. A load calls
+    A save calls :meth:`check_target` (rank 0, before the ranks agree), :meth:`stage` (rank
+    0, after), lets every rank write into :meth:`staging_path`, then :meth:`publish` (rank
+    0) or, on failure, :meth:`discard`. A load calls
     :meth:`recover` (rank 0) before any rank looks at the checkpoint. A backend without an
     atomic rename commits by writing the manifest last in :meth:`publish`.
     """
@@ -96,9 +97,12 @@ class CheckpointStore(Protocol):
         """Where the save ``token`` of ``final`` writes (pure naming: the same on every rank)."""
         ...
 
+    def check_target(self, final: Path) -> None:
+        """Refuse (raise) if ``final`` holds something a save must not replace."""
+        ...
+
     def stage(self, final: Path, token: str) -> Path:
-        """Create the staging location of a save of ``final``; refuse to replace anything
-        that is not a checkpoint."""
+        """Create the staging location of a save of ``final``."""
         ...
 
     def discard(self, final: Path, token: str) -> None:
@@ -371,15 +375,18 @@ class LocalDirectories:
         """``.<name>.tmp-<token>`` beside ``final``."""
         return hidden_path(final, STAGING, token)
 
-    def stage(self, final: Path, token: str) -> Path:
-        """Create ``.<name>.tmp-<token>`` beside ``final``.
+    def check_target(self, final: Path) -> None:
+        """:func:`check_replaceable`.
 
         Raises:
             CheckpointSaveError: If ``final`` is a directory that is not a checkpoint.
         """
         check_replaceable(final)
+
+    def stage(self, final: Path, token: str) -> Path:
+        """Create ``.<name>.tmp-<token>`` beside ``final``."""
         staging = self.staging_path(final, token)
-        staging.mkdir(parents=True)
+        staging.mkdir(parents=True, exist_ok=True)  # a peer's writer may be first
         return staging
 
     def discard(self, final: Path, token: str) -> None:

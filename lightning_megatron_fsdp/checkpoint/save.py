@@ -261,7 +261,7 @@ def begin_save(
         if ranks.rank == 0:
             fields = _manifest_fields(checkpoint, tensors, ranks.world_size)
             _pickled({k: v for k, v in meta.items() if k not in own})  # fails here, not later
-            options.store.stage(final, token)
+            options.store.check_target(final)
         if copies is not None:
             tensors = copies.stage(tensors)
     except Exception as err:
@@ -279,9 +279,11 @@ def begin_save(
     if errors:
         if ranks.rank == 0:
             options.store.discard(final, token)
+        failed = [rank for rank, p in enumerate(gathered) if p.error is not None]
+        where = f" on rank(s) {failed}" if failed else ""
         raise CheckpointSaveError(
-            f"Saving checkpoint {gathered[0].path} failed before any tensor was written; the "
-            "previous checkpoint there, if any, is untouched:\n  " + "\n  ".join(errors)
+            f"Saving checkpoint {gathered[0].path} failed{where} before any tensor was written; "
+            "the previous checkpoint there, if any, is untouched:\n  " + "\n  ".join(errors)
         )
     final, token = Path(gathered[0].path), gathered[0].token
     staging = options.store.staging_path(final, token)
@@ -289,6 +291,9 @@ def begin_save(
     if ranks.rank == 0:
         pending.manifest_fields = fields
         try:
+            # Created only now that every rank is in this save: no hidden directory appears
+            # while a peer may still be looking at the parent after the previous save.
+            options.store.stage(final, token)
             for key in own:
                 meta[key] = meta[key].combine([p.per_rank[key] for p in gathered])
             pending.meta = _pickled(meta)
