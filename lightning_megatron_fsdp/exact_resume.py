@@ -74,6 +74,7 @@ Alternatives rejected:
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -81,6 +82,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DistributedSampler
 
@@ -91,6 +93,7 @@ __all__ = [
     "ExactResume",
     "align_sampler_epoch",
     "capture_rng_states",
+    "continue_progress_bar",
     "restore_rng_states",
     "rng_states_of",
     "shuffle_by_epoch",
@@ -220,6 +223,30 @@ def align_sampler_epoch(dataloader: object, epoch: int) -> None:
     _lightning.set_sampler_epoch(dataloader, epoch)
 
 
+def continue_progress_bar(trainer: pl.Trainer) -> None:
+    """Label a mid-epoch resume's progress bar with its epoch and total, as an epoch start does.
+
+    Lightning (2.6) calls ``on_train_epoch_start`` when an epoch starts, not when a resume
+    continues one, so the bar Lightning's ``TQDMProgressBar`` created in ``on_train_start``
+    would keep the label "Training" and no total. The bar then counts batches of the epoch
+    (``batch_idx + 1``), so its total is where this run will stop in the epoch: the end of
+    the epoch, or ``max_steps`` steps on from the batches already run. Other progress bars
+    are left as Lightning leaves them.
+    """
+    fit_loop = trainer.fit_loop
+    bar = trainer.progress_bar_callback
+    if not (fit_loop.restarted_mid_epoch and isinstance(bar, TQDMProgressBar)):
+        return
+    if not bar.is_enabled or bar.train_progress_bar is None:
+        return
+    done = fit_loop.epoch_loop.batch_progress.current.processed
+    total = min(trainer.num_training_batches, done + bar.total_train_batches)
+    tqdm = bar.train_progress_bar
+    tqdm.reset(total=None if math.isinf(total) else int(total))
+    tqdm.initial = tqdm.n = done  # the rate and the estimate count this run's batches
+    tqdm.set_description(f"Epoch {trainer.current_epoch}")  # as on_train_epoch_start; refreshes
+
+
 def rng_states_of(states: list[Any]) -> dict[str, Any]:
     """What ``meta.pt`` holds under :data:`RNG_STATES_KEY`: every rank's streams, by rank."""
     return {"world_size": len(states), "states": states}
@@ -330,6 +357,11 @@ class ExactResume:
         snapshot, self._validation_snapshot = self._validation_snapshot, None
         if snapshot is not None:
             restore_rng_states(snapshot, device)
+
+    @staticmethod
+    def continue_progress_bar(trainer: pl.Trainer) -> None:
+        """:func:`continue_progress_bar`, for the strategy's ``on_train_start``."""
+        continue_progress_bar(trainer)
 
     def reset(self) -> None:
         """Forget anything a stage left (called at teardown)."""

@@ -57,6 +57,7 @@ __all__ = [
     "check_fully_sharded",
     "check_no_foreign_sharding",
     "check_optimizer_parameters",
+    "check_placements",
     "fsdp_placements",
     "hsdp_placements",
     "plan_units",
@@ -488,6 +489,41 @@ def check_fully_sharded(model: nn.Module, where: str) -> None:
                 f"{where}: parameter {name!r} is not a Megatron-FSDP sharded parameter "
                 "after setup (it would be trained without gradient reduction). Expected a "
                 "unit to own it; was it added after sharding?"
+            )
+
+
+def check_placements(model: nn.Module, placements: Placements, where: str) -> None:
+    """Every unit of ``model`` must be sharded with ``placements`` (the strategy's mode).
+
+    A unit sharded by hand with other placements (or a model sharded by an earlier run
+    in another mode) would train with the wrong gradient accumulation (the strategy marks
+    micro-batches by its mode) and contradict the mode the user chose.
+
+    Raises:
+        ValueError: Naming the first unit that differs, both placements and the fix.
+    """
+    expected = (
+        tuple(placements.parameter),
+        tuple(placements.gradient),
+        tuple(placements.optimizer),
+    )
+    for name, module in model.named_modules():
+        if not isinstance(module, FsdpModule):
+            continue
+        for group in _megatron.unit_parameter_groups(module):
+            parameter, gradient, optimizer = _megatron.group_placements(group)
+            if (parameter, optimizer) == (expected[0], expected[2]) and gradient in (
+                None,
+                expected[1],
+            ):
+                continue
+            raise ValueError(
+                f"{where}: unit {name or '<root>'!r} is sharded with parameter/gradient/"
+                f"optimizer placements {list(parameter)}/{list(gradient or [])}/"
+                f"{list(optimizer)}, but sharding_strategy asks for {list(expected[0])}/"
+                f"{list(expected[1])}/{list(expected[2])}. Shard units in configure_model with "
+                "self.trainer.strategy.shard(module), or pass the sharding_strategy the model "
+                "was sharded with."
             )
 
 

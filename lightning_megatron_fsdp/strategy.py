@@ -96,6 +96,7 @@ from lightning_megatron_fsdp.mesh import (
     MeshRequest,
     build_device_mesh,
     check_mesh_fits_world,
+    mesh_ndim,
     validate_device_mesh,
 )
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
@@ -114,6 +115,7 @@ from lightning_megatron_fsdp.sharding import (
     check_fully_sharded,
     check_no_foreign_sharding,
     check_optimizer_parameters,
+    check_placements,
     fsdp_placements,
     hsdp_placements,
     plan_units,
@@ -121,6 +123,7 @@ from lightning_megatron_fsdp.sharding import (
     sharding_scope,
     validate_auto_wrap_policy,
 )
+from lightning_megatron_fsdp.sharding_modes import ShardingMode, resolve_sharding_mode
 from lightning_megatron_fsdp.uneven_dtensor import attach_uneven_dtensor_metadata
 
 if TYPE_CHECKING:
@@ -147,6 +150,14 @@ class MegatronFSDPStrategy(ParallelStrategy):
         device_mesh: ``None`` for plain FSDP over all processes; ``(replicate, shard)``
             with ``replicate * shard == world size`` for HSDP; or a ``DeviceMesh`` of 1 or
             2 dims spanning the world.
+        sharding_strategy: What is sharded: ``"FULL_SHARD"`` (ZeRO-3, the default on a 1-D
+            mesh), ``"SHARD_GRAD_OP"`` (ZeRO-2), ``"SHARD_OPTIMIZER"`` (ZeRO-1),
+            ``"NO_SHARD"`` (DDP-like), and on a 2-D mesh ``"HYBRID_SHARD"`` (the default
+            there) and ``"HYBRID_SHARD_GRAD_OP"``; torch's ``ShardingStrategy``,
+            Megatron-LM's names (``"optim"``, ...), or raw
+            ``megatron_fsdp.experimental.Placements`` for anything else (see
+            :mod:`~lightning_megatron_fsdp.sharding_modes`). Checkpoints of every mode load
+            into every other, at any world size.
         mixed_precision_policy: Megatron-FSDP main weight/gradient dtypes; derived from
             the Trainer's ``precision`` when ``None`` (see
             :class:`~lightning_megatron_fsdp.precision.MegatronFSDPPrecision`).
@@ -175,7 +186,8 @@ class MegatronFSDPStrategy(ParallelStrategy):
         TypeError: If ``auto_wrap_policy``, ``device_mesh``, ``timeout``,
             ``mixed_precision_policy``, ``allow_weights_only_resume`` or
             ``init_weights_from`` has the wrong type.
-        ValueError: If ``device_mesh`` has a non-positive size.
+        ValueError: If ``device_mesh`` has a non-positive size, or ``sharding_strategy`` is
+            unknown, does not fit ``device_mesh``, or needs another megatron-fsdp version.
     """
 
     strategy_name = "megatron_fsdp"
@@ -185,6 +197,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         *,
         auto_wrap_policy: AutoWrapPolicy | None = None,
         device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        sharding_strategy: str | Placements | ShardingMode | None = None,
         mixed_precision_policy: MixedPrecisionPolicy | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -206,6 +219,9 @@ class MegatronFSDPStrategy(ParallelStrategy):
         self.checkpoint_io = checkpoint_io  # through the setter, which validates it
         self._auto_wrap_policy = validate_auto_wrap_policy(auto_wrap_policy, _STRATEGY)
         self._mesh_request: MeshRequest = validate_device_mesh(device_mesh, _STRATEGY)
+        self._sharding_mode = resolve_sharding_mode(
+            sharding_strategy, mesh_ndim(self._mesh_request), _STRATEGY
+        )
         if mixed_precision_policy is not None and not isinstance(
             mixed_precision_policy, MixedPrecisionPolicy
         ):
@@ -276,9 +292,14 @@ class MegatronFSDPStrategy(ParallelStrategy):
         return self._device_mesh
 
     @property
+    def sharding_mode(self) -> ShardingMode:
+        """The validated ``sharding_strategy``."""
+        return self._sharding_mode
+
+    @property
     def placements(self) -> Placements:
-        """Megatron-FSDP placements matching :attr:`device_mesh` (FSDP or HSDP)."""
-        return hsdp_placements() if self.device_mesh.ndim == 2 else fsdp_placements()
+        """Megatron-FSDP placements of :attr:`sharding_mode` for :attr:`device_mesh`."""
+        return self._sharding_mode.placements
 
     @property
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
@@ -511,6 +532,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         self._close_sharding(None)
         _move_unsharded_state(model, self.root_device)
         check_fully_sharded(model, _STRATEGY)
+        check_placements(model, self.placements, _STRATEGY)
 
     def _close_sharding(self, error: BaseException | None) -> None:
         """Finalise the sharding context (or abandon it after ``error``)."""
@@ -619,14 +641,14 @@ class MegatronFSDPStrategy(ParallelStrategy):
     @contextlib.contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Mark the non-final micro-batches of gradient accumulation for HSDP.
+        """Mark the non-final micro-batches of gradient accumulation.
 
         Lightning enters this around every accumulating micro-batch except the last. Plain
-        FSDP finalises gradients on every backward and needs nothing; HSDP defers the
-        all-reduce across replicas to the last micro-batch (``microbatch``).
+        FSDP finalises gradients on every backward and needs nothing; HSDP, ZeRO-1 and
+        no-shard defer a reduction to the last micro-batch (``microbatch``).
         """
         model = self.lightning_module
-        if model is not None and self.device_mesh.ndim > 1:
+        if model is not None and self._sharding_mode.defers_gradient_reduction:
             with _megatron.microbatch(model, is_last=False):
                 yield
         else:
@@ -638,6 +660,13 @@ class MegatronFSDPStrategy(ParallelStrategy):
         refuse_uneven_batches("training", [trainer.num_training_batches], where=_STRATEGY)
         # Last of the on_train_start hooks, right before the first batch: see exact_resume.
         self._exact_resume.train_starting(self.root_device)
+        self._exact_resume.continue_progress_bar(trainer)  # a mid-epoch resume's bar
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # A failed background save raises at each rank's next step (no collective).
+        if isinstance(self.checkpoint_io, MegatronFSDPCheckpointIO):
+            self.checkpoint_io.poll()
 
     @override
     def on_validation_end(self) -> None:

@@ -328,13 +328,23 @@ def write_save(pending: PendingSave, ranks: Ranks) -> Metadata:
     except (CheckpointException, Exception) as err:
         if ranks.rank == 0:
             pending.options.store.discard(pending.final, pending.token)
-        message = (
-            dcp_failure_message("Saving", pending.final, err)
-            if isinstance(err, CheckpointException)
-            else f"Saving checkpoint {pending.final} failed on rank {ranks.rank}: "
-            f"{describe(err)}\nDCP reports each rank's own errors as one CheckpointException, "
-            f"so this error most likely means {LOST_PEER_HINT}."
-        )
+        if isinstance(err, CheckpointException):
+            message = dcp_failure_message("Saving", pending.final, err)
+        else:  # a failed collective (a lost or hung peer): say how far this rank got
+            writer = pending.writer
+            wrote = isinstance(writer, ChecksummingFileSystemWriter) and any(
+                name != DCP_METADATA_FILE for name in writer.written_files()
+            )
+            where = (
+                "after this rank wrote its shard files"
+                if wrote
+                else "before this rank's shard files were all written"
+            )
+            message = (
+                f"Saving checkpoint {pending.final} failed on rank {ranks.rank} during DCP's "
+                f"save, {where}: {describe(err)}\nDCP reports each rank's own errors as one "
+                f"CheckpointException, so this error most likely means {LOST_PEER_HINT}."
+            )
         raise CheckpointSaveError(
             message + "\nThe previous checkpoint there, if any, is untouched."
         ) from err

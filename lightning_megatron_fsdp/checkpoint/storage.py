@@ -28,9 +28,7 @@ from typing import Any, cast
 import torch
 from crc32c import crc32c as _crc32c_update  # the C function: no Python frame per write
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.filesystem import (
-    FileSystem,
-)
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -205,11 +203,13 @@ class _RecordStream(io.RawIOBase):
         return WrittenFile(self._position, value)
 
 
-class _RecordingFileSystem(FileSystem):
-    """torch's local ``FileSystem`` whose write streams are :class:`_RecordStream`\\ s."""
+class _RecordingFileSystem(FileSystemBase):
+    """A DCP file system (torch's local one, or whichever the user put in ``writer.fs``)
+    whose write streams are wrapped in :class:`_RecordStream`\\ s, so records and files
+    are checksummed whatever the file system underneath."""
 
-    def __init__(self, checksum: bool) -> None:
-        super().__init__()
+    def __init__(self, inner: FileSystemBase, checksum: bool) -> None:
+        self.inner = inner
         self.checksum = checksum
         self.files: dict[str, WrittenFile] = {}
         self.records: dict[str, dict[int, _Record]] = {}
@@ -217,26 +217,57 @@ class _RecordingFileSystem(FileSystem):
     @override
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
-        if mode != "wb":
-            with super().create_stream(path, mode) as stream:
+        with self.inner.create_stream(path, mode) as inner:
+            if mode != "wb":
+                yield inner
+                return
+            stream = _RecordStream(inner, self.checksum)
+            try:
                 yield stream
-            return
-        path = Path(path)
-        stream = _RecordStream(open(path, "wb"), self.checksum)  # noqa: SIM115 (closed below)
-        try:
-            yield stream
-        finally:
-            stream.close()
-            self.files[path.name] = stream.written()
-            self.records[path.name] = {r.start: r for r in stream.records}
+            finally:
+                stream.close()
+                name = Path(path).name
+                self.files[name] = stream.written()
+                self.records[name] = {r.start: r for r in stream.records}
 
     @override
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        super().rename(path, new_path)
+        self.inner.rename(path, new_path)
         old, new = Path(path).name, Path(new_path).name
         if old in self.files:
             self.files[new] = self.files.pop(old)
             self.records[new] = self.records.pop(old)
+
+    @override
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str | os.PathLike[str]:
+        return self.inner.concat_path(path, suffix)
+
+    @override
+    def init_path(self, path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+        return self.inner.init_path(path)
+
+    @override
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        self.inner.mkdir(path)
+
+    @override
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return FileSystem.validate_checkpoint_id(checkpoint_id)
+
+    @override
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return self.inner.exists(path)
+
+    @override
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        self.inner.rm_file(path)
+
+    def ls(self, path: str | os.PathLike[str]) -> list[str]:
+        return cast(list[str], self.inner.ls(path))
+
+    def __getattr__(self, name: str) -> Any:  # a file system's own extras
+        return getattr(self.__dict__["inner"], name)
 
 
 def _exact(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -288,20 +319,34 @@ class ChecksummingFileSystemWriter(_torch.OwnWriteLoopWriter):
         records: Writes the tensor records; the process's shared
             :class:`~lightning_megatron_fsdp.checkpoint.records.TensorRecords` (whose
             templates outlive one save) when ``None``.
-        **kwargs: ``FileSystemWriter``'s options (``thread_count``, ...).
+        *args, **kwargs: ``FileSystemWriter``'s options, positional or by name
+            (``single_file_per_rank``, ``sync_files``, ``thread_count``, ...,
+            ``_extensions``).
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
-        *,
+        *args: Any,
         checksum: bool = True,
         records: TensorRecords | None = None,
         **kwargs: Any,
     ):
-        super().__init__(path, **kwargs)
-        self.fs = _RecordingFileSystem(checksum)
+        self._checksum = checksum  # before torch's __init__ assigns ``self.fs``
+        super().__init__(path, *args, **kwargs)
         self.records = shared_records() if records is None else records
+
+    @property
+    def fs(self) -> _RecordingFileSystem:
+        """The file system the writer writes through. Assign any DCP ``FileSystemBase``
+        (as with torch's writer): it is wrapped, so its files are still checksummed."""
+        return self._fs
+
+    @fs.setter
+    def fs(self, fs: FileSystemBase) -> None:
+        if not isinstance(fs, _RecordingFileSystem):
+            fs = _RecordingFileSystem(fs, self._checksum)
+        self._fs = fs
 
     @override
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -414,13 +459,21 @@ class VerifyingFileSystemReader(FileSystemReader):
 
     Args:
         path: The checkpoint directory.
+        _extension_registry: torch's stream extensions, to read records written with
+            ``_extensions`` (as for torch's ``FileSystemReader``; experimental there).
         verify: Check ``.metadata``'s digest and every record's CRC32C (records without
             one: their file's digest, before any record is read). ``False`` still reads
             records directly into their targets.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
-        super().__init__(path)
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        _extension_registry: Any = None,
+        *,
+        verify: bool = True,
+    ) -> None:
+        super().__init__(path, _extension_registry)
         self.verify = verify
         self.progress = ReadProgress()
         self._manifest: Manifest | None = None
