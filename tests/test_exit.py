@@ -23,6 +23,7 @@ collective's Python callback) once the interpreter finalises (pytorch/pytorch#19
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ from tests.prefork import Zygote
 
 SCRIPT = Path(__file__).parent / "scripts" / "exit_clean.py"
 PENDING = Path(__file__).parent / "scripts" / "pending_gloo_work.py"
+OPENMP_POOL = Path(__file__).parent / "scripts" / "openmp_pool_at_exit.py"
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = 20
 WORLD_SIZE = 2
@@ -170,6 +172,20 @@ def test_the_exit_hook_fixes_the_abort_of_gloo_workers_at_finalisation(
         outcomes[variant] = aborts
     assert outcomes["no_hook"], "the abort did not reproduce: the test proves nothing"
     assert not outcomes["exit_hook"], outcomes
+
+
+def test_an_openmp_pool_started_by_a_gloo_worker_does_not_hold_the_exit_hook(
+    zygote: Zygote, tmp_path: Path
+) -> None:
+    """A collective on a large tensor starts an OpenMP pool from gloo's worker thread, its
+    threads named like the worker; idle in the OpenMP runtime, they are not a collective in
+    flight, so the hook's wait ends at once (it waited its full 10 s in the README's
+    example, rank 1 outliving the parent and printing the in-flight line)."""
+    for rank, (code, output) in enumerate(fork_ranks(zygote, OPENMP_POOL, [], tmp_path, 120)):
+        assert code == 0 and f"finished rank {rank}" in output, output
+        pool = re.search(r"openmp threads named like gloo's workers: (\d+)", output)
+        assert pool is not None and int(pool.group(1)) > 0, f"no pool, nothing tested:\n{output}"
+        assert "idle: True" in output, output
 
 
 if __name__ == "__main__":  # pragma: no cover - a diagnostic loop: python -m tests.test_exit N
