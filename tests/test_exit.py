@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from torch.torch_version import TorchVersion
 
 from tests.harness import _rank_env, communicate_all, free_port
 from tests.prefork import Zygote
@@ -40,6 +42,11 @@ OPENMP_POOL = Path(__file__).parent / "scripts" / "openmp_pool_at_exit.py"
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = 20
 WORLD_SIZE = 2
+# Whether the ``release`` race still shows in a couple of runs without the hook. Measured in
+# this harness without the hook: torch 2.13.0 and 2.14.1 abort in about half the processes;
+# 2.15.0 in none of 16 (1 of 16 under a plain launch): rare there, not gone. ``callback``
+# aborts on every torch in range, so the hook stays on all of them.
+RELEASE_RACE_SHOWS = TorchVersion(torch.__version__) < (2, 15)
 
 
 def _env() -> dict[str, str]:
@@ -155,10 +162,13 @@ def test_the_exit_hook_fixes_the_abort_of_gloo_workers_at_finalisation(
     finalisation; ``callback`` a Python callback of a collective still in flight. The
     group is held to the end in both, so destroying the registry does not join its
     workers: the hook's wait for idle workers is what is tested. Without the hook the
-    abort must show (else this harness could not see one).
+    abort must show (else this harness could not see one), where it still shows in a
+    couple of runs: ``callback`` on every torch, ``release`` before torch 2.15 (on 2.15
+    the hook must still keep every run clean).
     """
+    control = trigger == "callback" or RELEASE_RACE_SHOWS
     outcomes = {}
-    for variant in ("no_hook", "exit_hook"):
+    for variant in ("no_hook", "exit_hook") if control else ("exit_hook",):
         aborts = []
         for run in range(2):
             out = tmp_path / f"{variant}{run}"
@@ -170,7 +180,8 @@ def test_the_exit_hook_fixes_the_abort_of_gloo_workers_at_finalisation(
                 else:
                     assert f"finished rank {rank}" in output, output
         outcomes[variant] = aborts
-    assert outcomes["no_hook"], "the abort did not reproduce: the test proves nothing"
+    if control:
+        assert outcomes["no_hook"], "the abort did not reproduce: the test proves nothing"
     assert not outcomes["exit_hook"], outcomes
 
 
