@@ -95,9 +95,7 @@ def regular_size(directory: str | os.PathLike[str], name: str) -> int:
     return info.st_size
 
 
-def open_regular(
-    directory: str | os.PathLike[str], name: str, *, size: int | None = None
-) -> int:
+def open_regular(directory: str | os.PathLike[str], name: str, *, size: int | None = None) -> int:
     """Open the regular file ``name`` in ``directory`` for reading; return its descriptor.
 
     Never follows a symbolic link, never blocks on a FIFO, and refuses devices.

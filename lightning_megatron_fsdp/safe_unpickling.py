@@ -373,4 +373,3 @@ def safe_byte_record(data: bytes, *, source: str, trust: bool = False) -> bytes:
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
-
