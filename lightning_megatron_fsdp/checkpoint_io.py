@@ -65,7 +65,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
@@ -107,6 +106,7 @@ from lightning_megatron_fsdp.checkpoint_parts import (
     _write_meta,
 )
 from lightning_megatron_fsdp.checksums import bytes_digest, crc32c_hex, file_digest
+from lightning_megatron_fsdp.confined_files import read_regular
 from lightning_megatron_fsdp.dcp_storage import (
     ChecksummingFileSystemWriter,
     VerifyingFileSystemReader,
@@ -148,6 +148,7 @@ from lightning_megatron_fsdp.manifest import (
     report_interrupted_saves,
     resolve_latest_checkpoint,
 )
+from lightning_megatron_fsdp.safe_unpickling import load_weights_only
 
 __all__ = [
     "CheckpointCorruptedError",
@@ -244,6 +245,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             copies of the targets and write them into the targets only once every rank
             has read all its data, so any failure leaves the model and optimizers as they
             were, for one more CPU copy of this rank's shards during the load.
+        trust_checkpoint: Unpickle ``.metadata``, byte records and ``meta.pt`` in full.
 
     Raises:
         TypeError: If an option has the wrong type.
@@ -261,12 +263,14 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         thread_count: int = 1,
         storage_reader_factory: StorageReaderFactory | None = None,
         atomic_load: bool = False,
+        trust_checkpoint: bool = False,
     ) -> None:
         for name, value in (
             ("async_save", async_save),
             ("verify_checksums", verify_checksums),
             ("write_checksums", write_checksums),
             ("atomic_load", atomic_load),
+            ("trust_checkpoint", trust_checkpoint),
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"MegatronFSDPCheckpointIO: {name} must be a bool, got {value!r}.")
@@ -296,6 +300,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         self.thread_count = thread_count
         self.storage_reader_factory = storage_reader_factory
         self.atomic_load = atomic_load
+        self.trust_checkpoint = trust_checkpoint
         self._in_flight: concurrent.futures.Future[None] | None = None
         self._in_flight_path: Path | None = None
         self._committer: concurrent.futures.ThreadPoolExecutor | None = None
@@ -758,7 +763,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             path: The checkpoint directory; the same on every rank. If a crash left it
                 renamed aside (see the module docstring), it is restored first.
             map_location: ``torch.load``'s ``map_location`` for ``meta.pt``.
-            weights_only: ``torch.load``'s ``weights_only`` for ``meta.pt``.
+            weights_only: For ``meta.pt``; ``None``: ``not trust_checkpoint``.
             state: Targets, filled in place: ``{"state_dict": model_sd}`` plus
                 ``"optimizer_states": [osd, ...]`` unless loading weights only. ``None``
                 reads only the non-tensor part.
@@ -841,7 +846,8 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         return {**meta, **loaded}
 
     def _default_reader(self, final: Path) -> StorageReader:
-        return VerifyingFileSystemReader(final, verify=self.verify_checksums)
+        verify, trust = self.verify_checksums, self.trust_checkpoint
+        return VerifyingFileSystemReader(final, verify=verify, trust_checkpoint=trust)
 
     def _load_failure(
         self, final: Path, err: BaseException, reader: StorageReader, comm: Ranks
@@ -915,7 +921,8 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             share = hashed[comm.rank :: comm.world_size]
         try:
             damaged = check_files(final, manifest, checksum_files=share)
-            data = None if damaged else (final / META_FILE).read_bytes()
+            size = manifest.files[META_FILE].size
+            data = None if damaged else read_regular(final, META_FILE, size=size)
         except OSError as err:
             damaged, data = [f"cannot read a file: {describe(err)}"], None
         digest = manifest.files[META_FILE].digest() if self.verify_checksums else None
@@ -934,19 +941,13 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             ]
         meta: dict[str, Any] = {}
         if not damaged and data is not None:
+            trust = self.trust_checkpoint if weights_only is None else not weights_only
             try:
-                meta = torch.load(
-                    io.BytesIO(data), map_location=map_location, weights_only=weights_only
+                meta = load_weights_only(
+                    data, source=META_FILE, trust=trust, map_location=map_location
                 )
-            except Exception as err:
-                problems.append(
-                    (
-                        kind[CheckpointError],
-                        f"{META_FILE}: torch.load(weights_only={weights_only}) failed: "
-                        f"{describe(err)}. If it holds objects the weights-only unpickler "
-                        "refuses and you trust the checkpoint, load with weights_only=False.",
-                    )
-                )
+            except CheckpointError as err:
+                problems.append((kind[CheckpointError], str(err)))
         return problems, meta
 
     # ----------------------------------------------------------------------------- remove

@@ -23,13 +23,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.fabric.plugins import CheckpointIO
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_megatron_fsdp import _megatron
 from lightning_megatron_fsdp.agreement import Ranks
+from lightning_megatron_fsdp.confined_files import read_regular
+from lightning_megatron_fsdp.dcp_storage import VerifyingFileSystemReader
 from lightning_megatron_fsdp.manifest import (
     DCP_METADATA_FILE,
     MANIFEST_FILE,
@@ -41,6 +42,7 @@ from lightning_megatron_fsdp.manifest import (
 )
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
 from lightning_megatron_fsdp.pretrained import load_full_weights
+from lightning_megatron_fsdp.safe_unpickling import load_weights_only
 from lightning_megatron_fsdp.uneven_dtensor import attach_uneven_dtensor_metadata
 
 __all__ = ["LoadResult", "load_into_sharded_model"]
@@ -100,7 +102,11 @@ def load_into_sharded_model(
     foreign, saved_optimizers = ranks.broadcast_from_first(peek) or (False, None)
     if foreign:
         load_full_weights(model, path, optimizers=optimizers, strict=strict)
-        meta = torch.load(Path(path, META_FILE), map_location="cpu", weights_only=weights_only)
+        meta = load_weights_only(
+            read_regular(path, META_FILE),
+            source=str(Path(path, META_FILE)),
+            trust=weights_only is False,
+        )
         return LoadResult(meta, bool(optimizers))
     if optimizers and saved_optimizers == 0:
         if not allow_missing_optimizers:
@@ -177,10 +183,10 @@ def _is_foreign_lightning_dcp(path: str) -> bool:
         and not (directory / MANIFEST_FILE).exists()
     ):
         return False
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
-        keys = FileSystemReader(directory).read_metadata().state_dict_metadata
+        keys = (
+            VerifyingFileSystemReader(directory, verify=False).read_metadata().state_dict_metadata
+        )
     except Exception:
         return False
     return any(re.match(r"optimizer_\d+\.", key) for key in keys)

@@ -167,9 +167,7 @@ def load_dcp_metadata(data: bytes, *, source: str, trust: bool = False) -> Metad
 
 
 def _is_int(value: Any, low: int = 0, high: int | None = None) -> bool:
-    return (
-        type(value) is int and value >= low and (high is None or value <= high)  # noqa: E721
-    )
+    return type(value) is int and value >= low and (high is None or value <= high)
 
 
 def _is_size(value: Any) -> bool:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from lightning_megatron_fsdp import upstream_checkpoint
 from lightning_megatron_fsdp.agreement import Problem, Ranks
+from lightning_megatron_fsdp.dcp_storage import VerifyingFileSystemReader
 from lightning_megatron_fsdp.export import _checkpoints_inside
 from lightning_megatron_fsdp.manifest import (
     DCP_METADATA_FILE,
@@ -479,10 +480,11 @@ class _DcpSource(_Source):
 
     kind = "dcp"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, weights_only: bool = True) -> None:
         super().__init__(path)
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self._trust = not weights_only
 
         if (path / MANIFEST_FILE).exists():
             try:
@@ -495,7 +497,7 @@ class _DcpSource(_Source):
                     "another checkpoint."
                 )
         try:
-            metadata = FileSystemReader(os.fspath(path)).read_metadata()
+            metadata = self._reader().read_metadata()
         except Exception as err:
             raise _SourceError(
                 f"{path}: cannot read the DCP metadata ({DCP_METADATA_FILE}): "
@@ -530,6 +532,11 @@ class _DcpSource(_Source):
             }
         )
 
+    def _reader(self) -> VerifyingFileSystemReader:
+        """The reader of every load from this directory: nothing from it runs, files are
+        opened confined to it, records are checked against their CRC32C where recorded."""
+        return VerifyingFileSystemReader(self.path, trust_checkpoint=self._trust)
+
     def spec(self, key: str) -> _Spec:
         spec = self._specs.get(key)
         if spec is None:
@@ -548,7 +555,6 @@ class _DcpSource(_Source):
 
     def execute(self, plan: _Plan, comm: _Comm) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -558,7 +564,7 @@ class _DcpSource(_Source):
         try:
             dcp.load(
                 targets,
-                storage_reader=FileSystemReader(os.fspath(self.path)),
+                storage_reader=self._reader(),
                 planner=DefaultLoadPlanner(allow_partial_load=True),
                 process_group=comm.group,
             )
@@ -598,7 +604,7 @@ def _open_source(path: Path, weights_only: bool) -> _Source:
             raise _SourceError(
                 f"{path} is a directory without {DCP_METADATA_FILE}: not a DCP checkpoint. " + hint
             )
-        return _DcpSource(path)
+        return _DcpSource(path, weights_only)
     if not path.is_file():
         raise _SourceError(f"{path} does not exist (or is not a regular file or directory).")
     if path.suffix == _SAFETENSORS_SUFFIX:
