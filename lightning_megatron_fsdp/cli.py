@@ -328,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("consolidate", "export-lightning"):
             return _consolidate(args)
         return _inspect(args)
-    except Exception as err:  # any other failure on bad input: one line, no traceback
-        if args.debug:
+    except BaseException as err:  # any other failure on bad input: no traceback
+        # (DCP's CheckpointException is a BaseException.)
+        if args.debug or isinstance(err, KeyboardInterrupt | SystemExit | GeneratorExit):
             raise
         print(
             f"{PROG}: error: {args.checkpoint}: {type(err).__name__}: {err} (rerun with "

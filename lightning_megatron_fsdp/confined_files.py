@@ -15,10 +15,13 @@ files covers them. See docs/DESIGN.md, "Untrusted checkpoints".
 from __future__ import annotations
 
 import fcntl
+import io
 import os
 import stat
+from typing import Any
 
 __all__ = [
+    "FileWindow",
     "UnsafeCheckpointFileError",
     "check_plain_name",
     "create_exclusive",
@@ -188,3 +191,37 @@ def create_exclusive(path: str | os.PathLike[str], mode: int = 0o644) -> int:
     """
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     return os.open(path, flags, mode)
+
+
+class FileWindow(io.RawIOBase):
+    """A read-only, seekable view of bytes ``[offset, offset + length)`` of an open file,
+    for parsers that want a file (``zipfile``): reads never leave the window."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._offset, self._length, self._position = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        if base + offset < 0:
+            raise OSError(f"seek to {base + offset}, before the start of the window")
+        self._position = base + offset
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        count = max(0, min(view.nbytes, self._length - self._position))
+        if count == 0:
+            return 0
+        n = os.preadv(self._fd, [view[:count]], self._offset + self._position)
+        self._position += n
+        return n

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -90,7 +91,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
-from lightning_megatron_fsdp.confined_files import create_exclusive, open_regular
+from lightning_megatron_fsdp.confined_files import FileWindow, create_exclusive, open_regular
 from lightning_megatron_fsdp.dcp_storage import VerifyingFileSystemReader
 from lightning_megatron_fsdp.inspection import (
     _MAX_EXAMPLES,
@@ -239,7 +240,7 @@ class _StreamingReader(VerifyingFileSystemReader):
         if chunk is None:
             raise CheckpointCorruptedError(f"{where}: no such chunk in {DCP_METADATA_FILE}")
         check_tensor_record(
-            _create_file_view(stream, info.offset, info.length),
+            io.BufferedReader(FileWindow(stream.fileno(), info.offset, info.length)),
             math.prod(chunk[0]) * chunk[1].itemsize,
             source=where,
         )
@@ -483,10 +484,19 @@ def _select_entries(
 
 @contextlib.contextmanager
 def _quiet_no_dist() -> Iterator[None]:
-    """Silence DCP's warning that there is no process group: that is the point here."""
+    """Silence DCP's warning that there is no process group: that is the point here; and
+    raise the reader's own error rather than DCP's wrapper of it (a ``BaseException``)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is .*", category=UserWarning)
-        yield
+        try:
+            yield
+        except CheckpointException as err:
+            failures = [failure for failure, _ in err.failures.values()]
+            if failures and isinstance(failures[0], Exception):
+                raise failures[0] from err
+            raise CheckpointCorruptedError(f"reading the checkpoint failed: {err}") from err
 
 
 def _load_tensor(reader: _StreamingReader, entry: _Entry) -> torch.Tensor:
