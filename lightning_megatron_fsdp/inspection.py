@@ -14,6 +14,7 @@ compare the two and the files on disk (chunks must tile each tensor exactly once
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import os
 from collections.abc import Mapping
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from lightning_megatron_fsdp.checksums import bytes_digest
-from lightning_megatron_fsdp.confined_files import read_regular
+from lightning_megatron_fsdp.confined_files import FileWindow, open_regular, read_regular
 from lightning_megatron_fsdp.manifest import (
     DCP_METADATA_FILE,
     FORMAT_NAME,
@@ -41,7 +42,11 @@ from lightning_megatron_fsdp.manifest import (
     check_files,
     read_manifest,
 )
-from lightning_megatron_fsdp.safe_unpickling import load_dcp_metadata, load_weights_only
+from lightning_megatron_fsdp.safe_unpickling import (
+    check_tensor_record,
+    load_dcp_metadata,
+    load_weights_only,
+)
 from lightning_megatron_fsdp.upstream_checkpoint import FORMAT_NAME as UPSTREAM_FORMAT_NAME
 from lightning_megatron_fsdp.upstream_checkpoint import NOTE as UPSTREAM_NOTE
 from lightning_megatron_fsdp.upstream_checkpoint import is_upstream_checkpoint
@@ -311,6 +316,46 @@ def _storage_problems(
     return problems
 
 
+def _record_problems(path: Path, metadata: Metadata) -> list[str]:
+    """Every tensor record is a ``torch.save`` zip whose entries are stored uncompressed and
+    whose data holds exactly its chunk's bytes (reads each record's zip directory only).
+
+    A compressed record passes every size and checksum test, yet readers that copy a
+    payload directly would take the compressed bytes for the tensor's.
+    """
+    chunks = {
+        (fqn, tuple(chunk.offsets)): math.prod(chunk.sizes) * entry.properties.dtype.itemsize
+        for fqn, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+        for chunk in entry.chunks
+    }
+    bad: dict[str, list[str]] = {}
+    by_file: dict[str, list[tuple[Any, Any, int]]] = {}
+    for index, info in metadata.storage_data.items():
+        nbytes = chunks.get((index.fqn, tuple(index.offset or ())))
+        if nbytes is not None and not getattr(info, "transform_descriptors", None):
+            by_file.setdefault(info.relative_path, []).append((index, info, nbytes))
+    for name, records in sorted(by_file.items()):
+        try:
+            fd = open_regular(path, name)
+        except OSError as err:
+            bad.setdefault(name, []).append(str(err))
+            continue
+        try:
+            for index, info, nbytes in records:
+                window = io.BufferedReader(FileWindow(fd, info.offset, info.length))
+                try:
+                    check_tensor_record(window, nbytes, source=f"{index.fqn!r}")
+                except CheckpointCorruptedError as err:
+                    bad.setdefault(name, []).append(str(err))
+        finally:
+            os.close(fd)
+    return [
+        _summarise(f"{name}: {len(lines)} records are not plain torch.save zips", lines)
+        for name, lines in sorted(bad.items())
+    ]
+
+
 def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
     return all(
         max(ao, bo) < min(ao + asz, bo + bsz)
@@ -480,7 +525,8 @@ def _check(path: Path, *, checksums: bool, trust: bool = False) -> _Checked:
             problems.append(str(err))
     if metadata is not None:
         listed = None if manifest is None else set(manifest.files)
-        problems += _storage_problems(metadata, sizes, listed)
+        stored = _storage_problems(metadata, sizes, listed)
+        problems += stored or _record_problems(path, metadata)
         problems += _tiling_problems(metadata)
         if manifest is not None:
             problems += _fingerprint_problems(manifest, metadata)
