@@ -226,3 +226,55 @@ def test_fit_on_two_ranks_refuses_on_every_rank(checkpoints: dict[str, Path]) ->
     )
     assert results[0] == results[1], "the ranks ended differently"
     _assert_safe(_training_table(results[0]), checkpoints["markers"])
+
+
+def test_refusals_name_the_opt_in_which_unpickles_in_full(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The refusal names ``trust_checkpoint``; with it, ``meta.pt`` is unpickled in full
+    (the payload runs: the opt-in is real). ``--debug`` shows the traceback."""
+    from lightning_megatron_fsdp import CheckpointError, export_lightning_checkpoint
+    from lightning_megatron_fsdp.cli import main
+
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    attacked = make_attack("meta_pt", checkpoints["intact"], tmp_path / "meta_pt", markers)
+    with pytest.raises(CheckpointError, match=r"weights_only=True.*trust_checkpoint=True"):
+        export_lightning_checkpoint(attacked, tmp_path / "refused.ckpt")
+    assert not (tmp_path / "refused.ckpt").exists() and not list(markers.iterdir())
+
+    assert main(["export-lightning", str(attacked), str(tmp_path / "cli.ckpt")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("lightning-megatron-fsdp: error: ") and "--trust-checkpoint" in err
+    assert "Traceback" not in err
+    with pytest.raises(CheckpointError, match="trust_checkpoint"):
+        main(["export-lightning", str(attacked), str(tmp_path / "cli.ckpt"), "--debug"])
+
+    export_lightning_checkpoint(attacked, tmp_path / "trusted.ckpt", trust_checkpoint=True)
+    assert (markers / "meta_pt").exists(), "trust_checkpoint=True did not unpickle in full"
+
+
+def test_an_export_never_renames_a_swapped_temporary_file(tmp_path: Path) -> None:
+    """Whoever can write to the output folder swaps the temporary file for their own while
+    the export writes it: the export fails and the output is never their file."""
+    from lightning_megatron_fsdp.export import _write_atomically
+
+    output = tmp_path / "out.pt"
+
+    def write_and_get_swapped(stream: Any) -> None:
+        stream.write(b"ours")
+        (temporary,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.pt.tmp-")]
+        temporary.unlink()
+        temporary.write_bytes(b"theirs")  # a new file under the same name
+
+    with pytest.raises(FileExistsError, match="was replaced while exporting"):
+        _write_atomically(output, write_and_get_swapped, overwrite=False, who="test")
+    assert not output.exists()
+
+    def write(stream: Any) -> None:
+        stream.write(b"ours")
+        stream.seek(0)
+        assert stream.read() == b"ours"  # re-read through the descriptor
+
+    _write_atomically(output, write, overwrite=False, who="test")
+    assert output.read_bytes() == b"ours"

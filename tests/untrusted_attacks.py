@@ -150,9 +150,9 @@ def make_attack(name: str, source: Path, destination: Path, markers: Path) -> Pa
         outside = destination.parent / f"{destination.name}-outside.distcp"
         shutil.copyfile(destination / SHARD, outside)
         metadata = _metadata(destination)
-        for info in metadata.storage_data.values():
-            if info.relative_path == SHARD:
-                info.relative_path = f"../{outside.name}"
+        for i, info in enumerate(metadata.storage_data.values()):
+            if info.relative_path == SHARD:  # relative and absolute paths out
+                info.relative_path = f"../{outside.name}" if i % 2 else str(outside)
         _write_metadata(destination, metadata)
         reseal(destination)
     elif name == "symlink":
