@@ -67,7 +67,7 @@ def main() -> None:
                     raise SystemExit(f"{name} failed:\n{done.stderr[-2000:]}")
                 warned[name] |= "Warning" in done.stderr
     print(f"library: {Path(cwd) / 'lightning_megatron_fsdp'}; load average {os.getloadavg()}")
-    print(f"| command | median s | min-max s | third-party warning |\n|---|---|---|---|")
+    print("| command | median s | min-max s | third-party warning |\n|---|---|---|---|")
     for name, values in times.items():
         print(
             f"| {name} | {statistics.median(values):.2f} | {min(values):.2f}-{max(values):.2f} "
