@@ -251,7 +251,7 @@ def _export(
     assert checked.metadata is not None and checked.manifest is not None  # checked above
     reader = _StreamingReader(checkpoint, checked.metadata, trust=trust_checkpoint)
     tree, places = _lightning_tree(
-        _read_meta_in_full(checkpoint, who, checked.manifest, trust_checkpoint),
+        _read_meta_in_full(checkpoint, who, checked.manifest, trust_checkpoint, verify_checksums),
         entries,
         checked.metadata.planner_data or {},
         reader,
@@ -268,7 +268,7 @@ def _export(
 
 
 def _read_meta_in_full(
-    checkpoint: Path, who: str, manifest: Manifest, trust: bool
+    checkpoint: Path, who: str, manifest: Manifest, trust: bool, digest: bool
 ) -> dict[str, Any]:
     """Every entry of ``meta.pt`` (weights-only unless ``trust``), read only after its size
     and checksum match the manifest.
@@ -279,12 +279,15 @@ def _read_meta_in_full(
     """
     file = checkpoint / META_FILE
     try:
-        data = read_checked(checkpoint, META_FILE, manifest)
-        meta = load_weights_only(data, source=str(file), trust=trust)
+        data = read_checked(checkpoint, META_FILE, manifest, digest=digest)
     except (CheckpointCorruptedError, OSError) as err:
+        raise CheckpointCorruptedError(f"{who}: {err}") from err
+    try:
+        meta = load_weights_only(data, source=str(file), trust=trust)
+    except CheckpointCorruptedError as err:
         raise CheckpointCorruptedError(
-            f"{who}: {err} It holds the hyper-parameters and training position; if they "
-            "reference your own classes, import them first."
+            f"{who}: {META_FILE} does not unpickle ({err}). It holds the hyper-parameters "
+            "and training position."
         ) from err
     if not isinstance(meta, dict):
         raise CheckpointCorruptedError(

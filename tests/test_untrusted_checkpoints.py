@@ -278,3 +278,33 @@ def test_an_export_never_renames_a_swapped_temporary_file(tmp_path: Path) -> Non
 
     _write_atomically(output, write, overwrite=False, who="test")
     assert output.read_bytes() == b"ours"
+
+
+def test_malformed_manifest_and_metadata_end_in_one_error(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A manifest nested past the parser's recursion limit, and ``.metadata`` chunk fields
+    of the wrong type (resealed), end every command with exit 1 and one message; except
+    that plain ``inspect`` lists a directory with an unreadable manifest, saying why in a
+    note, as it does one without a manifest."""
+    import pickle
+
+    from lightning_megatron_fsdp.cli import main
+    from tests.untrusted_attacks import reseal
+
+    nested = Path(shutil.copytree(checkpoints["intact"], tmp_path / "nested"))
+    (nested / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    typed = Path(shutil.copytree(checkpoints["intact"], tmp_path / "typed"))
+    metadata = pickle.loads((typed / ".metadata").read_bytes())
+    next(iter(metadata.state_dict_metadata.values())).chunks[0].sizes = "3"
+    (typed / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(typed)
+    for directory, expected in ((nested, "nests deeper"), (typed, "malformed DCP metadata")):
+        for command in (["inspect"], ["inspect", "--verify"], ["consolidate"]):
+            argv = [*command, str(directory)]
+            if command == ["consolidate"]:
+                argv.append(str(tmp_path / f"{directory.name}.pt"))
+            status = main(argv)
+            assert status == (0 if (directory, command) == (nested, ["inspect"]) else 1), argv
+            out, err = capsys.readouterr()
+            assert expected in out + err and "Traceback" not in out + err, (argv, out, err)
