@@ -12,7 +12,19 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_megatron_fsdp.checkpoint_io import MegatronFSDPCheckpointIO
+    from lightning_megatron_fsdp.checkpoint.commit import (
+        interrupted_saves,
+        resolve_latest_checkpoint,
+    )
+    from lightning_megatron_fsdp.checkpoint.errors import (
+        CheckpointCorruptedError,
+        CheckpointError,
+        CheckpointMismatchError,
+        CheckpointSaveError,
+        NotACheckpointError,
+    )
+    from lightning_megatron_fsdp.checkpoint.format import is_complete_checkpoint, read_manifest
+    from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
     from lightning_megatron_fsdp.cpu_execution import cpu_execution_enabled, enable_cpu_execution
     from lightning_megatron_fsdp.export import consolidate_checkpoint
     from lightning_megatron_fsdp.gather import full_tensor, grad_norm
@@ -25,17 +37,6 @@ if TYPE_CHECKING:
     from lightning_megatron_fsdp.lightning_checkpoint import (
         export_lightning_checkpoint,
         load_lightning_module,
-    )
-    from lightning_megatron_fsdp.manifest import (
-        CheckpointCorruptedError,
-        CheckpointError,
-        CheckpointMismatchError,
-        CheckpointSaveError,
-        NotACheckpointError,
-        interrupted_saves,
-        is_complete_checkpoint,
-        read_manifest,
-        resolve_latest_checkpoint,
     )
     from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
     from lightning_megatron_fsdp.precision import (
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
         shard_module,
         sharding_scope,
     )
+    from lightning_megatron_fsdp.sharding_modes import ShardingMode
     from lightning_megatron_fsdp.strategy import MegatronFSDPStrategy
     from lightning_megatron_fsdp.uneven_dtensor import (
         attach_uneven_dtensor_metadata,
@@ -64,17 +66,18 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "CheckpointCorruptedError": "manifest",
-    "CheckpointError": "manifest",
+    "CheckpointCorruptedError": "checkpoint.errors",
+    "CheckpointError": "checkpoint.errors",
     "CheckpointInfo": "inspection",
-    "CheckpointMismatchError": "manifest",
-    "CheckpointSaveError": "manifest",
+    "CheckpointMismatchError": "checkpoint.errors",
+    "CheckpointSaveError": "checkpoint.errors",
     "FullWeightsLoad": "pretrained",
-    "MegatronFSDPCheckpointIO": "checkpoint_io",
+    "MegatronFSDPCheckpointIO": "checkpoint.io",
     "MegatronFSDPPrecision": "precision",
     "MegatronFSDPStrategy": "strategy",
-    "NotACheckpointError": "manifest",
+    "NotACheckpointError": "checkpoint.errors",
     "PretrainedWeights": "pretrained",
+    "ShardingMode": "sharding_modes",
     "TensorInfo": "inspection",
     "attach_uneven_dtensor_metadata": "uneven_dtensor",
     "chunk_metadata_by_fqn": "uneven_dtensor",
@@ -90,12 +93,12 @@ _EXPORTS = {
     "grad_norm": "gather",
     "hsdp_placements": "sharding",
     "inspect_checkpoint": "inspection",
-    "interrupted_saves": "manifest",
-    "is_complete_checkpoint": "manifest",
+    "interrupted_saves": "checkpoint.commit",
+    "is_complete_checkpoint": "checkpoint.format",
     "load_full_weights": "pretrained",
     "load_lightning_module": "lightning_checkpoint",
-    "read_manifest": "manifest",
-    "resolve_latest_checkpoint": "manifest",
+    "read_manifest": "checkpoint.format",
+    "resolve_latest_checkpoint": "checkpoint.commit",
     "shard_module": "sharding",
     "sharded_grad_norm": "precision",
     "sharding_scope": "sharding",
@@ -133,6 +136,7 @@ __all__ = [
     "MegatronFSDPStrategy",
     "NotACheckpointError",
     "PretrainedWeights",
+    "ShardingMode",
     "TensorInfo",
     "attach_uneven_dtensor_metadata",
     "chunk_metadata_by_fqn",

@@ -212,8 +212,8 @@ def _print_table(info: CheckpointInfo, out: TextIO) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
     from lightning_megatron_fsdp.inspection import inspect_checkpoint, verify_checkpoint
-    from lightning_megatron_fsdp.manifest import CheckpointError
 
     info: CheckpointInfo | None = None
     error: CheckpointError | None = None
@@ -277,7 +277,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from lightning_megatron_fsdp.manifest import CheckpointError
+    from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
 
     try:
         if args.command == "export-lightning":

@@ -28,21 +28,20 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from lightning_megatron_fsdp.checksums import bytes_digest
-from lightning_megatron_fsdp.confined_files import FileWindow, open_regular, read_regular
-from lightning_megatron_fsdp.manifest import (
+from lightning_megatron_fsdp.checkpoint.checksums import bytes_digest
+from lightning_megatron_fsdp.checkpoint.confined_files import FileWindow, open_regular, read_regular
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
+from lightning_megatron_fsdp.checkpoint.format import (
     DCP_METADATA_FILE,
     FORMAT_NAME,
     MANIFEST_FILE,
     META_FILE,
-    CheckpointCorruptedError,
     Manifest,
-    NotACheckpointError,
     TensorSpec,
     check_files,
     read_manifest,
 )
-from lightning_megatron_fsdp.safe_unpickling import (
+from lightning_megatron_fsdp.checkpoint.safe_unpickling import (
     check_tensor_record,
     load_dcp_metadata,
     load_weights_only,

@@ -22,7 +22,7 @@ import pickle
 import re
 import zipfile
 from collections import OrderedDict
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -35,8 +35,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from lightning_megatron_fsdp.confined_files import check_plain_name
-from lightning_megatron_fsdp.manifest import CheckpointCorruptedError
+from lightning_megatron_fsdp import _torch
+from lightning_megatron_fsdp.checkpoint.confined_files import check_plain_name
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError
 
 __all__ = [
     "TRUST_HINT",
@@ -59,27 +60,9 @@ _MAX_PATH_INDEX = 1 << 20
 _DATA_ENTRY = re.compile(r"(?:^|/)data/\d+$")
 
 
-def _private_torch_names() -> dict[tuple[str, str], Any]:
-    """The private torch names ``.metadata`` pickles reference (module, name -> object).
-
-    DCP pickles its storage index as ``filesystem._StorageInfo``, a tensor's memory format
-    as ``metadata._MEM_FORMAT_ENCODING`` and its layout through
-    ``serialization._get_layout``; each is data or a lookup, none runs user code.
-    """
-    from torch.distributed.checkpoint import filesystem
-    from torch.distributed.checkpoint import metadata as dcp_metadata
-
-    return {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
-        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): (
-            dcp_metadata._MEM_FORMAT_ENCODING
-        ),
-        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    }
-
-
 def _storage_info_class() -> type:
-    return _private_torch_names()[("torch.distributed.checkpoint.filesystem", "_StorageInfo")]
+    key = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+    return cast(type, _torch.dcp_metadata_private_types()[key])
 
 
 def _allowed() -> dict[tuple[str, str], Any]:
@@ -95,7 +78,7 @@ def _allowed() -> dict[tuple[str, str], Any]:
             StorageMeta,
         )
     }
-    allowed.update(_private_torch_names())
+    allowed.update(_torch.dcp_metadata_private_types())
     allowed[("torch", "Size")] = torch.Size
     for name, value in vars(torch).items():
         if isinstance(value, torch.dtype | type(torch.strided) | type(torch.contiguous_format)):
