@@ -40,6 +40,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
     check_files,
     read_manifest,
 )
+from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
 from lightning_megatron_fsdp.export import _checkpoints_inside
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -468,10 +469,11 @@ class _DcpSource(_Source):
 
     kind = "dcp"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, weights_only: bool = True) -> None:
         super().__init__(path)
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self._trust = not weights_only
 
         if (path / MANIFEST_FILE).exists():
             try:
@@ -484,7 +486,7 @@ class _DcpSource(_Source):
                     "another checkpoint."
                 )
         try:
-            metadata = FileSystemReader(os.fspath(path)).read_metadata()
+            metadata = self._reader().read_metadata()
         except Exception as err:
             raise _SourceError(
                 f"{path}: cannot read the DCP metadata ({DCP_METADATA_FILE}): "
@@ -519,6 +521,11 @@ class _DcpSource(_Source):
             }
         )
 
+    def _reader(self) -> VerifyingFileSystemReader:
+        """The reader of every load from this directory: nothing from it runs, files are
+        opened confined to it, records are checked against their CRC32C where recorded."""
+        return VerifyingFileSystemReader(self.path, trust_checkpoint=self._trust)
+
     def spec(self, key: str) -> _Spec:
         spec = self._specs.get(key)
         if spec is None:
@@ -537,7 +544,6 @@ class _DcpSource(_Source):
 
     def execute(self, plan: _Plan, comm: Ranks) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -547,7 +553,7 @@ class _DcpSource(_Source):
         try:
             dcp.load(
                 targets,
-                storage_reader=FileSystemReader(os.fspath(self.path)),
+                storage_reader=self._reader(),
                 planner=DefaultLoadPlanner(allow_partial_load=True),
                 process_group=comm.group,
             )
@@ -587,7 +593,7 @@ def _open_source(path: Path, weights_only: bool) -> _Source:
             raise _SourceError(
                 f"{path} is a directory without {DCP_METADATA_FILE}: not a DCP checkpoint. " + hint
             )
-        return _DcpSource(path)
+        return _DcpSource(path, weights_only)
     if not path.is_file():
         raise _SourceError(f"{path} does not exist (or is not a regular file or directory).")
     if path.suffix == _SAFETENSORS_SUFFIX:
