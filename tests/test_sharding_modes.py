@@ -21,8 +21,8 @@ a rank that owns none of some parameters). Asserted:
   consolidate every mode's checkpoint into the saved values, bit for bit.
 
 State is assembled from every rank's local shards at the offsets ``chunk_metadata_by_fqn``
-reports (each row exactly once; a replicated tensor must be equal on every rank; hybrid
-meshes one replica row at a time, the rows equal).
+reports with every collective trapped (rank-local in every mode): each row exactly once, a
+replicated tensor equal on every rank, hybrid meshes one replica row at a time (rows equal).
 
 The multi-rank tests need megatron-fsdp 0.7 (the replicated-parameter modes); they run in
 CI's second pass (``both_versions``) and skip on 0.6.1, where the option test checks the
@@ -61,6 +61,7 @@ from lightning_megatron_fsdp import (
 from lightning_megatron_fsdp.sharding_modes import MODES, resolve_sharding_mode
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock
+from tests.test_checkpoint_roundtrip import collectives_forbidden
 from tests.test_portability import (
     GLOBAL_BATCH,
     LR,
@@ -192,8 +193,13 @@ def _local(value: Any, chunk_offset: int) -> tuple[int | None, np.ndarray]:
 
 
 def _state(module: pl.LightningModule, optimizer: Any) -> dict[str, Shards]:
-    """This rank's parameters and buffer, and its Adam state (``"<fqn>/<name>"``)."""
-    chunks = chunk_metadata_by_fqn(module)
+    """This rank's parameters and buffer, and its Adam state (``"<fqn>/<name>"``).
+
+    The chunks come from ``chunk_metadata_by_fqn`` with every collective trapped: rank-local
+    in every mode.
+    """
+    with collectives_forbidden():
+        chunks = chunk_metadata_by_fqn(module)
     offset = {fqn: int(chunk.offsets[0]) for fqn, chunk in chunks.items()}
     params: Shards = {}
     for name, parameter in module.named_parameters(remove_duplicate=False):
