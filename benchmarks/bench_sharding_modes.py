@@ -288,7 +288,7 @@ def _steps_per_second(ranks: list[dict[str, Any]], steps: int) -> float:
 
 def run(*, quick: bool = False, repeats: int = 3) -> dict[str, Any]:
     """Every side, interleaved, ``repeats`` times; steps/s and memory medians."""
-    steps = 8 if quick else 15
+    steps = 8 if quick else 12
     repeats = 1 if quick else repeats
     sides = [
         s
