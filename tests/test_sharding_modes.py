@@ -120,6 +120,15 @@ def test_sharding_strategy_is_validated_at_construction() -> None:
     )
     custom = MegatronFSDPStrategy(sharding_strategy=_megatron.fsdp_placements())
     assert custom.sharding_mode.name == "custom"
+    assert resolve_sharding_mode("optim_grads_params", 1, "S").name == "FULL_SHARD"
+    zero1 = _megatron.sharding_placements(
+        parameters=False, gradients=False, optimizer=True, hybrid=False
+    )
+    if _megatron.REPLICATED_PARAMETERS:  # raw placements follow the same rules as names
+        assert MegatronFSDPStrategy(sharding_strategy=zero1).placements == zero1
+    else:
+        with pytest.raises(ValueError, match=r"sharding_strategy=Placements\(.*needs .*0\.7"):
+            MegatronFSDPStrategy(sharding_strategy=zero1)
     if _megatron.REPLICATED_PARAMETERS:  # Megatron-LM's and torch's other spellings
         assert resolve_sharding_mode("optim", 1, "S").name == "SHARD_OPTIMIZER"
         assert resolve_sharding_mode("optim_grads", 1, "S").name == "SHARD_GRAD_OP"
