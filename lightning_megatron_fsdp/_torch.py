@@ -32,6 +32,7 @@ from typing_extensions import override
 __all__ = [
     "SYNC_WITHOUT_FD_CALLS_OS_SYNC",
     "OwnWriteLoopWriter",
+    "caching_save_planner",
     "create_file_view",
     "dtensor_with_local",
     "fake_tensor_mode",
@@ -145,6 +146,21 @@ def fake_tensor_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode()
+
+
+# ------------------------------------------------------------------------ DCP planning
+
+
+def caching_save_planner(key: str) -> Any:
+    """DCP's default save planner with its plan caching on, under ``key``: a save whose
+    local plans equal the last successful save's under the same key sends empty plans, and
+    the coordinator reuses its global plan and metadata instead of planning again. ``key``
+    must name the layout (DCP's own key is the planner's class name, one for the process)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    planner._cached_plans_key = key
+    return planner
 
 
 # ------------------------------------------------------------------------- DCP storage

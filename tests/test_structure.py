@@ -122,7 +122,6 @@ PENDING_OFFLINE = {
         "_write_torch",
     },
     "pretrained": {
-        "_OPTIMIZER_PREFIX",
         "_UNREADABLE",
         "_Comm",
         "_Copy",

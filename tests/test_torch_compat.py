@@ -181,6 +181,20 @@ def _plain_save(path: Path) -> None:
     dcp.save({"a": torch.arange(6.0)}, storage_writer=FileSystemWriter(path), no_dist=True)
 
 
+def test_caching_save_planner() -> None:
+    """DCP's plan caching keys its class-level caches by ``_cached_plans_key``."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    shim = "caching_save_planner"
+    planner = _torch.caching_save_planner("our key")
+    assert isinstance(planner, DefaultSavePlanner)
+    assert planner._enable_plan_caching is True, _broken(shim, "enable_plan_caching is gone")
+    source = inspect.getsource(DefaultSavePlanner)
+    assert source.count("self._cached_plans_key") >= 3 and planner._cached_plans_key == "our key", (
+        _broken(shim, "DefaultSavePlanner no longer keys its plan caches by _cached_plans_key")
+    )
+
+
 def test_storage_info_and_metadata_path(tmp_path: Path) -> None:
     _plain_save(tmp_path)
     reader = FileSystemReader(tmp_path)
@@ -341,5 +355,6 @@ def test_this_module_covers_every_private_name_of_the_adapter() -> None:
         "_write_files",
         "_loader",
         "_sync_without_fd_calls_os_sync",
+        "_cached_plans_key",
     }
     assert used <= covered, f"add tests for {sorted(used - covered)} to {__name__}"

@@ -183,12 +183,11 @@ def test_a_replaced_file_system_is_used_and_still_checksummed(
     dcp.save(saved, storage_writer=writer)
     on_disk = {p.name for p in tmp_path.iterdir()}
     assert on_disk == {".metadata", *(n for n in tracking.flushes if n.endswith(".distcp"))}
-    # Each shard flushed before its fsync (and once more when closed), as torch's own
-    # writer does; never once per record.
-    assert tracking.flushes == {
-        ".metadata.tmp": 2,  # torch's writer: flushed, synced, renamed
-        **{n: 2 for n in on_disk if n.endswith(".distcp")},
-    }
+    # Each file flushed a few times (before its fsync, and when closed), never once per
+    # record: the same count for a file of 7 records as for .metadata's one.
+    shards = [n for n in on_disk if n.endswith(".distcp")]
+    assert tracking.flushes[".metadata.tmp"] <= 3, tracking.flushes
+    assert all(tracking.flushes[n] <= 3 for n in shards), tracking.flushes
     written = writer.written_files()
     assert set(written) == on_disk
     for name, file in written.items():

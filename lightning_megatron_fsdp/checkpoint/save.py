@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.storage import StorageWriter
 
+from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.agreement import (
     LOST_PEER_HINT,
     PeerLostError,
@@ -125,6 +126,8 @@ class PendingSave:
     """Rank 0: ``meta.pt``'s bytes."""
     problem: str | None = None
     """A failure of this rank after the agreement, reported in the commit round."""
+    plan_key: str | None = None
+    """Names the agreed layout: DCP reuses its plans across saves of one layout."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +291,7 @@ def begin_save(
     final, token = Path(gathered[0].path), gathered[0].token
     staging = options.store.staging_path(final, token)
     pending = PendingSave(final, staging, token, options, tensors, _FailedWriter(None))
+    pending.plan_key = f"lightning_megatron_fsdp:{ranks.world_size}:{gathered[0].digest}"
     if ranks.rank == 0:
         pending.manifest_fields = fields
         try:
@@ -315,7 +319,12 @@ def write_save(pending: PendingSave, ranks: Ranks) -> Metadata:
             rank's writes have stopped, so rank 0 removes the staging location safely).
     """
     try:
-        return dcp.save(pending.tensors, storage_writer=pending.writer, process_group=ranks.group)
+        return dcp.save(
+            pending.tensors,
+            storage_writer=pending.writer,
+            planner=_torch.caching_save_planner(pending.plan_key or "lightning_megatron_fsdp"),
+            process_group=ranks.group,
+        )
     except (CheckpointException, Exception) as err:
         if ranks.rank == 0:
             pending.options.store.discard(pending.final, pending.token)

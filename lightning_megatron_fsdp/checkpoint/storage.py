@@ -1,48 +1,12 @@
 """DCP storage that checksums records as it writes them and verifies them as it reads them.
 
-Problem: checking a checkpoint's integrity used to cost two extra passes over every byte
-(hash the files after writing; hash them again before loading), and DCP's own reader
-pays a full ``torch.load`` per tensor record (zip parsing and the weights-only
-unpickler, far more than reading a small tensor's bytes) plus a fresh allocation and a
-copy per record.
-
-How: torch's ``FileSystemWriter`` writes each item of a rank's plan as one record of a
-shard file (a ``torch.save`` zip for a tensor, raw bytes for an object); every record
-starts and ends with a ``stream.tell()``.
-
-* :class:`ChecksummingFileSystemWriter` hands DCP a file system whose output streams
-  CRC32C every write as it passes, cut at each ``tell()`` into records, and note where
-  each record's one tensor payload starts (from the zip local header of its
-  ``data/<n>`` entry). The writer puts each record's CRC32C and payload offset on DCP's
-  own storage entry (an extra attribute of ``_StorageInfo``, pickled into ``.metadata``;
-  torch's readers ignore it) and combines the records' CRCs into each file's CRC, which
-  the manifest lists. It also saves a view into a packed buffer through a storage of
-  exactly its size, so DCP does not clone it first. Nothing is read back. Its write loop
-  is torch's (same files, order, threads and fsyncs), except that each tensor record is
-  written by :class:`~lightning_megatron_fsdp.checkpoint.records.TensorRecords`: the bytes
-  ``torch.save`` would write, from a template of its output, without a ``torch.save``
-  per tensor (the per-call cost that made the 98 M GPT's 592 records per rank save at
-  1.4x a single per-rank ``torch.save``; see that module).
-* :class:`VerifyingFileSystemReader` checks ``.metadata`` against the manifest as it
-  reads it; then, for a tensor record with a known payload offset, reads the record with
-  one ``preadv`` straight into the target's memory (or into a buffer of the stored chunk
-  when the target is another shard, dtype or device) and checks its CRC32C over exactly
-  the bytes it read: no ``torch.load``, no extra copy, no second pass. Records without an
-  annotation (written by another writer) are read whole and ``torch.load``\\ ed, after
-  their file's digest is checked before any record is read.
-
-What a load guarantees (see docs/DESIGN.md, "Atomic load"): every check that needs no
-tensor bytes passes on every rank before any rank writes into a target; a record that
-fails its CRC raises :class:`~lightning_megatron_fsdp.checkpoint.format.CheckpointCorruptedError`
-naming the file and key, and :attr:`VerifyingFileSystemReader.progress` says how many of
-the rank's records were already written.
-
-Alternatives rejected:
-    * Hashing whole files after writing and before loading: two extra passes.
-    * Per-record checksums in a sidecar file: more files to list, claim and verify, for
-      data DCP's ``.metadata`` indexes record by record anyway.
-    * ``torch.load(map_location="meta")`` per record to find the payload (as the
-      exporter does): the per-record unpickling this module exists to avoid.
+Checking a checkpoint's integrity must not cost extra passes over every byte, and DCP's own
+reader pays a ``torch.load`` and a copy per record. :class:`ChecksummingFileSystemWriter`
+is torch's writer whose streams CRC32C every record as it goes out and note where its
+tensor payload starts, kept on DCP's own storage entries in ``.metadata``;
+:class:`VerifyingFileSystemReader` reads each annotated record with one ``preadv`` straight
+into its target and checks its CRC32C over exactly those bytes (docs/DESIGN.md, "On-disk
+format", "Atomic load" and "Storage": the mechanism, the guarantees, the alternatives).
 """
 
 from __future__ import annotations
