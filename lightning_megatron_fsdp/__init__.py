@@ -1,5 +1,7 @@
 """Train with NVIDIA Megatron-FSDP in PyTorch Lightning, and checkpoint/resume it bit-exactly."""
 
+# Registers Fabric(strategy="megatron_fsdp") (the Trainer's name is registered by strategy.py).
+from lightning_megatron_fsdp import fabric as _fabric  # noqa: F401
 from lightning_megatron_fsdp.checkpoint_io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.cpu_execution import cpu_execution_enabled, enable_cpu_execution
 from lightning_megatron_fsdp.export import consolidate_checkpoint
