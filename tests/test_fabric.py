@@ -8,12 +8,15 @@ checkpoints. The model is ``tests.models.PackedLM`` (packed shards that defeat c
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from lightning.fabric import Fabric
 from torch import Tensor, nn
+from torch.utils.data import TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_megatron_fsdp import full_tensor
 from lightning_megatron_fsdp.fabric import MegatronFSDPStrategy
@@ -148,3 +151,119 @@ def test_fabric_loop_equals_single_process(
     if clip is not None:
         assert min(reference["norms"]) > clip  # clipping was active
     assert len({r["after"] for r in results}) == 1
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+SAVE_AT = 3  # mid-epoch: each rank has 6 batches per epoch
+TOTAL = 6
+DROPOUT = 0.3
+PROBE = make_batch(123)[0]
+
+
+def _data(world_size: int) -> TensorDataset:
+    batches = [make_batch(1000 + i) for i in range(6 * world_size)]
+    return TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+
+
+def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {}
+    for parameter in (p for g in optimizer.param_groups for p in g["params"]):
+        for key, value in sorted(optimizer.state[parameter].items()):
+            if isinstance(value, Tensor) and value.dim() > 0:
+                state[f"{names[id(parameter)]}.{key}"] = full_tensor(value).float().clone()
+    return state
+
+
+def _checkpointed_run(
+    rank: int, world_size: int, path: str, mode: str, dropout: float = DROPOUT
+) -> dict[str, Any]:
+    """``mode="save"``: train TOTAL steps, saving after SAVE_AT; ``"resume"``: load, go on."""
+    fabric = _fabric(world_size)
+    with fabric.init_module(empty_init=False):
+        model = _build(dropout, seed=0 if mode == "save" else 7)
+    model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=LR))
+    loader = fabric.setup_dataloaders(StatefulDataLoader(_data(world_size), batch_size=2))
+    torch.manual_seed(100 + rank if mode == "save" else 555)  # per-rank streams
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0, "loader": loader}
+    result: dict[str, Any] = {"losses": {}}
+    if mode == "resume":
+        result["remainder"] = fabric.load(path, state)
+        result["loaded"] = _full(model.module)
+        result["loaded_optimizer"] = _optimizer_state(model.module, optimizer.optimizer)
+    iterator = iter(loader)
+    for step in range(state["step"], TOTAL):
+        tokens, targets = next(iterator)
+        loss = _loss(model, tokens, targets)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        result["losses"][step] = loss.item()
+        if mode == "save" and step + 1 == SAVE_AT:
+            state["step"] = step + 1
+            fabric.save(path, {**state, "note": "not requested"})
+            result["saved"] = _full(model.module)
+            result["saved_optimizer"] = _optimizer_state(model.module, optimizer.optimizer)
+    model.eval()
+    result["logits"] = model(PROBE).detach()
+    result["final"] = _full(model.module)
+    return result
+
+
+@pytest.mark.both_versions
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_is_bit_exact_with_dropout_mid_epoch(tmp_path: Path, world_size: int) -> None:
+    """Weights, optimizer state, loader position and each rank's dropout masks resume exactly."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(
+        _checkpointed_run, world_size, path, "save", init_process_group=False, timeout=150
+    )
+    resumed = run_distributed(
+        _checkpointed_run, world_size, path, "resume", init_process_group=False, timeout=150
+    )
+    for before, after in zip(saved, resumed, strict=True):
+        assert after["remainder"] == {"note": "not requested"}
+        for name, value in before["saved"].items():
+            torch.testing.assert_close(after["loaded"][name], value, rtol=0, atol=0)
+        for name, value in before["saved_optimizer"].items():
+            torch.testing.assert_close(after["loaded_optimizer"][name], value, rtol=0, atol=0)
+        assert sorted(after["losses"]) == list(range(SAVE_AT, TOTAL))
+        for step, loss in after["losses"].items():
+            assert loss == before["losses"][step], step
+        torch.testing.assert_close(after["logits"], before["logits"], rtol=0, atol=0)
+        for name, value in before["final"].items():
+            torch.testing.assert_close(after["final"][name], value, rtol=0, atol=0)
+
+
+def _load_only(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    fabric = _fabric(world_size)
+    model = _build(seed=7)
+    model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=LR))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    remainder = fabric.load(path, state, strict=False)
+    return {
+        "step": state["step"],
+        "remainder": remainder,
+        "loaded": _full(model.module),
+        "loaded_optimizer": _optimizer_state(model.module, optimizer.optimizer),
+    }
+
+
+@pytest.mark.both_versions
+@pytest.mark.parametrize(("saved_by", "loaded_by"), [(2, 1), (3, 2)])
+def test_reshard_on_load(tmp_path: Path, saved_by: int, loaded_by: int) -> None:
+    """A checkpoint of N ranks loads at M ranks: weights and optimizer state bit-exact."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(
+        _checkpointed_run, saved_by, path, "save", init_process_group=False, timeout=150
+    )[0]
+    for result in run_distributed(_load_only, loaded_by, path, init_process_group=False):
+        assert result["step"] == SAVE_AT
+        assert set(result["remainder"]) == {"loader", "note"}  # not requested: returned
+        assert set(result["loaded"]) == set(saved["saved"])
+        for name, value in saved["saved"].items():
+            torch.testing.assert_close(result["loaded"][name], value, rtol=0, atol=0)
+        assert set(result["loaded_optimizer"]) == set(saved["saved_optimizer"])
+        for name, value in saved["saved_optimizer"].items():
+            torch.testing.assert_close(result["loaded_optimizer"][name], value, rtol=0, atol=0)
