@@ -11,16 +11,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric import Fabric
 from torch import Tensor, nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_megatron_fsdp import full_tensor
 from lightning_megatron_fsdp.fabric import MegatronFSDPStrategy
-from tests.harness import run_distributed
+from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock, PackedLM, build_packed_lm, make_batch
 
 LR = 0.05
@@ -53,6 +54,7 @@ def _loss(model: nn.Module, tokens: Tensor, targets: Tensor) -> Tensor:
 
 
 def _fabric(world_size: int, precision: str = "32-true", **options: Any) -> Fabric:
+    options.setdefault("timeout", PROCESS_GROUP_TIMEOUT)
     strategy = MegatronFSDPStrategy(auto_wrap_policy={PackedBlock}, **options)
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision=precision)
     fabric.launch()
@@ -267,3 +269,134 @@ def test_reshard_on_load(tmp_path: Path, saved_by: int, loaded_by: int) -> None:
         assert set(result["loaded_optimizer"]) == set(saved["saved_optimizer"])
         for name, value in saved["saved_optimizer"].items():
             torch.testing.assert_close(result["loaded_optimizer"][name], value, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------- Trainer <-> Fabric
+
+
+class LitLM(pl.LightningModule):
+    """The same model for both: ``self.model`` (FQNs ``model.*``), Adam, one loss."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.model = _build(seed=seed)
+        self.seen: dict[str, Any] = {}
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.model(tokens)
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        return _loss(self, *batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=LR)
+
+    def on_train_start(self) -> None:  # what the resume loaded, before any step
+        self.seen["loaded"] = _full(self)
+        optimizer = self.optimizers().optimizer
+        self.seen["loaded_optimizer"] = _optimizer_state(self, optimizer)
+
+
+def _fabric_saves(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    fabric = _fabric(world_size)
+    module = LitLM()
+    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=LR))
+    for step in range(2):
+        fabric.backward(_loss(model, *_rank_batch(step, rank, world_size)))
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 2})
+    return {
+        "saved": _full(module),
+        "saved_optimizer": _optimizer_state(module, optimizer.optimizer),
+    }
+
+
+def _trainer_resumes_and_saves(rank: int, world_size: int, path: str, out: str) -> dict[str, Any]:
+    from lightning_megatron_fsdp import MegatronFSDPStrategy as TrainerStrategy
+
+    module = LitLM(seed=7)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=TrainerStrategy(auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = DataLoader(_data(world_size), batch_size=2)
+    trainer.fit(module, data, ckpt_path=path)
+    trainer.save_checkpoint(out)
+    return {
+        **module.seen,
+        "final": _full(module),
+        "final_optimizer": _optimizer_state(module, trainer.optimizers[0]),
+    }
+
+
+def _fabric_loads_trainer(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    fabric = _fabric(world_size)
+    module = LitLM(seed=3)
+    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=LR))
+    remainder = fabric.load(path, {"model": model, "optimizer": optimizer})
+    return {
+        "remainder": sorted(remainder),
+        "global_step": remainder["global_step"],
+        "loaded": _full(module),
+        "loaded_optimizer": _optimizer_state(module, optimizer.optimizer),
+    }
+
+
+def _assert_equal(actual: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
+    assert set(actual) == set(expected) and expected
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=0, atol=0)
+
+
+@pytest.mark.both_versions
+def test_fabric_and_trainer_checkpoints_load_both_ways(tmp_path: Path) -> None:
+    """Fabric save -> Trainer ``fit(ckpt_path=...)`` -> Trainer save -> ``fabric.load``."""
+    fabric_ckpt, trainer_ckpt = str(tmp_path / "fabric"), str(tmp_path / "trainer")
+    saved = run_distributed(_fabric_saves, 2, fabric_ckpt, init_process_group=False)[0]
+    trained = run_distributed(
+        _trainer_resumes_and_saves, 2, fabric_ckpt, trainer_ckpt, init_process_group=False
+    )[0]
+    _assert_equal(trained["loaded"], saved["saved"])
+    _assert_equal(trained["loaded_optimizer"], saved["saved_optimizer"])
+    for result in run_distributed(_fabric_loads_trainer, 3, trainer_ckpt, init_process_group=False):
+        assert result["global_step"] == 2
+        assert {"epoch", "loops", "lr_schedulers", "pytorch-lightning_version"} <= set(
+            result["remainder"]
+        )
+        _assert_equal(result["loaded"], trained["final"])
+        _assert_equal(result["loaded_optimizer"], trained["final_optimizer"])
+
+
+def _load_raw(rank: int, world_size: int, path: str) -> dict[str, Tensor]:
+    fabric = _fabric(world_size)
+    module = LitLM(seed=9)
+    model = fabric.setup_module(module)
+    fabric.load_raw(path, model)
+    return _full(module)
+
+
+def test_offline_tools_and_load_raw_on_a_fabric_checkpoint(tmp_path: Path) -> None:
+    """``inspect --verify``, ``consolidate``, ``export-lightning`` read a Fabric checkpoint;
+    the consolidated file goes back in with ``fabric.load_raw`` at another world size."""
+    from lightning_megatron_fsdp.cli import main
+
+    path = tmp_path / "fabric"
+    saved = run_distributed(_fabric_saves, 2, str(path), init_process_group=False)[0]
+    assert main(["inspect", "--verify", str(path)]) == 0
+    full = tmp_path / "full.pt"
+    assert main(["consolidate", str(path), str(full)]) == 0
+    weights = torch.load(full, weights_only=True)
+    _assert_equal({k: v.float() for k, v in weights.items()}, saved["saved"])
+    exported = tmp_path / "model.ckpt"
+    assert main(["export-lightning", str(path), str(exported)]) == 0
+    restored = LitLM.load_from_checkpoint(exported, seed=5)
+    _assert_equal(dict(restored.named_parameters(remove_duplicate=False)), saved["saved"])
+    for result in run_distributed(_load_raw, 3, str(full), init_process_group=False):
+        _assert_equal(result, saved["saved"])
