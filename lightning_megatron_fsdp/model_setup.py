@@ -38,6 +38,7 @@ from lightning_megatron_fsdp.sharding import (
     AutoWrapPolicy,
     check_fully_sharded,
     check_no_foreign_sharding,
+    materialize_outside_units,
     plan_units,
     shard_unit,
     sharding_scope,
@@ -136,6 +137,7 @@ class ModelSharder:
             self.close(err)
             raise
         self.close(None)
+        materialize_outside_units(model, device, self._where)
         move_unsharded_state(model, device)
         check_fully_sharded(model, self._where)
 

@@ -325,9 +325,9 @@ class MegatronFSDPStrategy(ParallelStrategy):
         """Move an unsharded, materialised module to the device; otherwise only what
         sharding does not own (buffers, torchmetrics states): ``module.to`` would re-create
         sharded parameters, and meta tensors are materialised unit by unit."""
-        sharded = any(isinstance(m, FsdpModule) for m in module.modules())
-        meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
-        if sharded or meta:
+        if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            return  # setup_module materialises it on the device
+        if any(isinstance(m, FsdpModule) for m in module.modules()):
             move_unsharded_state(module, self.root_device)
         else:
             module.to(self.root_device)
