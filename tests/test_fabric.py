@@ -16,7 +16,7 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_megatron_fsdp import full_tensor
@@ -400,3 +400,93 @@ def test_offline_tools_and_load_raw_on_a_fabric_checkpoint(tmp_path: Path) -> No
     _assert_equal(dict(restored.named_parameters(remove_duplicate=False)), saved["saved"])
     for result in run_distributed(_load_raw, 3, str(full), init_process_group=False):
         _assert_equal(result, saved["saved"])
+
+
+# ---------------------------------------------------------------------- precision
+
+
+def _fabric_precision(rank: int, world_size: int, precision: str) -> dict[str, Any]:
+    fabric = _fabric(world_size, precision=precision)
+    module = LitLM()
+    model = fabric.setup_module(module)
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=LR))
+    loader = fabric.setup_dataloaders(_rank_loader(rank, world_size), use_distributed_sampler=False)
+    losses = []
+    for step, (tokens, targets) in enumerate(loader):
+        if step == 3:
+            break
+        loss = _loss(model, tokens, targets)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return _precision_facts(module, optimizer.optimizer, losses)
+
+
+def _rank_loader(rank: int, world_size: int) -> DataLoader:
+    data = _data(world_size)
+    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=False)
+    return DataLoader(data, batch_size=2, sampler=sampler)
+
+
+def _precision_facts(
+    module: nn.Module, optimizer: torch.optim.Optimizer, losses: list[float]
+) -> dict[str, Any]:
+    parameter = module.model.blocks[0].fc.weight
+    return {
+        "losses": losses,
+        "full": _full(module),
+        "main_dtype": str(parameter._local_tensor.dtype),
+        "state_dtypes": sorted(
+            {str(v.dtype) for s in optimizer.state.values() for v in s.values() if v.dim()}
+        ),
+        "logits_dtype": str(module(PROBE).dtype),
+    }
+
+
+class _Record(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, module: Any, outputs: Any, *args: Any
+    ) -> None:
+        self.losses.append(outputs["loss"].item())
+
+
+def _trainer_precision(rank: int, world_size: int, precision: str) -> dict[str, Any]:
+    from lightning_megatron_fsdp import MegatronFSDPStrategy as TrainerStrategy
+
+    module, record = LitLM(), _Record()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=TrainerStrategy(auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT),
+        precision=precision,
+        max_steps=3,
+        callbacks=[record],
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, _rank_loader(rank, world_size))
+    with trainer.strategy.precision_plugin.forward_context():
+        return _precision_facts(module, trainer.optimizers[0], record.losses)
+
+
+@pytest.mark.both_versions
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true", "16-true", "bf16-mixed"])
+def test_precisions_train_as_under_the_trainer(precision: str) -> None:
+    """Each flag means what it means in the Trainer table: the same losses and weights as
+    the Trainer strategy's fit, bit for bit; fp32 main weights and optimizer state."""
+    fabric = run_distributed(_fabric_precision, 2, precision, init_process_group=False)
+    trainer = run_distributed(_trainer_precision, 2, precision, init_process_group=False)
+    for mine, theirs in zip(fabric, trainer, strict=True):
+        assert mine["losses"] == theirs["losses"]
+        _assert_equal(mine["full"], theirs["full"])
+        assert mine["main_dtype"] == "torch.float32"
+        assert mine["state_dtypes"] == ["torch.float32"]
+        compute = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
+        assert mine["logits_dtype"] == compute.get(precision, "torch.float32")
