@@ -8,6 +8,7 @@ checkpoints. The model is ``tests.models.PackedLM`` (packed shards that defeat c
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+import lightning_megatron_fsdp
 from lightning_megatron_fsdp import full_tensor
 from lightning_megatron_fsdp.fabric import MegatronFSDPStrategy
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
@@ -76,8 +78,15 @@ def _rank_batch(step: int, rank: int, world_size: int) -> tuple[Tensor, Tensor]:
 # ---------------------------------------------------------------------- the loop
 
 
-def _train(rank: int, world_size: int, setup: str, accumulate: int, clip: float | None) -> Any:
-    fabric = _fabric(world_size)
+def _train(
+    rank: int,
+    world_size: int,
+    setup: str,
+    accumulate: int,
+    clip: float | None,
+    mesh: tuple[int, int] | None = None,
+) -> Any:
+    fabric = _fabric(world_size, device_mesh=mesh)
     model = _build()
     if setup == "joint":  # optimizer built before sharding, re-pointed by setup
         optimizer = torch.optim.Adam(model.parameters(), lr=LR)
@@ -85,13 +94,15 @@ def _train(rank: int, world_size: int, setup: str, accumulate: int, clip: float 
     else:
         model = fabric.setup_module(model)
         optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=LR))
-    losses, norms = [], []
+    losses, norms, placements = [], [], []
+    probe = model.module.blocks[0].fc.weight
     for step in range(STEPS):
         for micro in range(accumulate):
             tokens, targets = _rank_batch(step * accumulate + micro, rank, world_size)
             with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
                 loss = _loss(model, tokens, targets)
                 fabric.backward(loss / accumulate)
+            placements.append(str(probe.grad.placements))
             losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
         if clip is not None:
             norms.append(fabric.clip_gradients(model, optimizer, max_norm=clip).item())
@@ -102,6 +113,7 @@ def _train(rank: int, world_size: int, setup: str, accumulate: int, clip: float 
     return {
         "losses": losses,
         "norms": norms,
+        "placements": placements,
         "full": _full(model.module),
         "gathered": gathered.flatten().tolist(),
         "after": _loss(model, *make_batch(99)).item(),  # usable after the loop
@@ -132,15 +144,25 @@ def _reference(world_size: int, accumulate: int, clip: float | None) -> dict[str
 
 @pytest.mark.both_versions
 @pytest.mark.parametrize(
-    ("world_size", "setup", "accumulate", "clip"),
-    [(1, "joint", 1, None), (2, "split", 1, None), (3, "joint", 2, 0.05), (2, "joint", 2, 0.05)],
+    ("world_size", "setup", "accumulate", "clip", "mesh"),
+    [
+        (1, "joint", 1, None, None),
+        (2, "split", 1, None, None),
+        (3, "joint", 2, 0.05, None),
+        (2, "joint", 2, 0.05, None),
+        (4, "split", 2, 0.05, (2, 2)),
+    ],
 )
 def test_fabric_loop_equals_single_process(
-    world_size: int, setup: str, accumulate: int, clip: float | None
+    world_size: int, setup: str, accumulate: int, clip: float | None, mesh: tuple[int, int] | None
 ) -> None:
-    """Losses, clipped norms and final weights equal one process training on the whole batch."""
+    """Losses, clipped norms and final weights equal one process training on the whole batch.
+
+    Under HSDP only the last micro-batch all-reduces across replicas (``no_backward_sync``):
+    the gradients of the others are still ``Partial``.
+    """
     results = run_distributed(
-        _train, world_size, setup, accumulate, clip, init_process_group=False, timeout=150
+        _train, world_size, setup, accumulate, clip, mesh, init_process_group=False, timeout=150
     )
     reference = _reference(world_size, accumulate, clip)
     for result in results:
@@ -150,6 +172,11 @@ def test_fabric_loop_equals_single_process(
         assert set(result["full"]) == set(reference["full"])
         for name, value in reference["full"].items():
             torch.testing.assert_close(result["full"][name], value, rtol=0, atol=1e-5)
+        if mesh is None:
+            assert set(result["placements"]) == {"(Shard(dim=0),)"}
+        else:
+            partial, final = "(Partial(avg), Shard(dim=0))", "(Replicate(), Shard(dim=0))"
+            assert result["placements"] == [partial, final] * STEPS
     if clip is not None:
         assert min(reference["norms"]) > clip  # clipping was active
     assert len({r["after"] for r in results}) == 1
@@ -243,8 +270,11 @@ def _load_only(rank: int, world_size: int, path: str) -> dict[str, Any]:
     model = _build(seed=7)
     model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=LR))
     state = {"model": model, "optimizer": optimizer, "step": 0}
-    remainder = fabric.load(path, state, strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        remainder = fabric.load(path, state, strict=False)
     return {
+        "warnings": [str(w.message) for w in caught if "random streams" in str(w.message)],
         "step": state["step"],
         "remainder": remainder,
         "loaded": _full(model.module),
@@ -260,7 +290,10 @@ def test_reshard_on_load(tmp_path: Path, saved_by: int, loaded_by: int) -> None:
     saved = run_distributed(
         _checkpointed_run, saved_by, path, "save", init_process_group=False, timeout=150
     )[0]
-    for result in run_distributed(_load_only, loaded_by, path, init_process_group=False):
+    results = run_distributed(_load_only, loaded_by, path, init_process_group=False)
+    (warning,) = results[0]["warnings"]  # rank 0 says once which streams were not restored
+    assert f"saved by {saved_by} ranks and this run has {loaded_by}" in warning
+    for result in results:
         assert result["step"] == SAVE_AT
         assert set(result["remainder"]) == {"loader", "note"}  # not requested: returned
         assert set(result["loaded"]) == set(saved["saved"])
@@ -331,6 +364,7 @@ def _trainer_resumes_and_saves(rank: int, world_size: int, path: str, out: str) 
     trainer.save_checkpoint(out)
     return {
         **module.seen,
+        "global_step": trainer.global_step,
         "final": _full(module),
         "final_optimizer": _optimizer_state(module, trainer.optimizers[0]),
     }
@@ -363,6 +397,7 @@ def test_fabric_and_trainer_checkpoints_load_both_ways(tmp_path: Path) -> None:
     trained = run_distributed(
         _trainer_resumes_and_saves, 2, fabric_ckpt, trainer_ckpt, init_process_group=False
     )[0]
+    assert trained["global_step"] == 2  # Lightning's loops started from zero
     _assert_equal(trained["loaded"], saved["saved"])
     _assert_equal(trained["loaded_optimizer"], saved["saved_optimizer"])
     for result in run_distributed(_fabric_loads_trainer, 3, trainer_ckpt, init_process_group=False):
@@ -374,12 +409,15 @@ def test_fabric_and_trainer_checkpoints_load_both_ways(tmp_path: Path) -> None:
         _assert_equal(result["loaded_optimizer"], trained["final_optimizer"])
 
 
-def _load_raw(rank: int, world_size: int, path: str) -> dict[str, Tensor]:
+def _load_raw(rank: int, world_size: int, paths: list[str]) -> list[dict[str, Tensor]]:
     fabric = _fabric(world_size)
-    module = LitLM(seed=9)
-    model = fabric.setup_module(module)
-    fabric.load_raw(path, model)
-    return _full(module)
+    loaded = []
+    for path in paths:
+        module = LitLM(seed=9)
+        model = fabric.setup_module(module)
+        fabric.load_raw(path, model)
+        loaded.append(_full(module))
+    return loaded
 
 
 def test_offline_tools_and_load_raw_on_a_fabric_checkpoint(tmp_path: Path) -> None:
@@ -398,8 +436,12 @@ def test_offline_tools_and_load_raw_on_a_fabric_checkpoint(tmp_path: Path) -> No
     assert main(["export-lightning", str(path), str(exported)]) == 0
     restored = LitLM.load_from_checkpoint(exported, seed=5)
     _assert_equal(dict(restored.named_parameters(remove_duplicate=False)), saved["saved"])
-    for result in run_distributed(_load_raw, 3, str(full), init_process_group=False):
-        _assert_equal(result, saved["saved"])
+    safetensors = tmp_path / "full.safetensors"
+    assert main(["consolidate", str(path), str(safetensors)]) == 0
+    files = [str(full), str(safetensors), str(exported)]
+    for result in run_distributed(_load_raw, 3, files, init_process_group=False):
+        for loaded in result:  # .pt, .safetensors, Lightning .ckpt
+            _assert_equal(loaded, saved["saved"])
 
 
 # ---------------------------------------------------------------------- precision
@@ -490,3 +532,65 @@ def test_precisions_train_as_under_the_trainer(precision: str) -> None:
         assert mine["state_dtypes"] == ["torch.float32"]
         compute = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
         assert mine["logits_dtype"] == compute.get(precision, "torch.float32")
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def _bad_inputs(rank: int, world_size: int, path: str) -> dict[str, str | None]:
+    fabric = _fabric(world_size)
+    module = LitLM()
+    model, _ = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=LR))
+    calls = {
+        "filter": lambda: fabric.save(path, {"model": model}, filter={"model": lambda k, v: True}),
+        "no model": lambda: fabric.save(path, {"step": 1}),
+        "reserved key": lambda: fabric.save(path, {"model": model, "state_dict": {}}),
+        "no state": lambda: fabric.load(path),
+        "foreign optimizer": lambda: fabric.setup_optimizers(
+            torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0)
+        ),
+        "stepped optimizer": lambda: _setup_stepped(fabric),
+    }
+    errors: dict[str, str | None] = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as err:
+            errors[name] = f"{type(err).__name__}: {err}"
+    return errors
+
+
+def _setup_stepped(fabric: Fabric) -> None:
+    module = LitLM()
+    optimizer = torch.optim.Adam(module.parameters(), lr=LR)
+    _loss(module, *make_batch(0)).backward()
+    optimizer.step()
+    fabric.setup(module, optimizer)
+
+
+def test_bad_input_raises_one_clear_error_on_every_rank(tmp_path: Path) -> None:
+    results = run_distributed(_bad_inputs, 2, str(tmp_path / "ckpt"), init_process_group=False)
+    assert results[0] == results[1]
+    errors = results[0]
+    assert errors["filter"].startswith("ValueError:") and "filter=" in errors["filter"]
+    assert (
+        errors["no model"].startswith("ValueError:") and "exactly one module" in errors["no model"]
+    )
+    assert "'state_dict' is used by the checkpoint format" in errors["reserved key"]
+    assert errors["no state"].startswith("ValueError:") and "needs a state" in errors["no state"]
+    assert errors["foreign optimizer"].startswith("ValueError:")
+    assert "not a Megatron-FSDP sharded parameter" in errors["foreign optimizer"]
+    assert "has state already" in errors["stepped optimizer"]
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(ValueError, match="precision='64-true' is not supported"):
+        Fabric(accelerator="cpu", devices=1, strategy=MegatronFSDPStrategy(), precision="64-true")
+    with pytest.raises(TypeError, match="auto_wrap_policy must"):
+        MegatronFSDPStrategy(auto_wrap_policy="Block")  # type: ignore[arg-type]
+
+
+def test_registered_as_megatron_fsdp() -> None:
+    fabric = Fabric(accelerator="cpu", devices=1, strategy="megatron_fsdp", precision="bf16-true")
+    assert type(fabric.strategy) is MegatronFSDPStrategy
+    assert lightning_megatron_fsdp.fabric.MegatronFSDPStrategy is MegatronFSDPStrategy
+    assert fabric.strategy.precision.compute_dtype == torch.bfloat16

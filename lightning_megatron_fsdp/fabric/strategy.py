@@ -593,7 +593,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         fabric_state = split_state(state, _STRATEGY, "fabric.load")
         model = fabric_state.model
         record, saved_count = Ranks.of().broadcast_from_first(
-            _peek(target) if self.is_global_zero else None
+            _peek(target, weights_only) if self.is_global_zero else None
         )
         optimizers = saved_optimizer_order(record, fabric_state, saved_count, target, _STRATEGY)
         try:
@@ -652,16 +652,17 @@ class _MicrobatchControl(_BackwardSyncControl):
         return contextlib.nullcontext()
 
 
-def _peek(path: str) -> tuple[dict[str, Any], int | None]:
+def _peek(path: str, weights_only: bool | None) -> tuple[dict[str, Any], int | None]:
     """Rank 0: the saved Fabric keys (``meta.pt``) and optimizer count (manifest), if readable.
 
-    An unreadable or aside checkpoint gives nothing here; the load that follows explains it.
+    An unreadable or aside checkpoint gives nothing here (optimizers are then matched by
+    position); the load that follows explains what is wrong with it.
     """
     from pathlib import Path
 
     try:
         count: int | None = len(read_manifest(path).optimizer_fingerprints)
-        meta = torch.load(Path(path, META_FILE), map_location="cpu", weights_only=False)
+        meta = torch.load(Path(path, META_FILE), map_location="cpu", weights_only=weights_only)
     except Exception:
         return {}, None
     from lightning_megatron_fsdp.fabric.checkpoint_state import FABRIC_KEYS
