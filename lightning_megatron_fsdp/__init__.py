@@ -2,7 +2,16 @@
 
 # Registers Fabric(strategy="megatron_fsdp") (the Trainer's name is registered by strategy.py).
 from lightning_megatron_fsdp import fabric as _fabric  # noqa: F401
-from lightning_megatron_fsdp.checkpoint_io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.checkpoint.commit import interrupted_saves, resolve_latest_checkpoint
+from lightning_megatron_fsdp.checkpoint.errors import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    NotACheckpointError,
+)
+from lightning_megatron_fsdp.checkpoint.format import is_complete_checkpoint, read_manifest
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.cpu_execution import cpu_execution_enabled, enable_cpu_execution
 from lightning_megatron_fsdp.export import consolidate_checkpoint
 from lightning_megatron_fsdp.gather import full_tensor, grad_norm
@@ -15,17 +24,6 @@ from lightning_megatron_fsdp.inspection import (
 from lightning_megatron_fsdp.lightning_checkpoint import (
     export_lightning_checkpoint,
     load_lightning_module,
-)
-from lightning_megatron_fsdp.manifest import (
-    CheckpointCorruptedError,
-    CheckpointError,
-    CheckpointMismatchError,
-    CheckpointSaveError,
-    NotACheckpointError,
-    interrupted_saves,
-    is_complete_checkpoint,
-    read_manifest,
-    resolve_latest_checkpoint,
 )
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
 from lightning_megatron_fsdp.precision import (
@@ -45,6 +43,7 @@ from lightning_megatron_fsdp.sharding import (
     shard_module,
     sharding_scope,
 )
+from lightning_megatron_fsdp.sharding_modes import ShardingMode
 from lightning_megatron_fsdp.strategy import MegatronFSDPStrategy
 from lightning_megatron_fsdp.uneven_dtensor import (
     attach_uneven_dtensor_metadata,
@@ -65,6 +64,7 @@ __all__ = [
     "MegatronFSDPStrategy",
     "NotACheckpointError",
     "PretrainedWeights",
+    "ShardingMode",
     "TensorInfo",
     "attach_uneven_dtensor_metadata",
     "chunk_metadata_by_fqn",

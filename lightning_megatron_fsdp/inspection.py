@@ -28,14 +28,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from lightning_megatron_fsdp.manifest import (
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
+from lightning_megatron_fsdp.checkpoint.format import (
     DCP_METADATA_FILE,
     FORMAT_NAME,
     MANIFEST_FILE,
     META_FILE,
-    CheckpointCorruptedError,
+    MODEL_PREFIX,
+    OPTIMIZER_PREFIX,
     Manifest,
-    NotACheckpointError,
     TensorSpec,
     check_files,
     read_manifest,
@@ -52,12 +53,6 @@ __all__ = [
     "inspect_checkpoint",
     "verify_checkpoint",
 ]
-
-MODEL_PREFIX = "state_dict."
-
-
-OPTIMIZER_PREFIX = "optimizer_states."
-
 
 # Problems of one kind in one file are summarised after this many, so a truncated shard
 # of a large model yields a readable report rather than one line per chunk.

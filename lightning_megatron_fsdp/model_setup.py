@@ -20,24 +20,24 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.device_dtype_mixin import _update_properties
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _init_dist_connection,
-)
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_megatron_fsdp import _lightning, _torch
 from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointSaveError
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.checkpoint.save import PerRank
 from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
+from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY, rng_states_of
 from lightning_megatron_fsdp.interpreter_exit import register_exit_hook
-from lightning_megatron_fsdp.manifest import CheckpointSaveError
 from lightning_megatron_fsdp.sharding import (
     AutoWrapPolicy,
     check_fully_sharded,
     check_no_foreign_sharding,
+    check_placements,
     materialize_outside_units,
     plan_units,
     shard_unit,
@@ -69,8 +69,8 @@ def join_process_group(
     kwargs: dict[str, Any] = {"timeout": timeout}
     if root_device.type != "cpu":
         kwargs["device_id"] = root_device
-    if not _distributed_is_initialized():
-        _init_dist_connection(cluster_environment, backend, **kwargs)
+    if not _lightning.distributed_is_initialized():
+        _lightning.init_dist_connection(cluster_environment, backend, **kwargs)
     register_exit_hook()
     if root_device.type != "cuda":
         enable_cpu_execution()
@@ -121,12 +121,13 @@ class ModelSharder:
         policy: AutoWrapPolicy | None,
         shard: Callable[[nn.Module], None],
         device: torch.device,
+        placements: Placements,
     ) -> None:
         """Shard ``model`` bottom-up (:func:`~lightning_megatron_fsdp.sharding.plan_units`).
 
         ``shard`` shards one unit (the strategy's, which knows mesh and precision); units
-        the user already sharded are left alone. The context is finalised (or abandoned
-        on error) before returning.
+        the user already sharded are left alone (they must have ``placements``). The
+        context is finalised (or abandoned on error) before returning.
         """
         check_no_foreign_sharding(model, self._where)
         try:
@@ -140,6 +141,7 @@ class ModelSharder:
         materialize_outside_units(model, device, self._where)
         move_unsharded_state(model, device)
         check_fully_sharded(model, self._where)
+        check_placements(model, placements, self._where)
 
     def close(self, error: BaseException | None) -> None:
         """Finalise the sharding context (or abandon it after ``error``)."""
@@ -160,51 +162,71 @@ def move_unsharded_state(model: nn.Module, device: torch.device) -> None:
         if isinstance(module, Metric):
             module.to(device)
             continue
-        for name, buffer in module._buffers.items():
+        buffers = _torch.own_buffers(module)
+        for name, buffer in buffers.items():
             if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
-    _update_properties(model, device=device)
+                buffers[name] = buffer.to(device)
+    _lightning.update_properties(model, device=device)
 
 
 def save_sharded_checkpoint(
     io: CheckpointIO,
     checkpoint: dict[str, Any],
-    path: str,
+    filepath: Any,
     model: nn.Module,
+    rng_states: Any,
     *,
     where: str,
     storage_options: Any | None = None,
     commit: bool = False,
 ) -> None:
-    """Attach each packed shard's true chunk to ``checkpoint``, then save it. Collective.
+    """Save ``checkpoint`` with each packed shard's true chunk attached. Collective.
 
     ``checkpoint`` is Lightning's checkpoint dict: ``"state_dict"`` (FQN-keyed, from
     ``get_model_state_dict``), ``"optimizer_states"`` (FQN-keyed, from
-    ``get_optimizer_state_dict``) and the picklable rest. Attaching is rank-local and can
-    fail on one rank alone (a rank whose state differs), so the ranks agree on its outcome
-    before the IO's first collective. With ``commit`` the IO's teardown runs after the
-    save, so an async save is committed when the call returns (nothing later waits for it).
+    ``get_optimizer_state_dict``) and the picklable rest; ``rng_states`` is this rank's
+    random streams, gathered into rank 0's ``meta.pt``. The path is rank 0's. Attaching is
+    rank-local and can fail on one rank alone, so the ranks agree on its outcome before
+    the IO's first collective. With ``commit`` the IO's teardown runs after the save, so an
+    async save is committed when the call returns (nothing later waits for it).
 
     Raises:
         CheckpointSaveError: On every rank if any rank fails (naming the failing rank and
-            its error).
+            its error); nothing is written.
     """
-    error: Exception | None = None
-    try:
+
+    def attach() -> None:
         attach_uneven_dtensor_metadata(model, checkpoint.get("state_dict", {}), {})
         for optimizer_state in checkpoint.get("optimizer_states", []):
             attach_uneven_dtensor_metadata(model, {}, optimizer_state)
-    except Exception as err:
-        error = err
-    Ranks.of().raise_together(
-        f"{where}: saving checkpoint {path} (attaching chunk metadata)",
-        error,
-        CheckpointSaveError,
-        consequence="nothing was written",
-    )
+
+    # Every rank's random streams, in rank 0's meta.pt: gathered by the save's first round.
+    checkpoint[RNG_STATES_KEY] = PerRank(rng_states, combine=rng_states_of)
     try:
-        io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        if isinstance(io, MegatronFSDPCheckpointIO):
+            # One round agrees on the path, the attached metadata and the layout.
+            io.save_checkpoint(checkpoint, filepath, storage_options, prepare=attach)
+        else:  # a wrapper or another plugin: the same steps, a round each
+            ranks = Ranks.of()
+            path = ranks.broadcast_from_first(str(filepath))
+            checkpoint[RNG_STATES_KEY] = rng_states_of(
+                ranks.all_gather(checkpoint[RNG_STATES_KEY].value)
+            )
+            error: Exception | None = None
+            try:
+                attach()
+            except Exception as err:
+                error = err
+            ranks.raise_together(
+                f"{where}: saving checkpoint {path} (attaching chunk metadata)",
+                error,
+                CheckpointSaveError,
+                consequence="nothing was written",
+            )
+            io.save_checkpoint(checkpoint, path, storage_options=storage_options)
         if commit:
             io.teardown()
     except CheckpointException as err:  # a BaseException: never let it escape as is
-        raise CheckpointSaveError(f"{where}: " + dcp_failure_message("Saving", path, err)) from err
+        raise CheckpointSaveError(
+            f"{where}: " + dcp_failure_message("Saving", filepath, err)
+        ) from err

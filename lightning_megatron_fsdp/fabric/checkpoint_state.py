@@ -22,14 +22,12 @@ from __future__ import annotations
 from typing import Any
 
 import lightning
-from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
-from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp import _lightning, _megatron
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointMismatchError
 from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY
-from lightning_megatron_fsdp.manifest import CheckpointMismatchError
 
 __all__ = [
     "FABRIC_KEYS",
@@ -110,7 +108,7 @@ def to_checkpoint(
     ``state_dict()``, everything else as it is (pickled into ``meta.pt``).
     """
     checkpoint: dict[str, Any] = {
-        key: value.state_dict() if isinstance(value, _Stateful) else value
+        key: value.state_dict() if isinstance(value, _lightning.Stateful) else value
         for key, value in state.rest.items()
     }
     added = [key for key in _TRAINER_KEYS if key not in checkpoint]
@@ -177,13 +175,13 @@ def restore_rest(
     hidden = set(_RESERVED) | set(record.get("added", []))
     remainder = {k: v for k, v in meta.items() if k not in hidden}
     requested = list(fabric_state.rest)
-    _validate_keys_for_strict_loading(requested, remainder.keys(), strict=strict)
+    _lightning.validate_keys_for_strict_loading(requested, remainder.keys(), strict=strict)
     for key in requested:
         if key not in remainder:
             continue
         value = remainder.pop(key)
         target = state[key]
-        if isinstance(target, _Stateful):
+        if isinstance(target, _lightning.Stateful):
             target.load_state_dict(value)
         else:
             state[key] = value

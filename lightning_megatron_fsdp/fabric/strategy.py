@@ -9,7 +9,7 @@ strategy speaks the Trainer's contract, not Fabric's.
 How: a thin Fabric ``ParallelStrategy`` over the same machinery as the Trainer strategy:
 the process group and unit sharding of :mod:`~lightning_megatron_fsdp.model_setup`, the
 precision flags of :mod:`~lightning_megatron_fsdp.precision`, shard-aware clipping, and
-the checkpoint IO with its loader (:func:`~lightning_megatron_fsdp.restore.
+the checkpoint IO with its loader (:func:`~lightning_megatron_fsdp.checkpoint.load.
 load_into_sharded_model`). Fabric's state dict is mapped onto the Trainer's checkpoint
 dict (:mod:`.checkpoint_state`), so both strategies and the offline tools read one
 format. Each rank's random streams are saved as the Trainer strategy saves them and put
@@ -37,20 +37,12 @@ import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
-from lightning.fabric.utilities.distributed import (
-    ReduceOp,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.strategies.strategy import TBroadcast
+from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -58,10 +50,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp import _lightning, _megatron
 from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
-from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY, ExactResume
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
+from lightning_megatron_fsdp.checkpoint.format import META_FILE, read_manifest
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.checkpoint.load import load_into_sharded_model
+from lightning_megatron_fsdp.exact_resume import ExactResume
 from lightning_megatron_fsdp.fabric.checkpoint_state import (
     restore_rest,
     saved_optimizer_order,
@@ -73,7 +69,6 @@ from lightning_megatron_fsdp.fabric.precision import (
     to_fabric_precision,
 )
 from lightning_megatron_fsdp.gather import bind_full_tensor
-from lightning_megatron_fsdp.manifest import META_FILE, CheckpointError, read_manifest
 from lightning_megatron_fsdp.mesh import (
     MeshRequest,
     build_device_mesh,
@@ -93,7 +88,6 @@ from lightning_megatron_fsdp.precision import (
     reject_closure_optimizer,
 )
 from lightning_megatron_fsdp.pretrained import load_full_weights
-from lightning_megatron_fsdp.restore import load_into_sharded_model
 from lightning_megatron_fsdp.sharding import (
     AutoWrapPolicy,
     fsdp_placements,
@@ -253,8 +247,6 @@ class MegatronFSDPStrategy(ParallelStrategy):
     @override
     def checkpoint_io(self) -> CheckpointIO:
         if self._checkpoint_io is None:
-            from lightning_megatron_fsdp.checkpoint_io import MegatronFSDPCheckpointIO
-
             self._checkpoint_io = MegatronFSDPCheckpointIO()
         return self._checkpoint_io
 
@@ -269,7 +261,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
+            self._launcher = _lightning.FabricSubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
 
@@ -284,7 +276,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         reset_seed()
         self._set_world_ranks()
         self._process_group_backend = self._process_group_backend or (
-            _get_default_process_group_backend_for_device(self.root_device)
+            _lightning.default_process_group_backend(self.root_device)
         )
         assert self.cluster_environment is not None
         join_process_group(
@@ -341,7 +333,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         parameters directly; modules already sharded (``shard_module``) are left alone.
         """
         self._sharder.shard_model(
-            module, self._auto_wrap_policy, self._shard_unit, self.root_device
+            module, self._auto_wrap_policy, self._shard_unit, self.root_device, self.placements
         )
         bind_full_tensor(module, gradients=False)  # p.full_tensor() works
         self._models.append(module)
@@ -476,12 +468,12 @@ class MegatronFSDPStrategy(ParallelStrategy):
         self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return _lightning.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
+        if not _lightning.distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
@@ -490,7 +482,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
+        if not _lightning.distributed_is_initialized():
             return obj
         container = [obj]
         dist.broadcast_object_list(container, src, group=_group.WORLD)
@@ -501,7 +493,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
     @override
     def save_checkpoint(
         self,
-        path: _PATH,
+        path: _lightning.PATH,
         state: dict[str, nn.Module | Optimizer | Any],
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
@@ -538,13 +530,12 @@ class MegatronFSDPStrategy(ParallelStrategy):
             ensure_optimizer_state(optimizer)
             optimizer_states.append(get_optimizer_state_dict(model, optimizer))
         checkpoint = to_checkpoint(fabric_state, get_model_state_dict(model), optimizer_states)
-        # Collective: every rank runs it before any rank-local step that may fail alone.
-        checkpoint[RNG_STATES_KEY] = self._exact_resume.gather_for_checkpoint(self.root_device)
         save_sharded_checkpoint(
             self.checkpoint_io,
             checkpoint,
             target,
             model,
+            self._exact_resume.states_for_checkpoint(self.root_device),
             where=_STRATEGY,
             storage_options=storage_options,
             commit=True,  # Fabric has no later hook that would wait for an async write
@@ -553,7 +544,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
     @override
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: _lightning.PATH,
         state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
         strict: bool = True,
         weights_only: bool | None = None,
@@ -627,7 +618,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: _lightning.StrategyRegistry) -> None:
         if cls.strategy_name in strategy_registry:
             return
         strategy_registry.register(
@@ -637,7 +628,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         )
 
 
-class _MicrobatchControl(_BackwardSyncControl):
+class _MicrobatchControl(_lightning.BackwardSyncControl):
     """``fabric.no_backward_sync``: HSDP defers the all-reduce across replicas to the last
     micro-batch (``microbatch``); plain FSDP finalises gradients on every backward, as in
     the Trainer strategy, so there is nothing to skip."""

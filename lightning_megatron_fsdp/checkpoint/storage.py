@@ -1,48 +1,12 @@
 """DCP storage that checksums records as it writes them and verifies them as it reads them.
 
-Problem: checking a checkpoint's integrity used to cost two extra passes over every byte
-(hash the files after writing; hash them again before loading), and DCP's own reader
-pays a full ``torch.load`` per tensor record (zip parsing and the weights-only
-unpickler, far more than reading a small tensor's bytes) plus a fresh allocation and a
-copy per record.
-
-How: torch's ``FileSystemWriter`` writes each item of a rank's plan as one record of a
-shard file (a ``torch.save`` zip for a tensor, raw bytes for an object); every record
-starts and ends with a ``stream.tell()``.
-
-* :class:`ChecksummingFileSystemWriter` hands DCP a file system whose output streams
-  CRC32C every write as it passes, cut at each ``tell()`` into records, and note where
-  each record's one tensor payload starts (from the zip local header of its
-  ``data/<n>`` entry). The writer puts each record's CRC32C and payload offset on DCP's
-  own storage entry (an extra attribute of ``_StorageInfo``, pickled into ``.metadata``;
-  torch's readers ignore it) and combines the records' CRCs into each file's CRC, which
-  the manifest lists. It also saves a view into a packed buffer through a storage of
-  exactly its size, so DCP does not clone it first. Nothing is read back. Its write loop
-  is torch's (same files, order, threads and fsyncs), except that each tensor record is
-  written by :class:`~lightning_megatron_fsdp.tensor_records.TensorRecords`: the bytes
-  ``torch.save`` would write, from a template of its output, without a ``torch.save``
-  per tensor (the per-call cost that made the 98 M GPT's 592 records per rank save at
-  1.4x a single per-rank ``torch.save``; see that module).
-* :class:`VerifyingFileSystemReader` checks ``.metadata`` against the manifest as it
-  reads it; then, for a tensor record with a known payload offset, reads the record with
-  one ``preadv`` straight into the target's memory (or into a buffer of the stored chunk
-  when the target is another shard, dtype or device) and checks its CRC32C over exactly
-  the bytes it read: no ``torch.load``, no extra copy, no second pass. Records without an
-  annotation (written by another writer) are read whole and ``torch.load``\\ ed, after
-  their file's digest is checked before any record is read.
-
-What a load guarantees (see docs/DESIGN.md, "Atomic load"): every check that needs no
-tensor bytes passes on every rank before any rank writes into a target; a record that
-fails its CRC raises :class:`~lightning_megatron_fsdp.manifest.CheckpointCorruptedError`
-naming the file and key, and :attr:`VerifyingFileSystemReader.progress` says how many of
-the rank's records were already written.
-
-Alternatives rejected:
-    * Hashing whole files after writing and before loading: two extra passes.
-    * Per-record checksums in a sidecar file: more files to list, claim and verify, for
-      data DCP's ``.metadata`` indexes record by record anyway.
-    * ``torch.load(map_location="meta")`` per record to find the payload (as the
-      exporter does): the per-record unpickling this module exists to avoid.
+Checking a checkpoint's integrity must not cost extra passes over every byte, and DCP's own
+reader pays a ``torch.load`` and a copy per record. :class:`ChecksummingFileSystemWriter`
+is torch's writer whose streams CRC32C every record as it goes out and note where its
+tensor payload starts, kept on DCP's own storage entries in ``.metadata``;
+:class:`VerifyingFileSystemReader` reads each annotated record with one ``preadv`` straight
+into its target and checks its CRC32C over exactly those bytes (docs/DESIGN.md, "On-disk
+format", "Atomic load" and "Storage": the mechanism, the guarantees, the alternatives).
 """
 
 from __future__ import annotations
@@ -54,28 +18,17 @@ import io
 import math
 import os
 import pickle
-import queue
 import re
 import struct
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from crc32c import crc32c as _crc32c_update  # the C function: no Python frame per write
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import (
-    FileSystem,
-    SerializationFormat,
-    _item_size,
-    _OverlappingCpuLoader,
-    _SerialCpuLoader,
-    _StorageInfo,
-    _TensorLoader,
-)
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -91,21 +44,17 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from typing_extensions import override
 
-from lightning_megatron_fsdp.checksums import (
+from lightning_megatron_fsdp import _torch
+from lightning_megatron_fsdp.checkpoint.checksums import (
     bytes_digest,
     crc32c,
     crc32c_combine,
     crc32c_hex,
     file_digest,
 )
-from lightning_megatron_fsdp.manifest import (
-    DCP_METADATA_FILE,
-    CheckpointCorruptedError,
-    Manifest,
-    NotACheckpointError,
-    read_manifest,
-)
-from lightning_megatron_fsdp.tensor_records import TensorRecords, shared_records
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
+from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, Manifest, read_manifest
+from lightning_megatron_fsdp.checkpoint.records import TensorRecords, shared_records
 
 __all__ = [
     "RECORD_ATTR",
@@ -180,7 +129,7 @@ class _RecordStream(io.RawIOBase):
         return size
 
     def write_raw(self, data: Any) -> None:
-        """Write a piece of a record that :class:`~lightning_megatron_fsdp.tensor_records.
+        """Write a piece of a record that :class:`~lightning_megatron_fsdp.checkpoint.records.
         TensorRecords` built itself (no sniffing: it reports the payload's place)."""
         if self._checksum:
             self._crc = _crc32c_update(data, self._crc)
@@ -231,6 +180,9 @@ class _RecordStream(io.RawIOBase):
 
     @override
     def fileno(self) -> int:
+        """The file's descriptor, with every byte written so far handed to the kernel, so
+        an ``os.fsync`` on it (ours, or torch's on ``.metadata``) syncs the whole file."""
+        self.flush()
         return cast(int, self._file.fileno())
 
     @override
@@ -251,11 +203,13 @@ class _RecordStream(io.RawIOBase):
         return WrittenFile(self._position, value)
 
 
-class _RecordingFileSystem(FileSystem):
-    """torch's local ``FileSystem`` whose write streams are :class:`_RecordStream`\\ s."""
+class _RecordingFileSystem(FileSystemBase):
+    """A DCP file system (torch's local one, or whichever the user put in ``writer.fs``)
+    whose write streams are wrapped in :class:`_RecordStream`\\ s, so records and files
+    are checksummed whatever the file system underneath."""
 
-    def __init__(self, checksum: bool) -> None:
-        super().__init__()
+    def __init__(self, inner: FileSystemBase, checksum: bool) -> None:
+        self.inner = inner
         self.checksum = checksum
         self.files: dict[str, WrittenFile] = {}
         self.records: dict[str, dict[int, _Record]] = {}
@@ -263,26 +217,57 @@ class _RecordingFileSystem(FileSystem):
     @override
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
-        if mode != "wb":
-            with super().create_stream(path, mode) as stream:
+        with self.inner.create_stream(path, mode) as inner:
+            if mode != "wb":
+                yield inner
+                return
+            stream = _RecordStream(inner, self.checksum)
+            try:
                 yield stream
-            return
-        path = Path(path)
-        stream = _RecordStream(open(path, "wb"), self.checksum)  # noqa: SIM115 (closed below)
-        try:
-            yield stream
-        finally:
-            stream.close()
-            self.files[path.name] = stream.written()
-            self.records[path.name] = {r.start: r for r in stream.records}
+            finally:
+                stream.close()
+                name = Path(path).name
+                self.files[name] = stream.written()
+                self.records[name] = {r.start: r for r in stream.records}
 
     @override
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        super().rename(path, new_path)
+        self.inner.rename(path, new_path)
         old, new = Path(path).name, Path(new_path).name
         if old in self.files:
             self.files[new] = self.files.pop(old)
             self.records[new] = self.records.pop(old)
+
+    @override
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str | os.PathLike[str]:
+        return self.inner.concat_path(path, suffix)
+
+    @override
+    def init_path(self, path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+        return self.inner.init_path(path)
+
+    @override
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        self.inner.mkdir(path)
+
+    @override
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return FileSystem.validate_checkpoint_id(checkpoint_id)
+
+    @override
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return self.inner.exists(path)
+
+    @override
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        self.inner.rm_file(path)
+
+    def ls(self, path: str | os.PathLike[str]) -> list[str]:
+        return cast(list[str], self.inner.ls(path))
+
+    def __getattr__(self, name: str) -> Any:  # a file system's own extras
+        return getattr(self.__dict__["inner"], name)
 
 
 def _exact(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -323,7 +308,7 @@ class _ExactPlanner:
         return data
 
 
-class ChecksummingFileSystemWriter(FileSystemWriter):
+class ChecksummingFileSystemWriter(_torch.OwnWriteLoopWriter):
     """torch's ``FileSystemWriter`` that records a CRC32C of every record and file as it
     writes them (see the module docstring); the files are byte-identical to torch's.
 
@@ -332,22 +317,36 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
         checksum: Compute CRC32Cs; ``False`` still records payload offsets (they make
             loading fast) and file sizes.
         records: Writes the tensor records; the process's shared
-            :class:`~lightning_megatron_fsdp.tensor_records.TensorRecords` (whose
+            :class:`~lightning_megatron_fsdp.checkpoint.records.TensorRecords` (whose
             templates outlive one save) when ``None``.
-        **kwargs: ``FileSystemWriter``'s options (``thread_count``, ...).
+        *args, **kwargs: ``FileSystemWriter``'s options, positional or by name
+            (``single_file_per_rank``, ``sync_files``, ``thread_count``, ...,
+            ``_extensions``).
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
-        *,
+        *args: Any,
         checksum: bool = True,
         records: TensorRecords | None = None,
         **kwargs: Any,
     ):
-        super().__init__(path, **kwargs)
-        self.fs = _RecordingFileSystem(checksum)
+        self._checksum = checksum  # before torch's __init__ assigns ``self.fs``
+        super().__init__(path, *args, **kwargs)
         self.records = shared_records() if records is None else records
+
+    @property
+    def fs(self) -> _RecordingFileSystem:
+        """The file system the writer writes through. Assign any DCP ``FileSystemBase``
+        (as with torch's writer): it is wrapped, so its files are still checksummed."""
+        return self._fs
+
+    @fs.setter
+    def fs(self, fs: FileSystemBase) -> None:
+        if not isinstance(fs, _RecordingFileSystem):
+            fs = _RecordingFileSystem(fs, self._checksum)
+        self._fs = fs
 
     @override
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -358,83 +357,7 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
         return written
 
     @override
-    def _write_data(
-        self, planner: SavePlanner, file_queue: queue.Queue[Any]
-    ) -> Future[list[WriteResult]]:
-        """torch's ``_write_data`` (the same files, threads and fsyncs), with each tensor
-        record written by :class:`~lightning_megatron_fsdp.tensor_records.TensorRecords`:
-        the bytes ``torch.save`` would write, without a ``torch.save`` per tensor. With
-        stream extensions or another serialization format, torch's own loop runs."""
-        if (
-            self.transforms.extensions
-            or self.serialization_format != SerializationFormat.TORCH_SAVE
-        ):
-            return cast(Future[list[WriteResult]], super()._write_data(planner, file_queue))
-        results: queue.Queue[list[WriteResult]] = queue.Queue()
-        failures: list[BaseException] = []
-
-        def work() -> None:
-            try:
-                self._write_files(planner, file_queue, results)
-            except BaseException as err:  # re-raised on the calling thread
-                failures.append(err)
-
-        threads = [threading.Thread(target=work) for _ in range(1, self.thread_count)]
-        for thread in threads:
-            thread.start()
-        work()
-        for thread in threads:
-            thread.join()
-        if failures:
-            raise failures[0]
-        written: list[WriteResult] = []
-        while not results.empty():
-            written += results.get_nowait()
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(written)
-        return future
-
-    def _loader(self, planner: SavePlanner) -> _TensorLoader:
-        """The tensor loader torch's writer would use (copies ahead from an accelerator)."""
-        backend = getattr(torch, torch._C._get_privateuse1_backend_name(), None)
-        accelerator = torch.cuda.is_available() or bool(backend and backend.is_available())
-        if self.thread_count == 1 and accelerator and self.per_thread_copy_ahead > 0:
-            return _OverlappingCpuLoader(
-                planner.resolve_data, inflight_threshhold=self.per_thread_copy_ahead
-            )
-        return _SerialCpuLoader(planner.resolve_data)
-
-    def _write_files(
-        self, planner: SavePlanner, file_queue: queue.Queue[Any], results: queue.Queue[Any]
-    ) -> None:
-        """Write files from ``file_queue`` until it is empty: in each, the byte items, then
-        the tensors, in plan order; then fsync (torch's order and guarantees)."""
-        while True:
-            try:
-                path, storage_key, items = file_queue.get_nowait()
-            except queue.Empty:
-                return
-            loader = self._loader(planner)
-            for item in items:
-                if item.type != WriteItemType.BYTE_IO:
-                    loader.add(_item_size(item), item)
-            loader.start_loading()
-            written = []
-            with self.fs.create_stream(path, "wb") as stream:
-                for item in items:
-                    if item.type == WriteItemType.BYTE_IO:
-                        data = planner.resolve_data(item)
-                        written.append(self._write_record(stream, storage_key, item, data))
-                for tensor, item in loader.values():
-                    written.append(self._write_record(stream, storage_key, item, tensor))
-                if self.sync_files:
-                    try:
-                        os.fsync(stream.fileno())
-                    except (AttributeError, io.UnsupportedOperation):
-                        os.sync()
-            results.put(written)
-
-    def _write_record(
+    def write_record(
         self, stream: Any, storage_key: str, item: WriteItem, data: Any
     ) -> WriteResult:
         offset = stream.tell()
@@ -448,7 +371,7 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
         return WriteResult(
             index=item.index,
             size_in_bytes=length,
-            storage_data=_StorageInfo(storage_key, offset, length),
+            storage_data=_torch.storage_info(storage_key, offset, length),
         )
 
     def _annotate(self, result: WriteResult, payload_bytes: int | None) -> None:
@@ -536,13 +459,21 @@ class VerifyingFileSystemReader(FileSystemReader):
 
     Args:
         path: The checkpoint directory.
+        _extension_registry: torch's stream extensions, to read records written with
+            ``_extensions`` (as for torch's ``FileSystemReader``; experimental there).
         verify: Check ``.metadata``'s digest and every record's CRC32C (records without
             one: their file's digest, before any record is read). ``False`` still reads
             records directly into their targets.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
-        super().__init__(path)
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        _extension_registry: Any = None,
+        *,
+        verify: bool = True,
+    ) -> None:
+        super().__init__(path, _extension_registry)
         self.verify = verify
         self.progress = ReadProgress()
         self._manifest: Manifest | None = None
@@ -572,7 +503,7 @@ class VerifyingFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # DCP's no-collective per-rank metadata
             return super().read_metadata(*args, **kwargs)
-        data = Path(self._get_metadata_path()).read_bytes()
+        data = Path(_torch.metadata_path(self)).read_bytes()
         expected = self._expected_digest(DCP_METADATA_FILE)
         if expected is not None:
             algorithm, digest = expected
@@ -678,7 +609,7 @@ class VerifyingFileSystemReader(FileSystemReader):
             return
         seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
         stored = torch.load(seekable, map_location="cpu", weights_only=True)
-        source = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+        source = _torch.narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != source.size():
             raise AssertionError(
@@ -732,7 +663,7 @@ class VerifyingFileSystemReader(FileSystemReader):
                 f"record offset {payload}; the record is not a torch.save of one tensor",
             )
         if not direct:
-            source = narrow_tensor_by_index(chunk, item.storage_offsets, item.lengths)
+            source = _torch.narrow_tensor_by_index(chunk, item.storage_offsets, item.lengths)
             if target.size() != source.size():
                 raise AssertionError(
                     f"req {item.storage_index} mismatch sizes {target.size()} vs {source.size()}"
