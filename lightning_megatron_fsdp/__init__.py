@@ -2,8 +2,8 @@
 
 Public names are imported on first use (PEP 562), so the offline console script, which
 needs neither Lightning nor megatron-fsdp, does not pay for them. Importing the package
-anywhere else imports the strategy at once, which registers ``strategy="megatron_fsdp"``
-with Lightning.
+anywhere else imports the strategies at once, which registers ``strategy="megatron_fsdp"``
+with the Trainer and with Fabric.
 """
 
 import importlib
@@ -122,7 +122,9 @@ def __dir__() -> list[str]:
 
 
 if os.path.basename(getattr(sys, "argv", [""])[0] or "") != CONSOLE_SCRIPT:
-    importlib.import_module(f"{__name__}.strategy")  # registers "megatron_fsdp"
+    # Registers strategy="megatron_fsdp" with the Trainer and with Fabric.
+    importlib.import_module(f"{__name__}.strategy")
+    importlib.import_module(f"{__name__}.fabric")
 
 __all__ = [
     "CheckpointCorruptedError",

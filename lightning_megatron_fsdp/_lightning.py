@@ -14,6 +14,8 @@ from typing import Any, TypeAlias
 
 import torch.distributed as dist
 from lightning.fabric.plugins.precision import utils as _precision_utils
+from lightning.fabric.strategies import strategy as _fabric_strategy
+from lightning.fabric.strategies.launchers import subprocess_script as _fabric_subprocess
 from lightning.fabric.utilities import data as _fabric_data
 from lightning.fabric.utilities import device_dtype_mixin as _device_dtype_mixin
 from lightning.fabric.utilities import distributed as _fabric_distributed
@@ -26,9 +28,12 @@ from lightning.pytorch.strategies.launchers import subprocess_script as _subproc
 
 __all__ = [
     "PATH",
+    "BackwardSyncControl",
     "DataLoaderIterDataFetcher",
+    "FabricSubprocessScriptLauncher",
     "Launcher",
     "Loop",
+    "Stateful",
     "StrategyRegistry",
     "SubprocessScriptLauncher",
     "WrappingCheckpointIO",
@@ -42,6 +47,7 @@ __all__ = [
     "set_sampler_epoch",
     "sync_ddp_if_available",
     "update_properties",
+    "validate_keys_for_strict_loading",
     "wrap_closure",
 ]
 
@@ -53,6 +59,11 @@ Launcher = _launcher._Launcher
 SubprocessScriptLauncher = _subprocess_script._SubprocessScriptLauncher
 WrappingCheckpointIO = _io_wrapper._WrappingCheckpointIO
 Loop = _loop._Loop
+# Fabric's: the launcher that re-runs the script per device, the interface behind
+# ``fabric.no_backward_sync``, and the protocol of objects with ``state_dict``.
+FabricSubprocessScriptLauncher = _fabric_subprocess._SubprocessScriptLauncher
+BackwardSyncControl = _fabric_strategy._BackwardSyncControl
+Stateful = _fabric_types._Stateful
 DataLoaderIterDataFetcher = _fetchers._DataLoaderIterDataFetcher
 StrategyRegistry: Any = getattr(
     __import__("lightning.fabric.strategies.registry", fromlist=["_StrategyRegistry"]),
@@ -119,3 +130,8 @@ def reset_optimizers_and_schedulers(strategy: Any) -> None:
 def metric_state_names(metric: Any) -> list[str]:
     """The state names a torchmetrics ``Metric`` registered with ``add_state``."""
     return list(metric._defaults)
+
+
+def validate_keys_for_strict_loading(requested: Any, available: Any, *, strict: bool) -> None:
+    """Fabric's check that every requested key is in the checkpoint (``KeyError`` if not)."""
+    _fabric_strategy._validate_keys_for_strict_loading(requested, available, strict=strict)

@@ -60,6 +60,7 @@ __all__ = [
     "check_placements",
     "fsdp_placements",
     "hsdp_placements",
+    "materialize_outside_units",
     "plan_units",
     "shard_module",
     "shard_unit",
@@ -422,6 +423,20 @@ def shard_unit(
     shard_module(module, mesh, placements, mixed_precision_policy=mixed_precision_policy)
     if originals:
         _restore_main_weights(module, originals)
+
+
+def materialize_outside_units(model: nn.Module, device: torch.device, where: str) -> None:
+    """Materialise meta buffers that no unit owns, after the units were sharded.
+
+    A module that is not a unit (a root that owns no parameters, such as litgpt's ``GPT``
+    with its rotary cache) keeps buffers on the meta device after a meta-device init;
+    they are re-created on ``device`` by the module's ``reset_parameters``, as the units'
+    were. Rank-local.
+
+    Raises:
+        TypeError: If such a module has no ``reset_parameters``.
+    """
+    _materialize(list(_unit_modules(model)), device, where)
 
 
 def _restore_main_weights(module: nn.Module, originals: Mapping[int, Tensor]) -> None:

@@ -75,17 +75,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_megatron_fsdp import _lightning, _megatron, _torch
+from lightning_megatron_fsdp import _lightning, _megatron
 from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointError, CheckpointSaveError
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.checkpoint.load import load_into_sharded_model
-from lightning_megatron_fsdp.checkpoint.save import PerRank
-from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
-from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY, ExactResume, rng_states_of
+from lightning_megatron_fsdp.exact_resume import ExactResume
 from lightning_megatron_fsdp.gather import bind_full_tensor, lightning_grad_norm_explained
-from lightning_megatron_fsdp.interpreter_exit import register_exit_hook
 from lightning_megatron_fsdp.join import (
     UnevenBatchJoin,
     join_uneven_batches,
@@ -98,6 +95,12 @@ from lightning_megatron_fsdp.mesh import (
     check_mesh_fits_world,
     mesh_ndim,
     validate_device_mesh,
+)
+from lightning_megatron_fsdp.model_setup import (
+    ModelSharder,
+    join_process_group,
+    move_unsharded_state,
+    save_sharded_checkpoint,
 )
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
 from lightning_megatron_fsdp.precision import (
@@ -112,19 +115,12 @@ from lightning_megatron_fsdp.pretrained import (
 )
 from lightning_megatron_fsdp.sharding import (
     AutoWrapPolicy,
-    check_fully_sharded,
-    check_no_foreign_sharding,
     check_optimizer_parameters,
-    check_placements,
     fsdp_placements,
     hsdp_placements,
-    plan_units,
-    shard_unit,
-    sharding_scope,
     validate_auto_wrap_policy,
 )
 from lightning_megatron_fsdp.sharding_modes import ShardingMode, resolve_sharding_mode
-from lightning_megatron_fsdp.uneven_dtensor import attach_uneven_dtensor_metadata
 
 if TYPE_CHECKING:
     from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -242,7 +238,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._device_mesh: DeviceMesh | None = None
-        self._sharding: contextlib.ExitStack | None = None
+        self._sharder = ModelSharder(_STRATEGY)
         self._join: UnevenBatchJoin | None = None
         self._exact_resume = ExactResume(_STRATEGY)
         self.num_nodes = 1
@@ -398,16 +394,9 @@ class MegatronFSDPStrategy(ParallelStrategy):
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        if not _lightning.distributed_is_initialized():
-            _lightning.init_dist_connection(
-                self.cluster_environment, self._process_group_backend, **kwargs
-            )
-        register_exit_hook()  # also for a group the user created: the race is the same
-        if self.root_device.type != "cuda":
-            enable_cpu_execution()
+        join_process_group(
+            self.cluster_environment, self._process_group_backend, self.root_device, self._timeout
+        )
         if self.precision_plugin.device_type is None:
             self.precision_plugin.device_type = self.root_device.type
         assert self.lightning_module is not None
@@ -478,7 +467,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         Never ``module.to(device)``: that would re-create the sharded DTensor parameters.
         """
         assert self.lightning_module is not None
-        _move_unsharded_state(self.lightning_module, self.root_device)
+        move_unsharded_state(self.lightning_module, self.root_device)
 
     @contextlib.contextmanager
     @override
@@ -505,44 +494,21 @@ class MegatronFSDPStrategy(ParallelStrategy):
             ValueError: If ``module`` is already sharded or a tie crosses unit boundaries.
             TypeError: If a meta-device module has no ``reset_parameters``.
         """
-        if self._sharding is None:
-            self._sharding = contextlib.ExitStack()
-            self._sharding.enter_context(sharding_scope())
         plugin = self.precision_plugin
-        shard_unit(
+        self._sharder.shard(
             module,
             self.device_mesh,
             self.placements,
             device=self.root_device,
             compute_dtype=plugin.compute_dtype if plugin.casts_parameters else None,
             mixed_precision_policy=self.mixed_precision_policy,
-            where=_STRATEGY,
         )
 
     def _shard_model(self, model: pl.LightningModule) -> None:
         """Shard ``model`` bottom-up (see :func:`~lightning_megatron_fsdp.sharding.plan_units`)."""
-        check_no_foreign_sharding(model, _STRATEGY)
-        try:
-            if not isinstance(model, FsdpModule):
-                for unit in plan_units(model, self._auto_wrap_policy):
-                    self.shard(unit)
-        except BaseException as err:
-            self._close_sharding(err)
-            raise
-        self._close_sharding(None)
-        _move_unsharded_state(model, self.root_device)
-        check_fully_sharded(model, _STRATEGY)
-        check_placements(model, self.placements, _STRATEGY)
-
-    def _close_sharding(self, error: BaseException | None) -> None:
-        """Finalise the sharding context (or abandon it after ``error``)."""
-        stack, self._sharding = self._sharding, None
-        if stack is None:
-            return
-        if error is None:
-            stack.close()
-        else:
-            stack.__exit__(type(error), error, error.__traceback__)
+        self._sharder.shard_model(
+            model, self._auto_wrap_policy, self.shard, self.root_device, self.placements
+        )
 
     # ------------------------------------------------------------------ steps
 
@@ -806,47 +772,18 @@ class MegatronFSDPStrategy(ParallelStrategy):
         """
         model = self.lightning_module
         assert model is not None
-
-        def attach() -> None:
-            attach_uneven_dtensor_metadata(model, checkpoint.get("state_dict", {}), {})
-            for optimizer_state in checkpoint.get("optimizer_states", []):
-                attach_uneven_dtensor_metadata(model, {}, optimizer_state)
-
-        # Every rank's random streams, in rank 0's meta.pt: gathered by the save's first round.
-        checkpoint[RNG_STATES_KEY] = PerRank(
-            self._exact_resume.states_for_checkpoint(self.root_device), combine=rng_states_of
+        # After fit nothing else waits for an async write (no later step, save or
+        # teardown): the checkpoint must be committed when the call returns.
+        save_sharded_checkpoint(
+            self.checkpoint_io,
+            checkpoint,
+            filepath,
+            model,
+            self._exact_resume.states_for_checkpoint(self.root_device),
+            where=_STRATEGY,
+            storage_options=storage_options,
+            commit=not self._stage_running(),
         )
-        io = self.checkpoint_io
-        try:
-            if isinstance(io, MegatronFSDPCheckpointIO):
-                # One round agrees on the path, the attached metadata and the layout.
-                io.save_checkpoint(checkpoint, filepath, storage_options, prepare=attach)
-            else:  # a wrapper or another plugin: the same steps, a round each
-                path = self.broadcast(str(filepath))
-                ranks = Ranks.of()
-                checkpoint[RNG_STATES_KEY] = rng_states_of(
-                    ranks.all_gather(checkpoint[RNG_STATES_KEY].value)
-                )
-                error: Exception | None = None
-                try:
-                    attach()
-                except Exception as err:
-                    error = err
-                ranks.raise_together(
-                    f"{_STRATEGY}: saving checkpoint {path} (attaching chunk metadata)",
-                    error,
-                    CheckpointSaveError,
-                    consequence="nothing was written",
-                )
-                io.save_checkpoint(checkpoint, path, storage_options=storage_options)
-            if not self._stage_running():
-                # After fit nothing else waits for an async write (no later step, save or
-                # teardown): the checkpoint must be committed when the call returns.
-                io.teardown()
-        except CheckpointException as err:  # a BaseException: never let it escape as is
-            raise CheckpointSaveError(
-                f"{_STRATEGY}: " + dcp_failure_message("Saving", filepath, err)
-            ) from err
 
     def _stage_running(self) -> bool:
         """Whether a Trainer stage (fit, validate, ...) is running, so its teardown will come."""
@@ -960,7 +897,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         (the model's buffers and DTensors hold them) until the process ends; the
         checkpoint IO finishes an async save and drops its background group here.
         """
-        self._close_sharding(RuntimeError("teardown before setup finished sharding"))
+        self._sharder.close(RuntimeError("teardown before setup finished sharding"))
         self._join = None  # the stage's join and its cached batches (the next stage makes its own)
         self._exact_resume.reset()
         if self.cluster_environment is not None:
@@ -988,21 +925,6 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
 def _default_checkpoint_io() -> CheckpointIO:
     return MegatronFSDPCheckpointIO()
-
-
-def _move_unsharded_state(model: nn.Module, device: torch.device) -> None:
-    """Move buffers and torchmetrics states to ``device``; record it as the model's device."""
-    from torchmetrics import Metric
-
-    for module in model.modules():
-        if isinstance(module, Metric):
-            module.to(device)
-            continue
-        buffers = _torch.own_buffers(module)
-        for name, buffer in buffers.items():
-            if buffer is not None and buffer.device != device:
-                buffers[name] = buffer.to(device)
-    _lightning.update_properties(model, device=device)
 
 
 def _loss_of(output: Any) -> Tensor | None:

@@ -1,0 +1,87 @@
+"""The precision flags of the Trainer strategy, for Fabric's calling convention.
+
+Problem: :class:`~lightning_megatron_fsdp.precision.MegatronFSDPPrecision` holds what each
+flag means under Megatron-FSDP (compute dtype, fp32 main weights, autocast, input casts),
+but it is a Trainer plugin: its backward and step call LightningModule hooks and run
+Lightning's closure, which Fabric neither has nor passes. Fabric calls
+``backward(tensor, module)`` and ``optimizer_step(optimizer)`` instead.
+
+How: :class:`MegatronFSDPFabricPrecision` inherits the flag table unchanged and overrides
+only the backward and step calls with Fabric's signatures; :func:`to_fabric_precision`
+turns the plugin Fabric's connector builds from ``precision=...`` into it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.plugins.precision import (
+    DoublePrecision,
+    HalfPrecision,
+    MixedPrecision,
+    Precision,
+)
+from lightning.fabric.utilities.types import Optimizable
+from torch import Tensor
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_megatron_fsdp.precision import MegatronFSDPPrecision, reject_closure_optimizer
+
+__all__ = ["MegatronFSDPFabricPrecision", "to_fabric_precision"]
+
+
+class MegatronFSDPFabricPrecision(MegatronFSDPPrecision):
+    """:class:`~lightning_megatron_fsdp.precision.MegatronFSDPPrecision` for Fabric loops.
+
+    Same flags, same meaning (README, "Precision flags"); the strategy finishes gradients
+    after each backward (it knows the set-up models, Fabric passes none).
+    """
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: Module | None) -> Any:  # type: ignore[override]
+        return None
+
+    @override
+    def backward(self, tensor: Tensor, model: Module | None, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        tensor.backward(*args, **kwargs)
+
+    @override
+    def post_backward(self, tensor: Tensor, module: Module | None) -> Any:  # type: ignore[override]
+        return tensor
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Step without a closure (``fully_shard_optimizer`` refuses one).
+
+        Raises:
+            TypeError: For ``torch.optim.LBFGS``, which re-evaluates its closure.
+        """
+        reject_closure_optimizer(optimizer)
+        return optimizer.step(**kwargs)
+
+
+def to_fabric_precision(plugin: Precision | None, where: str) -> MegatronFSDPFabricPrecision | None:
+    """Translate the plugin Fabric builds from ``precision=...`` into ours.
+
+    Raises:
+        ValueError: For flags Megatron-FSDP cannot honour (``16-mixed``, ``64-true``).
+        TypeError: For other precision plugins.
+    """
+    if plugin is None or isinstance(plugin, MegatronFSDPFabricPrecision):
+        return plugin
+    if type(plugin) is Precision:
+        return MegatronFSDPFabricPrecision("32-true")
+    if type(plugin) is HalfPrecision:
+        return MegatronFSDPFabricPrecision(plugin.precision)
+    if type(plugin) is MixedPrecision:
+        return MegatronFSDPFabricPrecision(plugin.precision, device_type=plugin.device)
+    if type(plugin) is DoublePrecision:
+        raise ValueError(
+            f"{where}: precision='64-true' is not supported (Megatron-FSDP's main weights "
+            "are fp32). Use '32-true', 'bf16-true', '16-true' or 'bf16-mixed'."
+        )
+    raise TypeError(
+        f"{where} needs Fabric(precision=...) with '32-true', 'bf16-true', '16-true' or "
+        f"'bf16-mixed' (or a MegatronFSDPFabricPrecision), got {type(plugin).__name__}."
+    )

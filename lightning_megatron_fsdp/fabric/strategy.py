@@ -1,0 +1,673 @@
+"""``MegatronFSDPStrategy`` for Lightning Fabric: Megatron-FSDP in a hand-written loop.
+
+Problem: Fabric users (litgpt among them) write their own loop around ``fabric.setup``,
+``fabric.backward``, ``fabric.save`` and ``fabric.load``; Fabric's ``FSDPStrategy`` and
+``ModelParallelStrategy`` cannot drive Megatron-FSDP (its packed shards break DCP's
+canonical planner, its optimizer adapter must wrap the optimizer), and the Trainer
+strategy speaks the Trainer's contract, not Fabric's.
+
+How: a thin Fabric ``ParallelStrategy`` over the same machinery as the Trainer strategy:
+the process group and unit sharding of :mod:`~lightning_megatron_fsdp.model_setup`, the
+precision flags of :mod:`~lightning_megatron_fsdp.precision`, shard-aware clipping, and
+the checkpoint IO with its loader (:func:`~lightning_megatron_fsdp.checkpoint.load.
+load_into_sharded_model`). Fabric's state dict is mapped onto the Trainer's checkpoint
+dict (:mod:`.checkpoint_state`), so both strategies and the offline tools read one
+format. Each rank's random streams are saved as the Trainer strategy saves them and put
+back at the first forward after ``fabric.load`` (where the uninterrupted loop stood, after
+the resumed loop has created its data iterator).
+
+Alternatives rejected:
+    * Subclassing Fabric's ``ModelParallelStrategy``: it refuses checkpoint plugins and
+      saves with DCP's canonical planner, which misplaces packed shards.
+    * Restoring the random streams inside ``fabric.load``: creating the loader's iterator
+      afterwards draws from torch's generator, which the uninterrupted loop did before its
+      save, so every later dropout mask would differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import TBroadcast
+from lightning.fabric.utilities.distributed import ReduceOp
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_megatron_fsdp import _lightning, _megatron
+from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
+from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
+from lightning_megatron_fsdp.checkpoint.format import META_FILE, read_manifest
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.checkpoint.load import load_into_sharded_model
+from lightning_megatron_fsdp.exact_resume import ExactResume
+from lightning_megatron_fsdp.fabric.checkpoint_state import (
+    restore_rest,
+    saved_optimizer_order,
+    split_state,
+    to_checkpoint,
+)
+from lightning_megatron_fsdp.fabric.precision import (
+    MegatronFSDPFabricPrecision,
+    to_fabric_precision,
+)
+from lightning_megatron_fsdp.gather import bind_full_tensor
+from lightning_megatron_fsdp.mesh import (
+    MeshRequest,
+    build_device_mesh,
+    check_mesh_fits_world,
+    validate_device_mesh,
+)
+from lightning_megatron_fsdp.model_setup import (
+    ModelSharder,
+    join_process_group,
+    move_unsharded_state,
+    save_sharded_checkpoint,
+)
+from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
+from lightning_megatron_fsdp.precision import (
+    clip_sharded_grad_norm_,
+    clip_sharded_grad_value_,
+    reject_closure_optimizer,
+)
+from lightning_megatron_fsdp.pretrained import load_full_weights
+from lightning_megatron_fsdp.sharding import (
+    AutoWrapPolicy,
+    fsdp_placements,
+    hsdp_placements,
+    validate_auto_wrap_policy,
+)
+
+__all__ = ["MegatronFSDPStrategy"]
+
+_STRATEGY = "MegatronFSDPStrategy (Fabric)"
+
+
+class MegatronFSDPStrategy(ParallelStrategy):
+    """Lightning Fabric strategy for NVIDIA Megatron-FSDP (``megatron_fsdp.experimental``).
+
+    ``Fabric(strategy=MegatronFSDPStrategy(...))``, or ``Fabric(strategy="megatron_fsdp")``
+    once ``lightning_megatron_fsdp`` is imported.
+
+    Args:
+        auto_wrap_policy: Which submodules become their own FSDP unit, bottom-up, before
+            the top-level units; as in the Trainer strategy (a set of module classes or a
+            callable policy).
+        device_mesh: ``None`` for plain FSDP over all processes, ``(replicate, shard)``
+            for HSDP, or a 1-D/2-D ``DeviceMesh``.
+        mixed_precision_policy: Megatron-FSDP main weight/gradient dtypes; derived from
+            ``Fabric(precision=...)`` when ``None``.
+        process_group_backend: ``"nccl"``, ``"gloo"``, ...; by device type when ``None``.
+        timeout: Timeout of every collective of the process groups this strategy creates.
+        checkpoint_io: Defaults to ``MegatronFSDPCheckpointIO()``.
+        accelerator: Set by Fabric.
+        parallel_devices: Set by Fabric.
+        cluster_environment: Set by Fabric (``torchrun``, SLURM, Lightning, ...).
+        precision: Set by Fabric from ``precision=...``.
+
+    Raises:
+        TypeError: If ``auto_wrap_policy``, ``device_mesh``, ``timeout`` or
+            ``mixed_precision_policy`` has the wrong type.
+        ValueError: If ``device_mesh`` has a non-positive size.
+    """
+
+    strategy_name = "megatron_fsdp"
+
+    def __init__(
+        self,
+        *,
+        auto_wrap_policy: AutoWrapPolicy | None = None,
+        device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        mixed_precision_policy: MixedPrecisionPolicy | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        checkpoint_io: CheckpointIO | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self._auto_wrap_policy = validate_auto_wrap_policy(auto_wrap_policy, _STRATEGY)
+        self._mesh_request: MeshRequest = validate_device_mesh(device_mesh, _STRATEGY)
+        if mixed_precision_policy is not None and not isinstance(
+            mixed_precision_policy, MixedPrecisionPolicy
+        ):
+            raise TypeError(
+                f"{_STRATEGY}: mixed_precision_policy must be a megatron_fsdp."
+                f"MixedPrecisionPolicy, got {type(mixed_precision_policy).__name__}."
+            )
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise TypeError(f"{_STRATEGY}: timeout must be a datetime.timedelta, got {timeout!r}.")
+        self._mixed_precision_policy = mixed_precision_policy
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self._device_mesh: DeviceMesh | None = None
+        self._sharder = ModelSharder(_STRATEGY)
+        self._models: list[nn.Module] = []
+        self._exact_resume = ExactResume(_STRATEGY)
+        self._backward_sync_control = _MicrobatchControl(self)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes taking part (set by Fabric)."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes (devices) on this node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank is a data-parallel rank, HSDP replicas and shards alike.
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """The process group backend (resolved in ``setup_environment``)."""
+        return self._process_group_backend
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The data-parallel mesh (1-D FSDP or 2-D HSDP).
+
+        Raises:
+            RuntimeError: Before ``fabric.launch()`` has joined the processes.
+        """
+        if self._device_mesh is None:
+            raise RuntimeError(
+                f"{_STRATEGY}.device_mesh is created when the processes have joined; call "
+                "fabric.launch() first."
+            )
+        return self._device_mesh
+
+    @property
+    def placements(self) -> Placements:
+        """Megatron-FSDP placements matching :attr:`device_mesh` (FSDP or HSDP)."""
+        return hsdp_placements() if self.device_mesh.ndim == 2 else fsdp_placements()
+
+    @property
+    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        """The user's policy, or the one the precision flag implies."""
+        if self._mixed_precision_policy is not None:
+            return self._mixed_precision_policy
+        return self.precision.mixed_precision_policy()
+
+    @property  # type: ignore[override]
+    @override
+    def precision(self) -> MegatronFSDPFabricPrecision:
+        if self._precision is None:
+            self._precision = MegatronFSDPFabricPrecision("32-true")
+        return self._precision  # type: ignore[return-value]
+
+    @precision.setter
+    @override
+    def precision(self, precision: Precision | None) -> None:
+        self._precision = to_fabric_precision(precision, _STRATEGY)
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = MegatronFSDPCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    # ------------------------------------------------------------------ processes
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _lightning.FabricSubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    @override
+    def setup_environment(self) -> None:
+        """Join the process group (once per process; it lives until the process ends), build
+        the mesh."""
+        super().setup_environment()
+        world = self.num_nodes * self.num_processes
+        detail = f"num_nodes={self.num_nodes} x devices={self.num_processes}"
+        check_mesh_fits_world(self._mesh_request, world, detail, _STRATEGY)
+        reset_seed()
+        self._set_world_ranks()
+        self._process_group_backend = self._process_group_backend or (
+            _lightning.default_process_group_backend(self.root_device)
+        )
+        assert self.cluster_environment is not None
+        join_process_group(
+            self.cluster_environment, self._process_group_backend, self.root_device, self._timeout
+        )
+        if self.precision.device_type is None:
+            self.precision.device_type = self.root_device.type
+        self._device_mesh = build_device_mesh(
+            self._mesh_request,
+            model=nn.Module(),
+            world_size=dist.get_world_size(),
+            device_type=self.root_device.type,
+            timeout=self._timeout,
+            where=_STRATEGY,
+        )
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(
+                self.node_rank * self.num_processes + self.local_rank
+            )
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ model setup
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """``empty_init=True``: build on the meta device; each unit is materialised
+        (``reset_parameters``) right before it is sharded, in ``setup_module``."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.device("meta") if empty_init else self.root_device)
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        """Move an unsharded, materialised module to the device; otherwise only what
+        sharding does not own (buffers, torchmetrics states): ``module.to`` would re-create
+        sharded parameters, and meta tensors are materialised unit by unit."""
+        if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            return  # setup_module materialises it on the device
+        if any(isinstance(m, FsdpModule) for m in module.modules()):
+            move_unsharded_state(module, self.root_device)
+        else:
+            module.to(self.root_device)
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard ``module`` bottom-up into Megatron-FSDP units, in place.
+
+        Units as in the Trainer strategy: the ``auto_wrap_policy``'s, then every top-level
+        submodule that still owns parameters, then ``module`` itself only if it owns
+        parameters directly; modules already sharded (``shard_module``) are left alone.
+        """
+        self._sharder.shard_model(
+            module, self._auto_wrap_policy, self._shard_unit, self.root_device, self.placements
+        )
+        bind_full_tensor(module, gradients=False)  # p.full_tensor() works
+        self._models.append(module)
+        return module
+
+    def _shard_unit(self, module: nn.Module) -> None:
+        plugin = self.precision
+        self._sharder.shard(
+            module,
+            self.device_mesh,
+            self.placements,
+            device=self.root_device,
+            compute_dtype=plugin.compute_dtype if plugin.casts_parameters else None,
+            mixed_precision_policy=self.mixed_precision_policy,
+        )
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Adapt ``optimizer`` (built on the sharded parameters) with ``fully_shard_optimizer``.
+
+        Raises:
+            ValueError: If it holds a parameter that is not a sharded one of a set-up model.
+            TypeError: For ``torch.optim.LBFGS``.
+        """
+        reject_closure_optimizer(optimizer)
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                if not _megatron.is_sharded_parameter(parameter):
+                    raise ValueError(
+                        f"{_STRATEGY}: the optimizer holds a {tuple(parameter.shape)} parameter "
+                        "that is not a Megatron-FSDP sharded parameter of a model set up by "
+                        "this strategy. Create the optimizer after `model = "
+                        "fabric.setup_module(model)` from `model.parameters()`, or pass both "
+                        "to `fabric.setup(model, optimizer)`."
+                    )
+        if not getattr(optimizer, "_lmf_fully_sharded", False):
+            _megatron.fully_shard_optimizer(optimizer)
+            optimizer._lmf_fully_sharded = True  # type: ignore[attr-defined]
+        return optimizer
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
+        """Shard ``module``, then re-point ``optimizers`` (built on its unsharded
+        parameters) at the sharded ones, by parameter name.
+
+        Raises:
+            ValueError: An optimizer holds a tensor that is not a parameter of ``module``,
+                or has state already (it stepped before sharding).
+        """
+        names: dict[int, str] = {
+            id(p): name for name, p in module.named_parameters(remove_duplicate=False)
+        }
+        for index, optimizer in enumerate(optimizers):
+            if optimizer.state:
+                raise ValueError(
+                    f"{_STRATEGY}: optimizer {index} has state already (it stepped before "
+                    "fabric.setup); create it fresh, then call fabric.setup(model, optimizer)."
+                )
+            for group in optimizer.param_groups:
+                for parameter in group["params"]:
+                    if _megatron.is_sharded_parameter(parameter):
+                        continue
+                    if id(parameter) not in names:
+                        raise ValueError(
+                            f"{_STRATEGY}: optimizer {index} holds a {tuple(parameter.shape)} "
+                            "tensor that is not a parameter of the model passed to "
+                            "fabric.setup; build it from model.parameters()."
+                        )
+        module = self.setup_module(module)
+        sharded = dict(module.named_parameters(remove_duplicate=False))
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [
+                    p if _megatron.is_sharded_parameter(p) else sharded[names[id(p)]]
+                    for p in group["params"]
+                ]
+        return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+
+    # ------------------------------------------------------------------ steps
+
+    @override
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Backward, then finish the gradients of every set-up model.
+
+        Waits for pending reduce-scatters (a side stream on CUDA), reshards units an
+        unconsumed prefetch left gathered, and makes ``.full_tensor()`` of the fresh
+        gradients safe; Fabric passes no model, so all set-up models are finished.
+        """
+        with peer_failures_explained(f"{_STRATEGY}: backward"):
+            super().backward(tensor, module, *args, **kwargs)
+        for model in self._models:
+            _megatron.join_gradient_reduction(model)
+            _megatron.release_prefetched(model)
+            bind_full_tensor(model, gradients=True)
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip to total norm ``max_norm`` over all shards (each element counted once).
+
+        Raises:
+            RuntimeError: With ``error_if_nonfinite``, if the total norm is NaN or infinite
+                (on every rank: the norm is the same on all).
+        """
+        total = clip_sharded_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"{_STRATEGY}: the total norm of order {float(norm_type)} of the gradients is "
+                f"{total.item()}, so they cannot be clipped. Set "
+                "fabric.clip_gradients(..., error_if_nonfinite=False) to skip this check."
+            )
+        return total
+
+    @override
+    def clip_gradients_value(
+        self, module: nn.Module, optimizer: Optimizer, clip_val: float | int
+    ) -> None:
+        clip_sharded_grad_value_(self.precision.main_params(optimizer), clip_val)
+
+    # ------------------------------------------------------------------ collectives
+
+    @override
+    def all_reduce(
+        self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _lightning.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _lightning.distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _lightning.distributed_is_initialized():
+            return obj
+        container = [obj]
+        dist.broadcast_object_list(container, src, group=_group.WORLD)
+        return container[0]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _lightning.PATH,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Save ``state`` as one of our checkpoint directories, on every rank (a collective).
+
+        The model's and optimizers' state by FQN, each rank writing its own shards; every
+        other entry (a ``Stateful``'s ``state_dict()``, or the value) and each rank's random
+        streams in ``meta.pt``. Atomic and checksummed as the Trainer strategy's saves; a
+        Trainer ``fit(ckpt_path=...)`` resumes from it (model and optimizers by FQN).
+
+        Raises:
+            ValueError: ``filter`` is given, or the state holds no (or several) set-up models,
+                or a key the format reserves.
+            CheckpointSaveError: On every rank if any rank fails; nothing is written.
+        """
+        if filter is not None:
+            raise ValueError(
+                f"{_STRATEGY}: fabric.save(..., filter=...) is not supported: a sharded "
+                "checkpoint is loaded by FQN against the whole model. Save everything, or "
+                "export a filtered file afterwards with `lightning-megatron-fsdp consolidate`."
+            )
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        target = self.broadcast(str(path))
+        fabric_state = split_state(state, _STRATEGY, "fabric.save")
+        model = fabric_state.model
+        _megatron.release_prefetched(model)  # every unit at rest: DTensors
+        optimizer_states = []
+        for _, optimizer in fabric_state.optimizers:
+            ensure_optimizer_state(optimizer)
+            optimizer_states.append(get_optimizer_state_dict(model, optimizer))
+        checkpoint = to_checkpoint(fabric_state, get_model_state_dict(model), optimizer_states)
+        save_sharded_checkpoint(
+            self.checkpoint_io,
+            checkpoint,
+            target,
+            model,
+            self._exact_resume.states_for_checkpoint(self.root_device),
+            where=_STRATEGY,
+            storage_options=storage_options,
+            commit=True,  # Fabric has no later hook that would wait for an async write
+        )
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _lightning.PATH,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore ``state`` in place from one of our checkpoints (any world size), or a
+        module from a single file of full weights (``fabric.load_raw``).
+
+        Model and optimizers by FQN (optimizers matched by their saved key, or by
+        position for a Trainer checkpoint); other entries as Fabric does (``load_state_dict``
+        for ``Stateful`` objects, replaced otherwise). Each rank's random streams are
+        restored at the model's next forward when the world size is the same.
+
+        Returns:
+            The checkpoint's other entries (not requested in ``state``).
+
+        Raises:
+            ValueError: No state, or a state without exactly one set-up model.
+            NotACheckpointError / CheckpointCorruptedError / CheckpointMismatchError /
+                CheckpointError: As the Trainer strategy's load, on every rank.
+        """
+        if not state:
+            raise ValueError(
+                f"{_STRATEGY}: fabric.load(path, state) needs a state with the model to load "
+                "into, e.g. {'model': model, 'optimizer': optimizer}; a sharded checkpoint "
+                "cannot be returned whole."
+            )
+        target = self.broadcast(str(path))
+        if isinstance(state, nn.Module):
+            load_full_weights(state, target, strict=strict, weights_only=weights_only is not False)
+            _megatron.sync_compute_weights(state)
+            return {}
+        if isinstance(state, Optimizer):
+            raise NotImplementedError(
+                f"{_STRATEGY}: loading a single optimizer is not supported; pass "
+                "{'model': model, 'optimizer': optimizer} to fabric.load."
+            )
+        fabric_state = split_state(state, _STRATEGY, "fabric.load")
+        model = fabric_state.model
+        record, saved_count = Ranks.of().broadcast_from_first(
+            _peek(target, weights_only) if self.is_global_zero else None
+        )
+        optimizers = saved_optimizer_order(record, fabric_state, saved_count, target, _STRATEGY)
+        try:
+            result = load_into_sharded_model(
+                self.checkpoint_io,
+                target,
+                model,
+                optimizers,
+                weights_only=weights_only,
+                strict=strict,
+                allow_missing_optimizers=not strict,
+            )
+        except CheckpointException as err:  # a BaseException: never let it escape as is
+            raise CheckpointError(
+                f"{_STRATEGY}: " + dcp_failure_message("Loading", target, err)
+            ) from err
+        checkpoint = result.checkpoint
+        self._exact_resume.checkpoint_loaded(checkpoint, fitting=True)
+        _restore_streams_at_next_forward(model, self._exact_resume, self.root_device)
+        return restore_rest(checkpoint, state, fabric_state, strict)
+
+    @override
+    def teardown(self) -> None:
+        """Finish an async save; the process group stays (the model holds it) until exit."""
+        self._sharder.close(RuntimeError("teardown before setup finished sharding"))
+        self.precision.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
+        if self._checkpoint_io is not None:
+            self._checkpoint_io.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _lightning.StrategyRegistry) -> None:
+        if cls.strategy_name in strategy_registry:
+            return
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Megatron-FSDP (megatron_fsdp.experimental) fully sharded training",
+        )
+
+
+class _MicrobatchControl(_lightning.BackwardSyncControl):
+    """``fabric.no_backward_sync``: HSDP defers the all-reduce across replicas to the last
+    micro-batch (``microbatch``); plain FSDP finalises gradients on every backward, as in
+    the Trainer strategy, so there is nothing to skip."""
+
+    def __init__(self, strategy: MegatronFSDPStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if enabled and self._strategy.device_mesh.ndim > 1:
+            return _megatron.microbatch(module, is_last=False)
+        return contextlib.nullcontext()
+
+
+def _peek(path: str, weights_only: bool | None) -> tuple[dict[str, Any], int | None]:
+    """Rank 0: the saved Fabric keys (``meta.pt``) and optimizer count (manifest), if readable.
+
+    An unreadable or aside checkpoint gives nothing here (optimizers are then matched by
+    position); the load that follows explains what is wrong with it.
+    """
+    from pathlib import Path
+
+    try:
+        count: int | None = len(read_manifest(path).optimizer_fingerprints)
+        meta = torch.load(Path(path, META_FILE), map_location="cpu", weights_only=weights_only)
+    except Exception:
+        return {}, None
+    from lightning_megatron_fsdp.fabric.checkpoint_state import FABRIC_KEYS
+
+    return {FABRIC_KEYS: meta.get(FABRIC_KEYS)} if isinstance(meta, dict) else {}, count
+
+
+def _restore_streams_at_next_forward(
+    model: nn.Module, resume: ExactResume, device: torch.device
+) -> None:
+    """Put the loaded random streams back right before ``model``'s next forward, once."""
+
+    def hook(module: nn.Module, args: Any) -> None:
+        handle.remove()
+        resume.train_starting(device)
+
+    handle = model.register_forward_pre_hook(hook, prepend=True)

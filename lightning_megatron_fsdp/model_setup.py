@@ -1,0 +1,232 @@
+"""What both strategies (Trainer and Fabric) do to set a model up: processes, units, saves.
+
+Problem: the Lightning Trainer strategy and the Fabric strategy drive the same machinery
+(join one long-lived process group, shard a model's units bottom-up in one sharding
+context with the precision's compute dtype, save with each packed shard's true chunk
+attached) through two different framework contracts. Two copies of that glue would drift.
+
+How: :func:`join_process_group`, :class:`ModelSharder` and :func:`save_sharded_checkpoint`
+hold it once; each strategy only adapts its framework's calls to them. Everything here
+is torch, megatron-fsdp (through the package's own modules) and the checkpoint IO's
+interface; the only Lightning names are its cluster environment and process-group helper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_megatron_fsdp import _lightning, _torch
+from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
+from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointSaveError
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.checkpoint.save import PerRank
+from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
+from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY, rng_states_of
+from lightning_megatron_fsdp.interpreter_exit import register_exit_hook
+from lightning_megatron_fsdp.sharding import (
+    AutoWrapPolicy,
+    check_fully_sharded,
+    check_no_foreign_sharding,
+    check_placements,
+    materialize_outside_units,
+    plan_units,
+    shard_unit,
+    sharding_scope,
+)
+from lightning_megatron_fsdp.uneven_dtensor import attach_uneven_dtensor_metadata
+
+__all__ = [
+    "ModelSharder",
+    "join_process_group",
+    "move_unsharded_state",
+    "save_sharded_checkpoint",
+]
+
+
+def join_process_group(
+    cluster_environment: ClusterEnvironment,
+    backend: str,
+    root_device: torch.device,
+    timeout: timedelta | None,
+) -> None:
+    """Join the default process group once per process; it lives until the process ends.
+
+    Lightning registers its destruction at exit for NCCL only; the exit hook destroys it
+    for every backend, then waits until gloo's worker threads are done with Python
+    (:mod:`~lightning_megatron_fsdp.interpreter_exit`). Registered also for a group the
+    user created: the race is the same. Off CUDA the CPU adapter is enabled.
+    """
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if root_device.type != "cpu":
+        kwargs["device_id"] = root_device
+    if not _lightning.distributed_is_initialized():
+        _lightning.init_dist_connection(cluster_environment, backend, **kwargs)
+    register_exit_hook()
+    if root_device.type != "cuda":
+        enable_cpu_execution()
+
+
+class ModelSharder:
+    """Shards one model's units bottom-up in one sharding context, as a strategy does.
+
+    Args:
+        where: Names the strategy in errors.
+    """
+
+    def __init__(self, where: str) -> None:
+        self._where = where
+        self._sharding: contextlib.ExitStack | None = None
+
+    def shard(
+        self,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        placements: Placements,
+        *,
+        device: torch.device,
+        compute_dtype: torch.dtype | None,
+        mixed_precision_policy: MixedPrecisionPolicy | None,
+    ) -> None:
+        """Make ``module`` one unit (inside the context this sharder keeps open).
+
+        See :func:`~lightning_megatron_fsdp.sharding.shard_unit`; the context is opened
+        on the first call and finalised by :meth:`close`.
+        """
+        if self._sharding is None:
+            self._sharding = contextlib.ExitStack()
+            self._sharding.enter_context(sharding_scope())
+        shard_unit(
+            module,
+            mesh,
+            placements,
+            device=device,
+            compute_dtype=compute_dtype,
+            mixed_precision_policy=mixed_precision_policy,
+            where=self._where,
+        )
+
+    def shard_model(
+        self,
+        model: nn.Module,
+        policy: AutoWrapPolicy | None,
+        shard: Callable[[nn.Module], None],
+        device: torch.device,
+        placements: Placements,
+    ) -> None:
+        """Shard ``model`` bottom-up (:func:`~lightning_megatron_fsdp.sharding.plan_units`).
+
+        ``shard`` shards one unit (the strategy's, which knows mesh and precision); units
+        the user already sharded are left alone (they must have ``placements``). The
+        context is finalised (or abandoned on error) before returning.
+        """
+        check_no_foreign_sharding(model, self._where)
+        try:
+            if not isinstance(model, FsdpModule):
+                for unit in plan_units(model, policy):
+                    shard(unit)
+        except BaseException as err:
+            self.close(err)
+            raise
+        self.close(None)
+        materialize_outside_units(model, device, self._where)
+        move_unsharded_state(model, device)
+        check_fully_sharded(model, self._where)
+        check_placements(model, placements, self._where)
+
+    def close(self, error: BaseException | None) -> None:
+        """Finalise the sharding context (or abandon it after ``error``)."""
+        stack, self._sharding = self._sharding, None
+        if stack is None:
+            return
+        if error is None:
+            stack.close()
+        else:
+            stack.__exit__(type(error), error, error.__traceback__)
+
+
+def move_unsharded_state(model: nn.Module, device: torch.device) -> None:
+    """Move buffers and torchmetrics states to ``device``; record it as the model's device."""
+    from torchmetrics import Metric
+
+    for module in model.modules():
+        if isinstance(module, Metric):
+            module.to(device)
+            continue
+        buffers = _torch.own_buffers(module)
+        for name, buffer in buffers.items():
+            if buffer is not None and buffer.device != device:
+                buffers[name] = buffer.to(device)
+    _lightning.update_properties(model, device=device)
+
+
+def save_sharded_checkpoint(
+    io: CheckpointIO,
+    checkpoint: dict[str, Any],
+    filepath: Any,
+    model: nn.Module,
+    rng_states: Any,
+    *,
+    where: str,
+    storage_options: Any | None = None,
+    commit: bool = False,
+) -> None:
+    """Save ``checkpoint`` with each packed shard's true chunk attached. Collective.
+
+    ``checkpoint`` is Lightning's checkpoint dict: ``"state_dict"`` (FQN-keyed, from
+    ``get_model_state_dict``), ``"optimizer_states"`` (FQN-keyed, from
+    ``get_optimizer_state_dict``) and the picklable rest; ``rng_states`` is this rank's
+    random streams, gathered into rank 0's ``meta.pt``. The path is rank 0's. Attaching is
+    rank-local and can fail on one rank alone, so the ranks agree on its outcome before
+    the IO's first collective. With ``commit`` the IO's teardown runs after the save, so an
+    async save is committed when the call returns (nothing later waits for it).
+
+    Raises:
+        CheckpointSaveError: On every rank if any rank fails (naming the failing rank and
+            its error); nothing is written.
+    """
+
+    def attach() -> None:
+        attach_uneven_dtensor_metadata(model, checkpoint.get("state_dict", {}), {})
+        for optimizer_state in checkpoint.get("optimizer_states", []):
+            attach_uneven_dtensor_metadata(model, {}, optimizer_state)
+
+    # Every rank's random streams, in rank 0's meta.pt: gathered by the save's first round.
+    checkpoint[RNG_STATES_KEY] = PerRank(rng_states, combine=rng_states_of)
+    try:
+        if isinstance(io, MegatronFSDPCheckpointIO):
+            # One round agrees on the path, the attached metadata and the layout.
+            io.save_checkpoint(checkpoint, filepath, storage_options, prepare=attach)
+        else:  # a wrapper or another plugin: the same steps, a round each
+            ranks = Ranks.of()
+            path = ranks.broadcast_from_first(str(filepath))
+            checkpoint[RNG_STATES_KEY] = rng_states_of(
+                ranks.all_gather(checkpoint[RNG_STATES_KEY].value)
+            )
+            error: Exception | None = None
+            try:
+                attach()
+            except Exception as err:
+                error = err
+            ranks.raise_together(
+                f"{where}: saving checkpoint {path} (attaching chunk metadata)",
+                error,
+                CheckpointSaveError,
+                consequence="nothing was written",
+            )
+            io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        if commit:
+            io.teardown()
+    except CheckpointException as err:  # a BaseException: never let it escape as is
+        raise CheckpointSaveError(
+            f"{where}: " + dcp_failure_message("Saving", filepath, err)
+        ) from err
