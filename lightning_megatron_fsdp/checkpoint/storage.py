@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import io
 import math
 import os
@@ -21,7 +22,7 @@ import pickle
 import re
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -432,6 +433,25 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
+_ReadAt = Callable[[list[Any], int], int]
+"""Fill ``buffers`` from a file at ``offset``; returns the bytes read (short at its end)."""
+
+
+def _read_stream_exact(stream: Any, buffers: list[Any], offset: int) -> int:
+    """:func:`_read_exact` through a file system's stream (``seek`` and ``readinto``)."""
+    stream.seek(offset)
+    total = 0
+    for buffer in buffers:
+        view = memoryview(buffer).cast("B")
+        while view.nbytes:
+            n = stream.readinto(view)
+            if not n:
+                return total
+            total += n
+            view = view[n:]
+    return total
+
+
 def _read_exact(fd: int, buffers: list[Any], offset: int) -> int:
     """``preadv`` until every buffer is full or the file ends; returns bytes read."""
     views = [memoryview(b).cast("B") for b in buffers]
@@ -503,7 +523,8 @@ class VerifyingFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # DCP's no-collective per-rank metadata
             return super().read_metadata(*args, **kwargs)
-        data = Path(_torch.metadata_path(self)).read_bytes()
+        with self.fs.create_stream(_torch.metadata_path(self), "rb") as stream:
+            data = stream.read()
         expected = self._expected_digest(DCP_METADATA_FILE)
         if expected is not None:
             algorithm, digest = expected
@@ -571,20 +592,34 @@ class VerifyingFileSystemReader(FileSystemReader):
             per_file.setdefault(name, []).append(item)
         for name, items in per_file.items():
             items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
-            fd = os.open(Path(self.path) / name, os.O_RDONLY)
-            try:
+            with self._opened(name) as read_at:
                 for item in items:
                     self.progress.current = item.dest_index.fqn
-                    self._read_record(fd, name, item, planner)
+                    self._read_record(read_at, name, item, planner)
                     self.progress.written += 1
                     self.progress.last, self.progress.current = item.dest_index.fqn, None
-            finally:
-                os.close(fd)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _read_record(self, fd: int, name: str, item: ReadItem, planner: LoadPlanner) -> None:
+    @contextlib.contextmanager
+    def _opened(self, name: str) -> Iterator[_ReadAt]:
+        """Read access to one file: ``preadv`` on a descriptor with torch's local file
+        system; through ``self.fs``'s streams when the user replaced it (as torch's
+        reader allows)."""
+        if type(self.fs) is FileSystem:
+            fd = os.open(Path(self.path) / name, os.O_RDONLY)
+            try:
+                yield functools.partial(_read_exact, fd)
+            finally:
+                os.close(fd)
+            return
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+            yield functools.partial(_read_stream_exact, stream)
+
+    def _read_record(
+        self, read_at: _ReadAt, name: str, item: ReadItem, planner: LoadPlanner
+    ) -> None:
         info = self.storage_data[item.storage_index]
         annotation = self._annotation(item)
         expected = annotation.get("crc32c") if self.verify else None
@@ -594,10 +629,10 @@ class VerifyingFileSystemReader(FileSystemReader):
             and annotation.get("byteorder") == sys.byteorder
             and not info.transform_descriptors
         ):
-            self._read_payload(fd, name, item, planner, annotation, expected)
+            self._read_payload(read_at, name, item, planner, annotation, expected)
             return
         data = bytearray(info.length)
-        if _read_exact(fd, [data], info.offset) != info.length:
+        if read_at([data], info.offset) != info.length:
             raise self._truncated(name, item)
         if expected is not None and (found := crc32c(data)) != expected:
             raise self._mismatch(name, item, found, expected)
@@ -620,7 +655,7 @@ class VerifyingFileSystemReader(FileSystemReader):
 
     def _read_payload(
         self,
-        fd: int,
+        read_at: _ReadAt,
         name: str,
         item: ReadItem,
         planner: LoadPlanner,
@@ -650,7 +685,7 @@ class VerifyingFileSystemReader(FileSystemReader):
         chunk = target if direct else torch.empty(sizes, dtype=dtype)
         head, tail = bytearray(payload), bytearray(info.length - payload - nbytes)
         body = _tensor_bytes(chunk)
-        if _read_exact(fd, [head, body, tail], info.offset) != info.length:
+        if read_at([head, body, tail], info.offset) != info.length:
             raise self._truncated(name, item)
         if expected is not None:
             found = crc32c(tail, crc32c(body, crc32c(head)))
