@@ -203,3 +203,40 @@ def test_a_replaced_file_system_is_used_and_still_checksummed(
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointException, match=_CORRUPTED):
         dcp.load(_state(1), storage_reader=VerifyingFileSystemReader(tmp_path))
+
+
+class _OpenCountingFileSystem(FileSystem):
+    """A user's replacement file system for a reader: counts the streams read through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened: list[str] = []
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        self.opened.append(f"{Path(path).name}:{mode}")
+        with super().create_stream(path, mode) as stream:
+            yield stream
+
+
+def test_a_replaced_reader_file_system_is_read_through_and_verified(tmp_path: Path) -> None:
+    """A replaced ``reader.fs`` (torch's reader reads through it) serves ``.metadata`` and
+    every shard file, the load is bit-exact, and a flipped byte still fails its CRC32C."""
+    saved = _state(0)
+    dcp.save(saved, storage_writer=ChecksummingFileSystemWriter(tmp_path, thread_count=2))
+    reader = VerifyingFileSystemReader(tmp_path)
+    counting = _OpenCountingFileSystem()
+    reader.fs = counting
+    loaded = _state(1)
+    dcp.load(loaded, storage_reader=reader)
+    _assert_equal(loaded, saved)
+    shards = sorted(p.name for p in tmp_path.glob("*.distcp"))
+    assert sorted(counting.opened) == sorted([".metadata:rb", *(f"{n}:rb" for n in shards)])
+    shard = tmp_path / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-20] ^= 0x01
+    shard.write_bytes(bytes(data))
+    reader = VerifyingFileSystemReader(tmp_path)
+    reader.fs = _OpenCountingFileSystem()
+    with pytest.raises(CheckpointException, match=_CORRUPTED):
+        dcp.load(_state(1), storage_reader=reader)

@@ -14,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import io
 import math
 import os
 import re
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -441,6 +442,25 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
+_ReadAt = Callable[[list[Any], int], int]
+"""Fill ``buffers`` from a file at ``offset``; returns the bytes read (short at its end)."""
+
+
+def _read_stream_exact(stream: Any, buffers: list[Any], offset: int) -> int:
+    """:func:`_read_exact` through a file system's stream (``seek`` and ``readinto``)."""
+    stream.seek(offset)
+    total = 0
+    for buffer in buffers:
+        view = memoryview(buffer).cast("B")
+        while view.nbytes:
+            n = stream.readinto(view)
+            if not n:
+                return total
+            total += n
+            view = view[n:]
+    return total
+
+
 def _read_exact(fd: int, buffers: list[Any], offset: int) -> int:
     """``preadv`` until every buffer is full or the file ends; returns bytes read."""
     views = [memoryview(b).cast("B") for b in buffers]
@@ -534,7 +554,7 @@ class VerifyingFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         name = Path(_torch.metadata_path(self, kwargs.get("rank"))).name
         try:
-            data = read_regular(self.path, name, size=self._expected_size(name))
+            data = self._read_whole(name)
         except OSError as err:
             raise self._corrupted(name, str(err)) from err
         expected = self._expected_digest(name)
@@ -630,23 +650,46 @@ class VerifyingFileSystemReader(FileSystemReader):
             per_file.setdefault(name, []).append(item)
         for name, items in per_file.items():
             items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
+            with self._opened(name) as read_at:
+                for item in items:
+                    self.progress.current = item.dest_index.fqn
+                    self._read_record(read_at, name, item, planner)
+                    self.progress.written += 1
+                    self.progress.last, self.progress.current = item.dest_index.fqn, None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    @contextlib.contextmanager
+    def _opened(self, name: str) -> Iterator[_ReadAt]:
+        """Read access to one file: ``preadv`` on a descriptor with torch's local file
+        system; through ``self.fs``'s streams when the user replaced it (as torch's
+        reader allows)."""
+        if type(self.fs) is FileSystem:
             try:
                 fd = open_regular(self.path, name, size=self._expected_size(name))
             except OSError as err:
                 raise self._corrupted(name, str(err)) from err
             try:
-                for item in items:
-                    self.progress.current = item.dest_index.fqn
-                    self._read_record(fd, name, item, planner)
-                    self.progress.written += 1
-                    self.progress.last, self.progress.current = item.dest_index.fqn, None
+                yield functools.partial(_read_exact, fd)
             finally:
                 os.close(fd)
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
+            return
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+            yield functools.partial(_read_stream_exact, stream)
 
-    def _read_record(self, fd: int, name: str, item: ReadItem, planner: LoadPlanner) -> None:
+    def _read_whole(self, name: str) -> bytes:
+        """One whole file of the checkpoint: confined to the directory (a plain, regular
+        file of the manifest's size) with torch's local file system; through ``self.fs``'s
+        streams when the user replaced it."""
+        if type(self.fs) is FileSystem:
+            return read_regular(self.path, name, size=self._expected_size(name))
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+            return cast(bytes, stream.read())
+
+    def _read_record(
+        self, read_at: _ReadAt, name: str, item: ReadItem, planner: LoadPlanner
+    ) -> None:
         info = self.storage_data[item.storage_index]
         annotation = self._annotation(item)
         expected = annotation.get("crc32c") if self.verify else None
@@ -656,10 +699,10 @@ class VerifyingFileSystemReader(FileSystemReader):
             and annotation.get("byteorder") == sys.byteorder
             and not info.transform_descriptors
         ):
-            self._read_payload(fd, name, item, planner, annotation, expected)
+            self._read_payload(read_at, name, item, planner, annotation, expected)
             return
         data = bytearray(info.length)
-        if _read_exact(fd, [data], info.offset) != info.length:
+        if read_at([data], info.offset) != info.length:
             raise self._truncated(name, item)
         if expected is not None and (found := crc32c(data)) != expected:
             raise self._mismatch(name, item, found, expected)
@@ -689,7 +732,7 @@ class VerifyingFileSystemReader(FileSystemReader):
 
     def _read_payload(
         self,
-        fd: int,
+        read_at: _ReadAt,
         name: str,
         item: ReadItem,
         planner: LoadPlanner,
@@ -719,7 +762,7 @@ class VerifyingFileSystemReader(FileSystemReader):
         chunk = target if direct else torch.empty(sizes, dtype=dtype)
         head, tail = bytearray(payload), bytearray(info.length - payload - nbytes)
         body = _tensor_bytes(chunk)
-        if _read_exact(fd, [head, body, tail], info.offset) != info.length:
+        if read_at([head, body, tail], info.offset) != info.length:
             raise self._truncated(name, item)
         if expected is not None:
             found = crc32c(tail, crc32c(body, crc32c(head)))
