@@ -34,6 +34,7 @@ __all__ = [
     "OwnWriteLoopWriter",
     "caching_save_planner",
     "create_file_view",
+    "dcp_metadata_private_types",
     "dtensor_with_local",
     "fake_tensor_mode",
     "fqns_of",
@@ -171,9 +172,27 @@ def storage_info(relative_path: str, offset: int, length: int) -> Any:
     return _filesystem._StorageInfo(relative_path, offset, length)
 
 
-def metadata_path(reader: FileSystemReader) -> str:
-    """Where ``reader`` reads ``.metadata`` from."""
-    return cast(str, reader._get_metadata_path())
+def metadata_path(reader: FileSystemReader, rank: int | None = None) -> str:
+    """Where ``reader`` reads ``.metadata`` (or DCP's per-rank metadata) from."""
+    return cast(str, reader._get_metadata_path(rank))
+
+
+def dcp_metadata_private_types() -> dict[tuple[str, str], Any]:
+    """The private torch names a DCP ``.metadata`` pickle references, by (module, name).
+
+    DCP pickles its storage index as ``filesystem._StorageInfo``, a tensor's memory format
+    as ``metadata._MEM_FORMAT_ENCODING`` and its layout through
+    ``serialization._get_layout``; each is data or a lookup by name, none runs user code.
+    """
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    return {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _filesystem._StorageInfo,
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): (
+            dcp_metadata._MEM_FORMAT_ENCODING
+        ),
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    }
 
 
 def create_file_view(file: Any, offset: int, length: int) -> Any:

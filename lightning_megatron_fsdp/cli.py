@@ -10,6 +10,9 @@ Subcommands (each runs in one process, without a GPU or a process group)::
                                         [--overwrite] [--skip-checksums]
     lightning-megatron-fsdp inspect CHECKPOINT_DIR [--json] [--verify] [--skip-checksums]
 
+Every command also takes ``--trust-checkpoint`` (unpickle the checkpoint's pickles in
+full; by default nothing from it runs) and ``--debug`` (a traceback with an error).
+
 ``consolidate`` writes the bare weights to ``OUTPUT`` as safetensors or ``torch.save`` by
 its suffix (:func:`~lightning_megatron_fsdp.export.consolidate_checkpoint`);
 ``--strip-prefix model.`` keeps only the inner module's weights, under its own names
@@ -24,7 +27,9 @@ completeness, sizes and checksums (CRC32C; sha256 in format-1 checkpoints) again
 manifest.
 
 Exit status: 0 on success, 1 when the checkpoint or output is rejected (or ``--verify``
-finds problems), 2 for a command-line usage error. Errors go to stderr.
+finds problems), 2 for a command-line usage error. Errors go to stderr, as one message
+without a traceback (unless ``--debug``). Each command imports only what it uses: neither
+Lightning nor megatron-fsdp.
 """
 
 from __future__ import annotations
@@ -33,12 +38,10 @@ import argparse
 import json
 import sys
 import warnings
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
-from lightning_megatron_fsdp.export import consolidate_checkpoint
-from lightning_megatron_fsdp.inspection import CheckpointInfo, inspect_checkpoint, verify_checkpoint
-from lightning_megatron_fsdp.lightning_checkpoint import export_lightning_checkpoint
+if TYPE_CHECKING:
+    from lightning_megatron_fsdp.inspection import CheckpointInfo
 
 __all__ = ["build_parser", "main"]
 
@@ -119,7 +122,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --verify: check sizes and completeness but not checksums",
     )
+    for command in (consolidate, lightning, inspect):
+        _add_safety_options(command)
     return parser
+
+
+def _add_safety_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help=(
+            "unpickle the checkpoint's pickles in full (runs any code they hold); only for "
+            "a checkpoint from a source you trust. By default nothing from it runs"
+        ),
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="print the traceback of an error as well"
+    )
 
 
 def _add_paths_and_dtype(parser: argparse.ArgumentParser) -> None:
@@ -193,14 +212,21 @@ def _print_table(info: CheckpointInfo, out: TextIO) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
+    from lightning_megatron_fsdp.inspection import inspect_checkpoint, verify_checkpoint
+
     info: CheckpointInfo | None = None
     error: CheckpointError | None = None
     try:
-        info = inspect_checkpoint(args.checkpoint)
+        info = inspect_checkpoint(args.checkpoint, trust_checkpoint=args.trust_checkpoint)
     except CheckpointError as err:
         error = err
     problems = (
-        verify_checkpoint(args.checkpoint, checksums=not args.skip_checksums)
+        verify_checkpoint(
+            args.checkpoint,
+            checksums=not args.skip_checksums,
+            trust_checkpoint=args.trust_checkpoint,
+        )
         if args.verify
         else None
     )
@@ -251,8 +277,12 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
+
     try:
         if args.command == "export-lightning":
+            from lightning_megatron_fsdp.lightning_checkpoint import export_lightning_checkpoint
+
             output = export_lightning_checkpoint(
                 args.checkpoint,
                 args.output,
@@ -260,8 +290,11 @@ def _export(args: argparse.Namespace) -> int:
                 dtype=args.dtype,
                 overwrite=args.overwrite,
                 verify_checksums=not args.skip_checksums,
+                trust_checkpoint=args.trust_checkpoint,
             )
         else:
+            from lightning_megatron_fsdp.export import consolidate_checkpoint
+
             output = consolidate_checkpoint(
                 args.checkpoint,
                 args.output,
@@ -270,8 +303,11 @@ def _export(args: argparse.Namespace) -> int:
                 strip_prefix=args.strip_prefix,
                 overwrite=args.overwrite,
                 verify_checksums=not args.skip_checksums,
+                trust_checkpoint=args.trust_checkpoint,
             )
     except (CheckpointError, OSError, ValueError) as err:
+        if args.debug:
+            raise
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 1
     print(f"wrote {output} ({_format_bytes(output.stat().st_size)})")
@@ -288,9 +324,20 @@ def main(argv: list[str] | None = None) -> int:
         The exit status (0 success, 1 rejected input or failed verification).
     """
     args = build_parser().parse_args(argv)
-    if args.command in ("consolidate", "export-lightning"):
-        return _consolidate(args)
-    return _inspect(args)
+    try:
+        if args.command in ("consolidate", "export-lightning"):
+            return _consolidate(args)
+        return _inspect(args)
+    except BaseException as err:  # any other failure on bad input: no traceback
+        # (DCP's CheckpointException is a BaseException.)
+        if args.debug or isinstance(err, KeyboardInterrupt | SystemExit | GeneratorExit):
+            raise
+        print(
+            f"{PROG}: error: {args.checkpoint}: {type(err).__name__}: {err} (rerun with "
+            "--debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

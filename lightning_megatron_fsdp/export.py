@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -80,7 +81,6 @@ from typing import IO, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -90,8 +90,15 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from lightning_megatron_fsdp import _torch
+from lightning_megatron_fsdp.checkpoint.confined_files import (
+    FileWindow,
+    create_exclusive,
+    open_regular,
+)
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
 from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, MANIFEST_FILE
+from lightning_megatron_fsdp.checkpoint.safe_unpickling import check_tensor_record
+from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
 from lightning_megatron_fsdp.inspection import (
     _MAX_EXAMPLES,
     MODEL_PREFIX,
@@ -176,8 +183,12 @@ class _Entry:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-class _StreamingReader(FileSystemReader):
-    """``FileSystemReader`` that reuses parsed metadata and reads chunks into place.
+class _StreamingReader(VerifyingFileSystemReader):
+    """A reader that reuses parsed metadata and reads chunks into place.
+
+    Checksums were compared before (``_check``), so it does not verify again; it opens
+    files and bounds records as :class:`VerifyingFileSystemReader` does, and anything it
+    does not read itself goes through that reader.
 
     ``dcp.load`` still plans every read (which stored chunk lands where); only the byte
     copy differs. DCP's reader ``torch.load``s each stored chunk into a new tensor and
@@ -191,8 +202,8 @@ class _StreamingReader(FileSystemReader):
     ``dcp.load`` would otherwise unpickle once per tensor.
     """
 
-    def __init__(self, path: Path, metadata: Metadata) -> None:
-        super().__init__(str(path))
+    def __init__(self, path: Path, metadata: Metadata, *, trust: bool = False) -> None:
+        super().__init__(str(path), verify=False, trust_checkpoint=trust)
         self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -206,7 +217,11 @@ class _StreamingReader(FileSystemReader):
             )
         fallback = []
         for relative_path, items in per_file.items():
-            with open(os.path.join(self.path, relative_path), "rb") as stream:
+            try:
+                fd = open_regular(self.path, relative_path, size=self._expected_size(relative_path))
+            except OSError as err:
+                raise self._corrupted(relative_path, str(err)) from err
+            with open(fd, "rb") as stream:
                 fallback += [item for item in items if not self._read_into(stream, item, planner)]
         if fallback:
             return super().read_data(dataclasses.replace(plan, items=fallback), planner)
@@ -219,11 +234,26 @@ class _StreamingReader(FileSystemReader):
         info = self.storage_data[item.storage_index]
         if item.type != LoadItemType.TENSOR or info.transform_descriptors:
             return False
+        where = f"{os.path.join(self.path, info.relative_path)}: {self._where(item)}"
+        chunk = self._chunks.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
+        if chunk is None:
+            raise CheckpointCorruptedError(f"{where}: no such chunk in {DCP_METADATA_FILE}")
+        check_tensor_record(
+            io.BufferedReader(FileWindow(stream.fileno(), info.offset, info.length)),
+            math.prod(chunk[0]) * chunk[1].itemsize,
+            source=where,
+        )
         view = _torch.create_file_view(stream, info.offset, info.length)
         stored = torch.load(view, map_location="meta", weights_only=True)
         offset = getattr(stored.untyped_storage(), "_checkpoint_offset", None)
         source = _torch.narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
+        nbytes = target.numel() * target.element_size()
+        if offset is not None and (
+            offset + source.storage_offset() * source.element_size() + nbytes > info.length
+            or offset < 0
+        ):
+            raise CheckpointCorruptedError(f"{where}: the tensor data lies outside its record")
         if (
             offset is None
             or sys.byteorder != "little"
@@ -233,7 +263,6 @@ class _StreamingReader(FileSystemReader):
             or not target.is_contiguous()
         ):
             return False
-        nbytes = target.numel() * target.element_size()
         start = info.offset + offset + source.storage_offset() * source.element_size()
         if nbytes:
             stream.seek(start)
@@ -335,22 +364,34 @@ def _checkpoints_inside(path: Path) -> list[str]:
 
 
 def _write_atomically(
-    output: Path, write: Callable[[Path], None], *, overwrite: bool, who: str
+    output: Path, write: Callable[[IO[bytes]], None], *, overwrite: bool, who: str
 ) -> None:
-    """Run ``write(temporary)`` on a hidden file next to ``output``, fsync it, rename it
+    """Run ``write(stream)`` on a new hidden file next to ``output``, fsync it, rename it
     into place; remove it on any error, so ``output`` is either complete or untouched.
+
+    The file is created with ``O_EXCL | O_NOFOLLOW`` and only ever used through the
+    descriptor that created it; before the rename, the name must still be that file
+    (someone who can write to the folder could otherwise swap in their own).
 
     Args:
         output: The final path.
-        write: Creates and writes the temporary file it is given.
+        write: Writes (and may seek and re-read) the open temporary file it is given.
         overwrite: Replace an ``output`` that appeared meanwhile.
         who: The public function, for error messages.
     """
     temporary = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:12]}"
     try:
-        write(temporary)
-        with temporary.open("rb") as stream:
+        with open(create_exclusive(temporary), "w+b") as stream:
+            write(stream)
+            stream.flush()
             os.fsync(stream.fileno())
+            mine, now = os.fstat(stream.fileno()), os.stat(temporary, follow_symlinks=False)
+            if (mine.st_dev, mine.st_ino) != (now.st_dev, now.st_ino):
+                raise FileExistsError(
+                    f"{who}: the temporary file {temporary} was replaced while exporting "
+                    "(another process writes to the output folder); nothing was written. "
+                    "Export into a folder only you can write to."
+                )
         if output.exists() and not overwrite:
             raise FileExistsError(
                 f"{who}: output {output} appeared while exporting; nothing "
@@ -442,10 +483,19 @@ def _select_entries(
 
 @contextlib.contextmanager
 def _quiet_no_dist() -> Iterator[None]:
-    """Silence DCP's warning that there is no process group: that is the point here."""
+    """Silence DCP's warning that there is no process group: that is the point here; and
+    raise the reader's own error rather than DCP's wrapper of it (a ``BaseException``)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is .*", category=UserWarning)
-        yield
+        try:
+            yield
+        except CheckpointException as err:
+            failures = [failure for failure, _ in err.failures.values()]
+            if failures and isinstance(failures[0], Exception):
+                raise failures[0] from err
+            raise CheckpointCorruptedError(f"reading the checkpoint failed: {err}") from err
 
 
 def _load_tensor(reader: _StreamingReader, entry: _Entry) -> torch.Tensor:
@@ -553,9 +603,13 @@ def _at(tree: Any, place: _Place) -> Any:
 
 
 def _write_torch(
-    path: Path, tree: dict[str, Any], places: list[tuple[_Entry, _Place]], reader: _StreamingReader
+    stream: IO[bytes],
+    tree: dict[str, Any],
+    places: list[tuple[_Entry, _Place]],
+    reader: _StreamingReader,
 ) -> None:
-    """Write ``tree`` to ``path`` as a ``torch.save`` file, one tensor in memory at a time.
+    """Write ``tree`` to the new, empty file ``stream`` as a ``torch.save`` file, one
+    tensor in memory at a time.
 
     ``tree`` is any picklable nest of dicts and lists; at each place of ``places`` it will
     hold that entry's full tensor (whatever is there now is replaced). ``torch.save``
@@ -569,29 +623,31 @@ def _write_torch(
             assert entry.dtype is not None
             _at(tree, place[:-1])[place[-1]] = torch.empty(entry.shape, dtype=entry.dtype)
     with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(tree, path)
+        torch.save(tree, stream)
     for _, place in places:  # drop the fakes: the caller's tree holds no tensor of ours
         _at(tree, place[:-1])[place[-1]] = None
-    # Our own file, whose objects came out of the checkpoint already unpickled.
-    placed = torch.load(path, map_location="meta", weights_only=False)
+    # Our own file, read back through the descriptor that wrote it (never by name), whose
+    # objects came out of the checkpoint already unpickled.
+    stream.flush()
+    stream.seek(0)
+    placed = torch.load(stream, map_location="meta", weights_only=False)
     crc_by_offset: dict[int, int] = {}
-    with path.open("r+b") as stream:
-        for entry, place in places:
-            assert entry.dtype is not None
-            meta_tensor = _at(placed, place)
-            storage = meta_tensor.untyped_storage()
-            offset = getattr(storage, "_checkpoint_offset", None)
-            if offset is None or storage.nbytes() != entry.nbytes:
-                raise AssertionError(
-                    f"torch.save skeleton: record of {entry.name!r} has offset {offset} and "
-                    f"{storage.nbytes()} bytes, expected {entry.nbytes}; torch's serialization "
-                    "changed in a way this exporter does not support."
-                )
-            stream.seek(offset)
-            crc = _write_tensor(stream, _load_tensor(reader, entry), entry.dtype)
-            if entry.nbytes:
-                crc_by_offset[offset] = crc
-        _patch_zip_crcs(stream, crc_by_offset)
+    for entry, place in places:
+        assert entry.dtype is not None
+        meta_tensor = _at(placed, place)
+        storage = meta_tensor.untyped_storage()
+        offset = getattr(storage, "_checkpoint_offset", None)
+        if offset is None or storage.nbytes() != entry.nbytes:
+            raise AssertionError(
+                f"torch.save skeleton: record of {entry.name!r} has offset {offset} and "
+                f"{storage.nbytes()} bytes, expected {entry.nbytes}; torch's serialization "
+                "changed in a way this exporter does not support."
+            )
+        stream.seek(offset)
+        crc = _write_tensor(stream, _load_tensor(reader, entry), entry.dtype)
+        if entry.nbytes:
+            crc_by_offset[offset] = crc
+    _patch_zip_crcs(stream, crc_by_offset)
 
 
 def _patch_zip_crcs(stream: IO[bytes], crc_by_offset: dict[int, int]) -> None:
@@ -641,6 +697,7 @@ def consolidate_checkpoint(
     strip_prefix: str | None = None,
     overwrite: bool = False,
     verify_checksums: bool = True,
+    trust_checkpoint: bool = False,
 ) -> Path:
     """Write a checkpoint's full, unsharded tensors to one ``.safetensors`` or ``.pt`` file.
 
@@ -680,6 +737,8 @@ def consolidate_checkpoint(
             default although it reads the checkpoint twice: a flipped bit inside a shard
             leaves sizes and structure intact and would be exported silently. Sizes,
             completeness and chunk tiling are always checked.
+        trust_checkpoint: Unpickle ``.metadata`` and byte records in full. By default
+            nothing from the checkpoint is run (see the README, "Untrusted checkpoints").
 
     Returns:
         ``output_path`` as a ``Path``.
@@ -705,7 +764,7 @@ def consolidate_checkpoint(
     output_format = _output_format(output)
     _check_strip_prefix(strip_prefix, include_optimizer=include_optimizer)
     _check_output(output, checkpoint, overwrite=overwrite)
-    checked = _check(checkpoint, checksums=verify_checksums)
+    checked = _check(checkpoint, checksums=verify_checksums, trust=trust_checkpoint)
     _refuse_problems(checked, checkpoint, who)
     entries = _select_entries(
         checked,
@@ -715,7 +774,7 @@ def consolidate_checkpoint(
         strip_prefix=strip_prefix,
     )
     assert checked.metadata is not None  # _select_entries checked it
-    reader = _StreamingReader(checkpoint, checked.metadata)
+    reader = _StreamingReader(checkpoint, checked.metadata, trust=trust_checkpoint)
     objects = {e.name: _load_object(reader, e) for e in entries if e.dtype is None}
     if output_format == "safetensors":
         for entry in entries:
@@ -726,14 +785,13 @@ def consolidate_checkpoint(
                     "only tensors. Export to .pt instead."
                 )
 
-    def write(temporary: Path) -> None:
+    def write(stream: IO[bytes]) -> None:
         if output_format == "safetensors":
-            with temporary.open("xb") as stream:
-                _write_safetensors(stream, entries, reader, objects)
+            _write_safetensors(stream, entries, reader, objects)
         else:
             tree = {e.name: objects.get(e.name) for e in entries}
             places = [(e, (e.name,)) for e in entries if e.dtype is not None]
-            _write_torch(temporary, tree, places, reader)
+            _write_torch(stream, tree, places, reader)
 
     _write_atomically(output, write, overwrite=overwrite, who=who)
     return output

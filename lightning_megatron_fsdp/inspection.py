@@ -14,6 +14,7 @@ compare the two and the files on disk (chunks must tile each tensor exactly once
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import os
 from collections.abc import Mapping
@@ -21,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     TensorStorageMetadata,
 )
 
+from lightning_megatron_fsdp.checkpoint.checksums import bytes_digest
+from lightning_megatron_fsdp.checkpoint.confined_files import FileWindow, open_regular, read_regular
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
 from lightning_megatron_fsdp.checkpoint.format import (
     DCP_METADATA_FILE,
@@ -40,6 +42,11 @@ from lightning_megatron_fsdp.checkpoint.format import (
     TensorSpec,
     check_files,
     read_manifest,
+)
+from lightning_megatron_fsdp.checkpoint.safe_unpickling import (
+    check_tensor_record,
+    load_dcp_metadata,
+    load_weights_only,
 )
 from lightning_megatron_fsdp.upstream_checkpoint import FORMAT_NAME as UPSTREAM_FORMAT_NAME
 from lightning_megatron_fsdp.upstream_checkpoint import NOTE as UPSTREAM_NOTE
@@ -176,50 +183,73 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _read_metadata(path: Path) -> Metadata:
-    """Parse ``<path>/.metadata``.
+def read_checked(path: Path, name: str, manifest: Manifest | None, *, digest: bool = True) -> bytes:
+    """The bytes of ``path/name``, read confined to ``path``; with a manifest, only if
+    it lists the file with this size and (``digest``) checksum: nothing that fails them
+    is ever unpickled.
 
     Raises:
-        CheckpointCorruptedError: If it is missing or does not parse as DCP metadata.
+        CheckpointCorruptedError: If the manifest does not list it, or it differs.
+        FileNotFoundError: If it is missing.
+        OSError: If it is a link, FIFO or device, or cannot be read.
     """
-    if not (path / DCP_METADATA_FILE).is_file():
+    record = None if manifest is None else manifest.files.get(name)
+    if manifest is not None and record is None:
+        raise CheckpointCorruptedError(
+            f"{name}: not listed in {MANIFEST_FILE}; it cannot be checked, so it is not read."
+        )
+    data = read_regular(path, name, size=None if record is None else record.size)
+    expected = None if record is None or not digest else record.digest()
+    if expected is not None and (found := bytes_digest(data, expected[0])) != expected[1]:
+        raise CheckpointCorruptedError(
+            f"{name}: {expected[0]} {found} on disk, {expected[1]} in the manifest (the file "
+            "changed after it was written); it was not unpickled."
+        )
+    return data
+
+
+def _read_metadata(
+    path: Path, manifest: Manifest | None = None, *, digest: bool = True, trust: bool = False
+) -> Metadata:
+    """Parse ``<path>/.metadata`` safely, after its size and checksum (see
+    :func:`read_checked`).
+
+    Raises:
+        CheckpointCorruptedError: If it is missing, differs from the manifest, or does not
+            parse as DCP metadata.
+    """
+    try:
+        data = read_checked(path, DCP_METADATA_FILE, manifest, digest=digest)
+    except FileNotFoundError as err:
         raise CheckpointCorruptedError(
             f"{DCP_METADATA_FILE}: missing. Every checkpoint has this DCP index of its "
             "tensors; without it no tensor can be located."
-        )
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as err:  # a pickle of unknown content can raise anything
-        raise CheckpointCorruptedError(
-            f"{DCP_METADATA_FILE}: unreadable as DCP metadata ({type(err).__name__}: {err}); "
-            "the file is corrupt or was not written by torch.distributed.checkpoint."
         ) from err
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise CheckpointCorruptedError(
-            f"{DCP_METADATA_FILE}: holds {type(metadata).__name__}, expected torch DCP "
-            "Metadata with the storage index FileSystemWriter records."
-        )
-    return metadata
+    except OSError as err:
+        raise CheckpointCorruptedError(f"{DCP_METADATA_FILE}: {err}") from err
+    return load_dcp_metadata(data, source=DCP_METADATA_FILE, trust=trust)
 
 
-def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+def _read_meta(
+    path: Path, manifest: Manifest | None = None
+) -> tuple[dict[str, Any] | None, str | None]:
     """The plain-value top-level entries of ``meta.pt``, or ``None`` and why not.
 
     ``weights_only=True``: inspecting a checkpoint must not run code from it. Lightning's
     ``hyper_parameters`` may hold arbitrary objects; then the scalars come from the
     manifest alone.
     """
-    file = path / META_FILE
-    if not file.is_file():
-        return None, f"{META_FILE}: missing."
     try:
-        meta = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:  # UnpicklingError, RuntimeError, ... depending on content
+        data = read_checked(path, META_FILE, manifest)
+    except FileNotFoundError:
+        return None, f"{META_FILE}: missing."
+    except OSError as err:
+        raise CheckpointCorruptedError(f"{META_FILE}: {err}") from err
+    try:
+        meta = load_weights_only(data, source=META_FILE)
+    except CheckpointCorruptedError as err:
         first_line = (str(err).strip().splitlines() or [""])[0]
-        return None, (
-            f"{META_FILE}: not readable with weights_only=True ({type(err).__name__}: "
-            f"{first_line}); epoch and step come from {MANIFEST_FILE} alone."
-        )
+        return None, f"{first_line} Epoch and step come from {MANIFEST_FILE} alone."
     if not isinstance(meta, dict):
         return None, f"{META_FILE}: holds a {type(meta).__name__}, expected a dict."
     plain = (bool, int, float, str, type(None))
@@ -229,7 +259,11 @@ def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 def _file_sizes(path: Path) -> dict[str, int]:
     """Size of every regular file directly inside ``path``."""
     with os.scandir(path) as entries:
-        return {entry.name: entry.stat().st_size for entry in entries if entry.is_file()}
+        return {
+            entry.name: entry.stat().st_size
+            for entry in entries
+            if entry.is_file(follow_symlinks=False)
+        }
 
 
 def _summarise(prefix: str, examples: list[str]) -> str:
@@ -275,6 +309,46 @@ def _storage_problems(
             for name in sorted(referenced - listed)
         ]
     return problems
+
+
+def _record_problems(path: Path, metadata: Metadata) -> list[str]:
+    """Every tensor record is a ``torch.save`` zip whose entries are stored uncompressed and
+    whose data holds exactly its chunk's bytes (reads each record's zip directory only).
+
+    A compressed record passes every size and checksum test, yet readers that copy a
+    payload directly would take the compressed bytes for the tensor's.
+    """
+    chunks = {
+        (fqn, tuple(chunk.offsets)): math.prod(chunk.sizes) * entry.properties.dtype.itemsize
+        for fqn, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+        for chunk in entry.chunks
+    }
+    bad: dict[str, list[str]] = {}
+    by_file: dict[str, list[tuple[Any, Any, int]]] = {}
+    for index, info in metadata.storage_data.items():
+        nbytes = chunks.get((index.fqn, tuple(index.offset or ())))
+        if nbytes is not None and not getattr(info, "transform_descriptors", None):
+            by_file.setdefault(info.relative_path, []).append((index, info, nbytes))
+    for name, records in sorted(by_file.items()):
+        try:
+            fd = open_regular(path, name)
+        except OSError as err:
+            bad.setdefault(name, []).append(str(err))
+            continue
+        try:
+            for index, info, nbytes in records:
+                window = io.BufferedReader(FileWindow(fd, info.offset, info.length))
+                try:
+                    check_tensor_record(window, nbytes, source=f"{index.fqn!r}")
+                except CheckpointCorruptedError as err:
+                    bad.setdefault(name, []).append(str(err))
+        finally:
+            os.close(fd)
+    return [
+        _summarise(f"{name}: {len(lines)} records are not plain torch.save zips", lines)
+        for name, lines in sorted(bad.items())
+    ]
 
 
 def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
@@ -418,7 +492,7 @@ class _Checked:
     manifest: Manifest | None = None
 
 
-def _check(path: Path, *, checksums: bool) -> _Checked:
+def _check(path: Path, *, checksums: bool, trust: bool = False) -> _Checked:
     """Collect every problem of ``path`` as a checkpoint (see :func:`verify_checkpoint`)."""
     try:
         manifest: Manifest | None = read_manifest(path)
@@ -438,14 +512,16 @@ def _check(path: Path, *, checksums: bool) -> _Checked:
             problems.append(f"cannot read a file: {type(err).__name__}: {err}")
         listed_missing = {name for name in manifest.files if name not in sizes}
     metadata = None
-    if DCP_METADATA_FILE not in listed_missing:  # else check_files said so already
+    damaged = {problem.partition(":")[0] for problem in problems}
+    if DCP_METADATA_FILE not in listed_missing | damaged:  # else check_files said so already
         try:
-            metadata = _read_metadata(path)
+            metadata = _read_metadata(path, manifest, digest=checksums, trust=trust)
         except CheckpointCorruptedError as err:
             problems.append(str(err))
     if metadata is not None:
         listed = None if manifest is None else set(manifest.files)
-        problems += _storage_problems(metadata, sizes, listed)
+        stored = _storage_problems(metadata, sizes, listed)
+        problems += stored or _record_problems(path, metadata)
         problems += _tiling_problems(metadata)
         if manifest is not None:
             problems += _fingerprint_problems(manifest, metadata)
@@ -459,7 +535,10 @@ def _check(path: Path, *, checksums: bool) -> _Checked:
 
 
 def verify_checkpoint(
-    checkpoint_dir: str | os.PathLike[str], *, checksums: bool = True
+    checkpoint_dir: str | os.PathLike[str],
+    *,
+    checksums: bool = True,
+    trust_checkpoint: bool = False,
 ) -> list[str]:
     """Check a checkpoint's completeness and integrity offline, reading only files.
 
@@ -475,15 +554,18 @@ def verify_checkpoint(
     Args:
         checkpoint_dir: The checkpoint directory.
         checksums: Also compare the file digests; sizes are always checked.
+        trust_checkpoint: Unpickle ``.metadata`` in full (see :func:`inspect_checkpoint`).
 
     Returns:
         One line per problem, each naming the file (relative to ``checkpoint_dir``) and
         key concerned; empty if the checkpoint is complete and intact.
     """
-    return _check(Path(checkpoint_dir), checksums=checksums).problems
+    return _check(Path(checkpoint_dir), checksums=checksums, trust=trust_checkpoint).problems
 
 
-def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> CheckpointInfo:
+def inspect_checkpoint(
+    checkpoint_dir: str | os.PathLike[str], *, trust_checkpoint: bool = False
+) -> CheckpointInfo:
     """Describe a checkpoint: every tensor's global shape, dtype and chunk count, and the
     Lightning metadata (epoch, step, versions, world size).
 
@@ -493,6 +575,8 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> CheckpointInfo
 
     Args:
         checkpoint_dir: The checkpoint directory.
+        trust_checkpoint: Unpickle ``.metadata`` in full; by default only DCP's metadata
+            types are accepted and nothing from the checkpoint runs.
 
     Returns:
         The description.
@@ -500,7 +584,9 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> CheckpointInfo
     Raises:
         NotACheckpointError: If the directory is missing, or has neither a manifest nor
             ``.metadata``.
-        CheckpointCorruptedError: If it has a manifest but no readable ``.metadata``.
+        CheckpointCorruptedError: If it has a manifest but no readable ``.metadata``, or
+            ``.metadata`` or ``meta.pt`` differ from the manifest's size or checksum
+            (then neither is unpickled).
     """
     path = Path(checkpoint_dir)
     notes = []
@@ -511,8 +597,8 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> CheckpointInfo
             raise
         manifest = None
         notes.append(str(err))
-    metadata = _read_metadata(path)
-    meta, meta_note = _read_meta(path)
+    metadata = _read_metadata(path, manifest, trust=trust_checkpoint)
+    meta, meta_note = _read_meta(path, manifest)
     if meta_note is not None:
         notes.append(meta_note)
     source_format = None

@@ -24,8 +24,12 @@ work, read from ``/proc/self/task/<tid>/syscall``: glibc's ``pthread_cond_wait``
 GIL, waits with a timeout; one blocked on a lock (perhaps behind a preempted holder) waits
 with ``FUTEX_WAIT``; one about to free a tensor is running. Where the syscall cannot be
 read or decoded (not glibc, an unknown machine), a thread that is not running counts as
-idle. ``_READINGS`` idle readings in a row end the wait; ``EXIT_WAIT`` bounds it (a
-collective in flight whose peer never joins), after which one line on stderr says so.
+idle. A thread inherits its creator's name, so the OpenMP pool that a worker starts when a
+collective copies or reduces a large tensor (``at::parallel_for``) is named like gloo's
+workers; those threads run no Python, and one waiting inside the OpenMP runtime (its
+syscall made from that library's code) counts as idle. ``_READINGS`` idle readings in a row
+end the wait; ``EXIT_WAIT`` bounds it (a collective in flight whose peer never joins),
+after which one line on stderr says so.
 
 Alternatives rejected: ``os._exit`` once the hooks ran (it skips the ``atexit`` hooks
 registered before this one and unflushed output); a collective at exit as a fence (a peer
@@ -63,6 +67,9 @@ _FUTEX = (
 _FUTEX_CMD = 0x7F  # the command bits of a futex op (the rest: PRIVATE, CLOCK_REALTIME)
 _FUTEX_WAIT_BITSET = 9
 _TASKS = Path("/proc/self/task")
+_MAPS = Path("/proc/self/maps")
+# The OpenMP runtimes torch builds link (GNU, Intel, LLVM), by the start of a file name.
+_OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
 _EXIT_HOOKS: list[Callable[[], None]] = []  # the atexit hook, once registered (one per process)
 
 
@@ -82,13 +89,38 @@ def _gloo_workers() -> list[Path]:
     return workers
 
 
-def _is_idle(task: Path) -> bool:
-    """Whether a gloo worker waits for work (so it holds and frees no tensor)."""
+def _openmp_code() -> list[tuple[int, int]]:
+    """The address ranges of the OpenMP runtimes' code mapped in this process."""
+    ranges = []
+    try:
+        lines = _MAPS.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 6 or "x" not in fields[1]:
+            continue
+        if Path(fields[5]).name.startswith(_OPENMP_RUNTIMES):
+            start, end = fields[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def _is_idle(task: Path, openmp: list[tuple[int, int]]) -> bool:
+    """Whether a gloo worker waits for work (so it holds and frees no tensor).
+
+    ``openmp``: the OpenMP runtimes' code (:func:`_openmp_code`); a thread waiting there
+    is an OpenMP pool thread that inherited a worker's name, idle between parallel loops.
+    """
     if _FUTEX is not None:
         try:
             syscall = (task / "syscall").read_text().split()
         except OSError:  # the thread ended, or the kernel does not show syscalls
             syscall = []
+        if len(syscall) > 2:  # "<nr> <args...> <sp> <pc>": where the wait was made from
+            pc = int(syscall[-1], 16)
+            if any(start <= pc < end for start, end in openmp):
+                return True
         if syscall:
             # "<nr> <uaddr> <op> <val> <timeout> ..." or "running". runLoop's wait for work
             # is glibc's pthread_cond_wait: FUTEX_WAIT_BITSET without a timeout. A lock
@@ -117,12 +149,14 @@ def wait_for_idle_gloo_workers(timeout: float = EXIT_WAIT) -> bool:
         there are none); False when ``timeout`` passed first.
     """
     deadline = time.monotonic() + timeout
+    openmp = _openmp_code()
     idle_readings = 0
     while idle_readings < _READINGS:
         workers = _gloo_workers()
         if not workers:
             return True
-        idle_readings = idle_readings + 1 if all(_is_idle(task) for task in workers) else 0
+        idle = all(_is_idle(task, openmp) for task in workers)
+        idle_readings = idle_readings + 1 if idle else 0
         if time.monotonic() > deadline:
             return False
         time.sleep(_POLL)

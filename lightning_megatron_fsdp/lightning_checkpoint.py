@@ -42,8 +42,9 @@ Alternatives rejected:
       ``_load_state``: a private API, and a copy of ``_load_from_checkpoint``'s logic
       (hparams files, overrides, device moves, migrations) that would drift.
 
-Only export checkpoints you trust: ``meta.pt`` is unpickled in full (``weights_only=False``)
-because hyper-parameters may be arbitrary objects, as DCP's ``.metadata`` already is.
+Nothing from the checkpoint runs: ``meta.pt`` is read with ``weights_only=True``, so
+hyper-parameters that are arbitrary objects need ``trust_checkpoint=True`` (named in the
+refusal), which unpickles it in full.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ import torch
 
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
 from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, META_FILE, Manifest
+from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
 from lightning_megatron_fsdp.export import (
     _check_output,
     _Entry,
@@ -71,7 +73,7 @@ from lightning_megatron_fsdp.export import (
     _write_atomically,
     _write_torch,
 )
-from lightning_megatron_fsdp.inspection import MODEL_PREFIX, _check
+from lightning_megatron_fsdp.inspection import MODEL_PREFIX, _check, read_checked
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -96,6 +98,7 @@ def export_lightning_checkpoint(
     dtype: torch.dtype | str | None = None,
     overwrite: bool = False,
     verify_checksums: bool = True,
+    trust_checkpoint: bool = False,
 ) -> Path:
     """Write one of our checkpoint directories as a single-file Lightning checkpoint.
 
@@ -119,6 +122,9 @@ def export_lightning_checkpoint(
             torch dtype); ``None`` keeps the saved dtypes. Optimizer state is never cast.
         overwrite: Replace an existing ``output_path``.
         verify_checksums: Check every file's checksum against the manifest first.
+        trust_checkpoint: Unpickle ``meta.pt``, ``.metadata`` and byte records in full
+            (hyper-parameters that are objects of your classes need it). By default
+            nothing from the checkpoint runs.
 
     Returns:
         ``output_path`` as a ``Path``.
@@ -142,6 +148,7 @@ def export_lightning_checkpoint(
         dtype=dtype,
         overwrite=overwrite,
         verify_checksums=verify_checksums,
+        trust_checkpoint=trust_checkpoint,
         who="export_lightning_checkpoint",
     )
 
@@ -152,6 +159,7 @@ def load_lightning_module(
     *,
     tmp_dir: str | os.PathLike[str] | None = None,
     verify_checksums: bool = True,
+    trust_checkpoint: bool = False,
     **kwargs: Any,
 ) -> ModuleT:
     """``module_class.load_from_checkpoint`` for a single file or one of our directories.
@@ -167,6 +175,8 @@ def load_lightning_module(
             ``MegatronFSDPStrategy``.
         tmp_dir: Where the temporary file goes; the system default if ``None``.
         verify_checksums: For a directory: check every file's checksum first.
+        trust_checkpoint: For a directory: unpickle its pickles in full (see
+            :func:`export_lightning_checkpoint`).
         **kwargs: Passed to ``load_from_checkpoint`` (``map_location``, ``strict``,
             ``weights_only``, ``hparams_file``, hyper-parameter overrides).
 
@@ -194,6 +204,7 @@ def load_lightning_module(
             dtype=None,
             overwrite=False,
             verify_checksums=verify_checksums,
+            trust_checkpoint=trust_checkpoint,
             who="load_lightning_module",
         )
         return module_class.load_from_checkpoint(exported, **kwargs)
@@ -211,6 +222,7 @@ def _export(
     overwrite: bool,
     verify_checksums: bool,
     who: str,
+    trust_checkpoint: bool = False,
 ) -> Path:
     out_dtype = _parse_dtype(dtype, who)
     if output.suffix.lower() == _SAFETENSORS_SUFFIX:
@@ -226,15 +238,15 @@ def _export(
             "it with Model.load_from_checkpoint(path)."
         )
     _check_output(output, checkpoint, overwrite=overwrite, who=who)
-    checked = _check(checkpoint, checksums=verify_checksums)
+    checked = _check(checkpoint, checksums=verify_checksums, trust=trust_checkpoint)
     _refuse_problems(checked, checkpoint, who)
     entries = _select_entries(
         checked, out_dtype, include_optimizer=optimizer, path=checkpoint, who=who
     )
     assert checked.metadata is not None and checked.manifest is not None  # checked above
-    reader = _StreamingReader(checkpoint, checked.metadata)
+    reader = _StreamingReader(checkpoint, checked.metadata, trust=trust_checkpoint)
     tree, places = _lightning_tree(
-        _read_meta_in_full(checkpoint, who),
+        _read_meta_in_full(checkpoint, who, checked.manifest, trust_checkpoint, verify_checksums),
         entries,
         checked.metadata.planner_data or {},
         reader,
@@ -243,27 +255,34 @@ def _export(
     )
     _write_atomically(
         output,
-        lambda temporary: _write_torch(temporary, tree, places, reader),
+        lambda stream: _write_torch(stream, tree, places, reader),
         overwrite=overwrite,
         who=who,
     )
     return output
 
 
-def _read_meta_in_full(checkpoint: Path, who: str) -> dict[str, Any]:
-    """Every entry of ``meta.pt``, hyper-parameter objects included.
+def _read_meta_in_full(
+    checkpoint: Path, who: str, manifest: Manifest, trust: bool, digest: bool
+) -> dict[str, Any]:
+    """Every entry of ``meta.pt`` (weights-only unless ``trust``), read only after its size
+    and checksum match the manifest.
 
     Raises:
-        CheckpointCorruptedError: If it does not unpickle to a dict.
+        CheckpointCorruptedError: If it differs from the manifest or does not unpickle to a
+            dict.
     """
     file = checkpoint / META_FILE
     try:
-        meta = torch.load(file, map_location="cpu", weights_only=False)
-    except Exception as err:  # a pickle of unknown content can raise anything
+        data = read_checked(checkpoint, META_FILE, manifest, digest=digest)
+    except (CheckpointCorruptedError, OSError) as err:
+        raise CheckpointCorruptedError(f"{who}: {err}") from err
+    try:
+        meta = load_weights_only(data, source=str(file), trust=trust)
+    except CheckpointCorruptedError as err:
         raise CheckpointCorruptedError(
-            f"{who}: {file} does not unpickle ({type(err).__name__}: {err}). It holds the "
-            "hyper-parameters and training position; if they reference your own classes, "
-            "import them first. Otherwise the checkpoint is damaged; use another one."
+            f"{who}: {META_FILE} does not unpickle ({err}). It holds the hyper-parameters "
+            "and training position."
         ) from err
     if not isinstance(meta, dict):
         raise CheckpointCorruptedError(

@@ -72,6 +72,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_megatron_fsdp import _megatron, _torch
+from lightning_megatron_fsdp.agreement import Ranks
 from lightning_megatron_fsdp.checkpoint.format import OPTIMIZER_PREFIX, listed
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
 from lightning_megatron_fsdp.uneven_dtensor import (
@@ -80,13 +81,13 @@ from lightning_megatron_fsdp.uneven_dtensor import (
 )
 from lightning_megatron_fsdp.weight_sources import (
     _UNREADABLE,
-    _Comm,
     _Copy,
     _open_source,
     _Plan,
     _Source,
     _SourceError,
     _Spec,
+    agree_on_problems,
 )
 
 __all__ = [
@@ -302,7 +303,7 @@ def load_full_weights(
                 f"load_full_weights: optimizers[{index}] must be a torch.optim.Optimizer, "
                 f"got {type(optimizer).__name__}."
             )
-    comm = _Comm(process_group)
+    comm = Ranks.of(process_group)
     path = Path(os.path.abspath(os.fspath(source)))
 
     # Every rank, whatever it finds below: the step may run collective optimizer hooks.
@@ -322,7 +323,7 @@ def load_full_weights(
     except Exception as err:  # anything else must still reach the agreement below
         problems = [(_UNREADABLE, f"rank {comm.rank}: {type(err).__name__}: {err}")]
     try:
-        comm.raise_together(path, problems, "Nothing was loaded; the model is unchanged.")
+        agree_on_problems(comm, path, problems, "Nothing was loaded; the model is unchanged.")
         assert reader is not None and plan is not None
 
         # Phase 2: each rank reads its rows; agree on the outcome.
@@ -333,7 +334,8 @@ def load_full_weights(
             failure = [(_UNREADABLE, str(err))]
         except Exception as err:
             failure = [(_UNREADABLE, f"rank {comm.rank}: {type(err).__name__}: {err}")]
-        comm.raise_together(
+        agree_on_problems(
+            comm,
             path,
             failure,
             "The model (and optimizers) may be partly overwritten; load again from a good source.",

@@ -10,7 +10,7 @@ How: one small interface, :class:`_Source` (keys, specs, optimizer entries, and
 ``execute(plan)`` reading every planned row range into its target); flat files read rows
 rank-locally (safetensors by memory-mapped slices), DCP directories through DCP itself with
 each target's true chunk attached, collectively. The ranks agree on problems through
-:class:`_Comm` so every rank raises the same error.
+:func:`agree_on_problems` so every rank raises the same error.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_megatron_fsdp import upstream_checkpoint
 from lightning_megatron_fsdp.agreement import Problem, Ranks
@@ -41,6 +40,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
     check_files,
     read_manifest,
 )
+from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
 from lightning_megatron_fsdp.export import _checkpoints_inside
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -96,28 +96,22 @@ class _SourceError(Exception):
     """This rank cannot read the source; turned into a :class:`CheckpointError` on all."""
 
 
-class _Comm:
-    """The ranks of one load: agree on problems so every rank raises the same error."""
+def agree_on_problems(
+    ranks: Ranks, path: Path, problems: list[tuple[int, str]], aftermath: str
+) -> None:
+    """All-gather every rank's ``(kind, text)`` problems; if any rank has one, raise it on
+    every rank (:meth:`~lightning_megatron_fsdp.agreement.Ranks.agree`).
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.group = group
-        self.rank = dist.get_rank(group) if self.distributed else 0
-        self.world_size = dist.get_world_size(group) if self.distributed else 1
-
-    def raise_together(self, path: Path, problems: list[tuple[int, str]], aftermath: str) -> None:
-        """All-gather every rank's problems; if any rank has one, raise it on every rank.
-
-        Raises:
-            CheckpointError | CheckpointMismatchError: The class of the most fundamental
-                kind found, listing every problem and, where not every rank saw it, which.
-        """
-        Ranks.of(self.group if self.distributed else None).agree(
-            [Problem(kind, text) for kind, text in problems],
-            heading=f"load_full_weights: cannot load {path} into the sharded model",
-            errors=dict(enumerate(_ERRORS)),
-            advice=aftermath,
-        )
+    Raises:
+        CheckpointError | CheckpointMismatchError: The class of the most fundamental kind
+            found, listing every problem and, where not every rank saw it, which.
+    """
+    ranks.agree(
+        [Problem(kind, text) for kind, text in problems],
+        heading=f"load_full_weights: cannot load {path} into the sharded model",
+        errors=dict(enumerate(_ERRORS)),
+        advice=aftermath,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +202,7 @@ class _Source(abc.ABC):
         """Every key of optimizer ``index`` in the source."""
 
     @abc.abstractmethod
-    def execute(self, plan: _Plan, comm: _Comm) -> None:
+    def execute(self, plan: _Plan, comm: Ranks) -> None:
         """Fill every copy of ``plan`` and its hyper-parameters; rank-local failures raise."""
 
     def close(self) -> None:  # noqa: B027 - optional: DCP sources hold nothing open
@@ -244,7 +238,7 @@ class _FlatSource(_Source):
                 self._optimizer_keys.setdefault(int(index), []).append(key)
         return len(self._optimizer_keys)
 
-    def execute(self, plan: _Plan, comm: _Comm) -> None:
+    def execute(self, plan: _Plan, comm: Ranks) -> None:
         try:
             with torch.no_grad():
                 for copy in plan.copies:
@@ -475,10 +469,11 @@ class _DcpSource(_Source):
 
     kind = "dcp"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, weights_only: bool = True) -> None:
         super().__init__(path)
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self._trust = not weights_only
 
         if (path / MANIFEST_FILE).exists():
             try:
@@ -491,7 +486,7 @@ class _DcpSource(_Source):
                     "another checkpoint."
                 )
         try:
-            metadata = FileSystemReader(os.fspath(path)).read_metadata()
+            metadata = self._reader().read_metadata()
         except Exception as err:
             raise _SourceError(
                 f"{path}: cannot read the DCP metadata ({DCP_METADATA_FILE}): "
@@ -526,6 +521,11 @@ class _DcpSource(_Source):
             }
         )
 
+    def _reader(self) -> VerifyingFileSystemReader:
+        """The reader of every load from this directory: nothing from it runs, files are
+        opened confined to it, records are checked against their CRC32C where recorded."""
+        return VerifyingFileSystemReader(self.path, trust_checkpoint=self._trust)
+
     def spec(self, key: str) -> _Spec:
         spec = self._specs.get(key)
         if spec is None:
@@ -542,9 +542,8 @@ class _DcpSource(_Source):
         prefix = f"{OPTIMIZER_PREFIX}{index}."
         return [k for k in self._dcp_key if k.startswith(prefix)]
 
-    def execute(self, plan: _Plan, comm: _Comm) -> None:
+    def execute(self, plan: _Plan, comm: Ranks) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -554,7 +553,7 @@ class _DcpSource(_Source):
         try:
             dcp.load(
                 targets,
-                storage_reader=FileSystemReader(os.fspath(self.path)),
+                storage_reader=self._reader(),
                 planner=DefaultLoadPlanner(allow_partial_load=True),
                 process_group=comm.group,
             )
@@ -594,7 +593,7 @@ def _open_source(path: Path, weights_only: bool) -> _Source:
             raise _SourceError(
                 f"{path} is a directory without {DCP_METADATA_FILE}: not a DCP checkpoint. " + hint
             )
-        return _DcpSource(path)
+        return _DcpSource(path, weights_only)
     if not path.is_file():
         raise _SourceError(f"{path} does not exist (or is not a regular file or directory).")
     if path.suffix == _SAFETENSORS_SUFFIX:

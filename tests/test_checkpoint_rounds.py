@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
 from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
@@ -27,6 +28,7 @@ from lightning_megatron_fsdp.checkpoint import commit
 from lightning_megatron_fsdp.checkpoint.format import Manifest
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
+from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock
 from tests.scripts.fault_injection import checkpoint_dict, init_group, live_state, step, trained
@@ -210,3 +212,65 @@ def test_dcp_plans_a_layout_once_and_reuses_the_plan(tmp_path: Path) -> None:
     for plans in later:
         assert all(not usable and items == 0 for usable, items in plans), plans
     assert all(result["loaded_exactly"] for result in results)
+
+
+class LoggingIO(CheckpointIO):
+    """A user's wrapper around our plugin (not a ``MegatronFSDPCheckpointIO`` itself): the
+    strategy takes the general path, a round per step."""
+
+    def __init__(self) -> None:
+        self.inner = MegatronFSDPCheckpointIO()
+        self.calls: list[str] = []
+
+    def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+        self.calls.append("save")
+        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append("load")
+        return self.inner.load_checkpoint(path, *args, **kwargs)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
+
+
+def _wrapped_fit_save_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    path = Path(root) / "saved.ckpt"
+    io = LoggingIO()
+    first = CountingStrategy(
+        auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT, checkpoint_io=io
+    )
+    trainer = make_trainer(world_size, strategy=first, max_steps=2, enable_checkpointing=False)
+    trainer.fit(CheckpointedLM(), token_loader(world_size))
+    trainer.save_checkpoint(path)
+    second = CountingStrategy(
+        auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT, checkpoint_io=io
+    )
+    trainer = make_trainer(world_size, strategy=second, max_steps=3, enable_checkpointing=False)
+    trainer.fit(CheckpointedLM(), token_loader(world_size), ckpt_path=str(path))
+    meta = torch.load(path / "meta.pt", weights_only=False)
+    return {
+        "calls": io.calls,
+        "rng": meta[RNG_STATES_KEY]["world_size"],
+        "states": len(meta[RNG_STATES_KEY]["states"]),
+        "step": trainer.global_step,
+        "save_rounds": len(first.counted["save"][0]),
+        "load_rounds": len(second.counted["load"][0]),
+    }
+
+
+def test_a_wrapped_plugin_takes_the_general_path_and_still_saves_every_ranks_streams(
+    tmp_path: Path,
+) -> None:
+    results = run_distributed(
+        _wrapped_fit_save_resume, 2, str(tmp_path), timeout=TIMEOUT, init_process_group=False
+    )
+    for result in results:
+        assert result["calls"] == ["save", "load"], result
+        assert result["rng"] == 2 and result["states"] == 2, result
+        assert result["step"] == 3, result
+        # The general path pays a round per step (path, streams, attach; open, targets).
+        assert result["save_rounds"] > MAX_ROUNDS and result["load_rounds"] > MAX_ROUNDS, result

@@ -67,7 +67,7 @@ from tests.models import (
     sync_compute_weights,
 )
 
-# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+# CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").
 pytestmark = pytest.mark.both_versions
 
 TIMEOUT = 120.0

@@ -39,7 +39,7 @@ from tests.models import (
     shard_packed_lm,
 )
 
-# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+# CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").
 pytestmark = pytest.mark.both_versions
 
 BLOCKS = 4

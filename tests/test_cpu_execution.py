@@ -45,7 +45,7 @@ from tests.models import (
     sharded_adam,
 )
 
-# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+# CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").
 pytestmark = pytest.mark.both_versions
 
 TIMEOUT = 120.0

@@ -23,21 +23,30 @@ collective's Python callback) once the interpreter finalises (pytorch/pytorch#19
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from torch.torch_version import TorchVersion
 
 from tests.harness import _rank_env, communicate_all, free_port
 from tests.prefork import Zygote
 
 SCRIPT = Path(__file__).parent / "scripts" / "exit_clean.py"
 PENDING = Path(__file__).parent / "scripts" / "pending_gloo_work.py"
+OPENMP_POOL = Path(__file__).parent / "scripts" / "openmp_pool_at_exit.py"
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = 20
 WORLD_SIZE = 2
+# Whether the ``release`` race still shows in a couple of runs without the hook. Measured in
+# this harness without the hook: torch 2.13.0 and 2.14.1 abort in about half the processes;
+# 2.15.0 in none of 16 (1 of 16 under a plain launch): rare there, not gone. ``callback``
+# aborts on every torch in range, so the hook stays on all of them.
+RELEASE_RACE_SHOWS = TorchVersion(torch.__version__) < (2, 15)
 
 
 def _env() -> dict[str, str]:
@@ -153,10 +162,13 @@ def test_the_exit_hook_fixes_the_abort_of_gloo_workers_at_finalisation(
     finalisation; ``callback`` a Python callback of a collective still in flight. The
     group is held to the end in both, so destroying the registry does not join its
     workers: the hook's wait for idle workers is what is tested. Without the hook the
-    abort must show (else this harness could not see one).
+    abort must show (else this harness could not see one), where it still shows in a
+    couple of runs: ``callback`` on every torch, ``release`` before torch 2.15 (on 2.15
+    the hook must still keep every run clean).
     """
+    control = trigger == "callback" or RELEASE_RACE_SHOWS
     outcomes = {}
-    for variant in ("no_hook", "exit_hook"):
+    for variant in ("no_hook", "exit_hook") if control else ("exit_hook",):
         aborts = []
         for run in range(2):
             out = tmp_path / f"{variant}{run}"
@@ -168,8 +180,23 @@ def test_the_exit_hook_fixes_the_abort_of_gloo_workers_at_finalisation(
                 else:
                     assert f"finished rank {rank}" in output, output
         outcomes[variant] = aborts
-    assert outcomes["no_hook"], "the abort did not reproduce: the test proves nothing"
+    if control:
+        assert outcomes["no_hook"], "the abort did not reproduce: the test proves nothing"
     assert not outcomes["exit_hook"], outcomes
+
+
+def test_an_openmp_pool_started_by_a_gloo_worker_does_not_hold_the_exit_hook(
+    zygote: Zygote, tmp_path: Path
+) -> None:
+    """A collective on a large tensor starts an OpenMP pool from gloo's worker thread, its
+    threads named like the worker; idle in the OpenMP runtime, they are not a collective in
+    flight, so the hook's wait ends at once (it waited its full 10 s in the README's
+    example, rank 1 outliving the parent and printing the in-flight line)."""
+    for rank, (code, output) in enumerate(fork_ranks(zygote, OPENMP_POOL, [], tmp_path, 120)):
+        assert code == 0 and f"finished rank {rank}" in output, output
+        pool = re.search(r"openmp threads named like gloo's workers: (\d+)", output)
+        assert pool is not None and int(pool.group(1)) > 0, f"no pool, nothing tested:\n{output}"
+        assert "idle: True" in output, output
 
 
 if __name__ == "__main__":  # pragma: no cover - a diagnostic loop: python -m tests.test_exit N

@@ -67,7 +67,7 @@ from tests.scripts.fault_injection import (
 )
 from tests.shard_facts import differing, facts
 
-# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+# CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").
 pytestmark = pytest.mark.both_versions
 
 TIMEOUT = 90.0

@@ -36,7 +36,7 @@ from lightning_megatron_fsdp import MegatronFSDPStrategy
 from lightning_megatron_fsdp._megatron import FsdpModule
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 
-# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+# CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").
 pytestmark = pytest.mark.both_versions
 
 VOCAB = 64

@@ -57,7 +57,7 @@ from tests.shard_facts import (
 )
 from tests.test_checkpoint_roundtrip import _tiling_errors
 
-# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+# CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").
 pytestmark = pytest.mark.both_versions
 
 TIMEOUT = 150.0

@@ -42,7 +42,7 @@ from lightning_megatron_fsdp import _megatron, cpu_execution
 from tests.harness import run_distributed
 from tests.models import build_packed_lm, dp_mesh, fsdp_placements, make_batch, shard_packed_lm
 
-# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+# CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").
 pytestmark = pytest.mark.both_versions
 
 fully_shard_py = importlib.import_module("megatron_fsdp.experimental.fully_shard")

@@ -38,7 +38,7 @@ from lightning_megatron_fsdp import MegatronFSDPStrategy
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import VOCAB, PackedBlock, build_packed_lm, lm_loss, make_batch
 
-# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+# CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").
 pytestmark = pytest.mark.both_versions
 
 WORLD_SIZE = 2

@@ -21,8 +21,8 @@ a rank that owns none of some parameters). Asserted:
   consolidate every mode's checkpoint into the saved values, bit for bit.
 
 State is assembled from every rank's local shards at the offsets ``chunk_metadata_by_fqn``
-reports (each row exactly once; a replicated tensor must be equal on every rank; hybrid
-meshes one replica row at a time, the rows equal).
+reports with every collective trapped (rank-local in every mode): each row exactly once, a
+replicated tensor equal on every rank, hybrid meshes one replica row at a time (rows equal).
 
 The multi-rank tests need megatron-fsdp 0.7 (the replicated-parameter modes); they run in
 CI's second pass (``both_versions``) and skip on 0.6.1, where the option test checks the
@@ -61,6 +61,7 @@ from lightning_megatron_fsdp import (
 from lightning_megatron_fsdp.sharding_modes import MODES, resolve_sharding_mode
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock
+from tests.test_checkpoint_roundtrip import collectives_forbidden
 from tests.test_portability import (
     GLOBAL_BATCH,
     LR,
@@ -119,6 +120,15 @@ def test_sharding_strategy_is_validated_at_construction() -> None:
     )
     custom = MegatronFSDPStrategy(sharding_strategy=_megatron.fsdp_placements())
     assert custom.sharding_mode.name == "custom"
+    assert resolve_sharding_mode("optim_grads_params", 1, "S").name == "FULL_SHARD"
+    zero1 = _megatron.sharding_placements(
+        parameters=False, gradients=False, optimizer=True, hybrid=False
+    )
+    if _megatron.REPLICATED_PARAMETERS:  # raw placements follow the same rules as names
+        assert MegatronFSDPStrategy(sharding_strategy=zero1).placements == zero1
+    else:
+        with pytest.raises(ValueError, match=r"sharding_strategy=Placements\(.*needs .*0\.7"):
+            MegatronFSDPStrategy(sharding_strategy=zero1)
     if _megatron.REPLICATED_PARAMETERS:  # Megatron-LM's and torch's other spellings
         assert resolve_sharding_mode("optim", 1, "S").name == "SHARD_OPTIMIZER"
         assert resolve_sharding_mode("optim_grads", 1, "S").name == "SHARD_GRAD_OP"
@@ -192,8 +202,13 @@ def _local(value: Any, chunk_offset: int) -> tuple[int | None, np.ndarray]:
 
 
 def _state(module: pl.LightningModule, optimizer: Any) -> dict[str, Shards]:
-    """This rank's parameters and buffer, and its Adam state (``"<fqn>/<name>"``)."""
-    chunks = chunk_metadata_by_fqn(module)
+    """This rank's parameters and buffer, and its Adam state (``"<fqn>/<name>"``).
+
+    The chunks come from ``chunk_metadata_by_fqn`` with every collective trapped: rank-local
+    in every mode.
+    """
+    with collectives_forbidden():
+        chunks = chunk_metadata_by_fqn(module)
     offset = {fqn: int(chunk.offsets[0]) for fqn, chunk in chunks.items()}
     params: Shards = {}
     for name, parameter in module.named_parameters(remove_duplicate=False):

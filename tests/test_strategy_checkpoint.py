@@ -22,7 +22,7 @@ from lightning_megatron_fsdp.checkpoint.format import MANIFEST_FILE
 from tests.harness import run_distributed
 from tests.test_strategy import MLP, Block, _regression_data, _shards, _strategy, _trainer
 
-# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+# CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").
 pytestmark = pytest.mark.both_versions
 
 

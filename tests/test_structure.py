@@ -123,7 +123,6 @@ PENDING_OFFLINE = {
     },
     "pretrained": {
         "_UNREADABLE",
-        "_Comm",
         "_Copy",
         "_open_source",
         "_Plan",

@@ -310,6 +310,32 @@ def test_write_loop_syncs_like_the_running_torch(tmp_path: Path) -> None:
     assert torch.equal(loaded["a"], torch.arange(6.0))
 
 
+def test_dcp_metadata_private_types(tmp_path: Path) -> None:
+    """The private names a real ``.metadata`` pickle references are the ones the allow-list
+    resolves, by the same module and name, to the same objects."""
+    import pickle
+
+    dcp.save({"w": torch.ones(2, 3)}, storage_writer=FileSystemWriter(tmp_path))
+    referenced: set[tuple[str, str]] = set()
+
+    class Recording(pickle.Unpickler):  # our own fresh file: safe to unpickle in full
+        def find_class(self, module: str, name: str) -> Any:
+            referenced.add((module, name))
+            return super().find_class(module, name)
+
+    Recording(io.BytesIO((tmp_path / ".metadata").read_bytes())).load()
+    private = {key for key in referenced if key[1].startswith("_")}
+    types = _torch.dcp_metadata_private_types()
+    assert private <= set(types), _broken(
+        "dcp_metadata_private_types", f"torch {VERSION} pickles {sorted(private - set(types))}"
+    )
+    for (module, name), value in types.items():
+        assert getattr(__import__(module, fromlist=[name]), name) is value, (module, name)
+    assert types[("torch.serialization", "_get_layout")]("torch.strided") is torch.strided
+    encoding = types[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")]
+    assert encoding.TORCH_CONTIGUOUS_FORMAT in encoding
+
+
 def test_this_module_covers_every_private_name_of_the_adapter() -> None:
     """Every private torch name ``_torch.py`` uses has a test above."""
     tree = ast.parse(inspect.getsource(_torch))
@@ -356,5 +382,7 @@ def test_this_module_covers_every_private_name_of_the_adapter() -> None:
         "_loader",
         "_sync_without_fd_calls_os_sync",
         "_cached_plans_key",
+        "_MEM_FORMAT_ENCODING",
+        "_get_layout",
     }
     assert used <= covered, f"add tests for {sorted(used - covered)} to {__name__}"

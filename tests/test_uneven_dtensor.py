@@ -32,7 +32,7 @@ from lightning_megatron_fsdp._megatron import (
 from lightning_megatron_fsdp.uneven_dtensor import _build_chunk_metadata, _dbuffer_chunk_metadata
 from tests.models import KERNELS, PackedBlock, PackedLM
 
-# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+# CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").
 pytestmark = pytest.mark.both_versions
 
 Shape = tuple[int, ...]

@@ -54,7 +54,7 @@ from tests.test_portability import (
     assemble as assemble_numpy,
 )
 
-# CI runs this module on every megatron-fsdp version (README, "Supported megatron-fsdp versions").
+# CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").
 pytestmark = pytest.mark.both_versions
 
 HAS_SAVE_CHECKPOINT = importlib.util.find_spec("megatron_fsdp.experimental.checkpoint") is not None

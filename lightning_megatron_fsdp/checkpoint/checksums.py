@@ -16,6 +16,8 @@ from typing import Any
 
 import crc32c as _crc32c
 
+from lightning_megatron_fsdp.checkpoint.confined_files import open_regular
+
 __all__ = [
     "ALGORITHMS",
     "bytes_digest",
@@ -141,7 +143,9 @@ def file_digest(path: str | os.PathLike[str], algorithm: str) -> str:
     view = memoryview(buffer)
     value = 0
     digest = hashlib.sha256() if algorithm == "sha256" else None
-    with open(path, "rb", buffering=0) as file:
+    path = os.fspath(path)
+    fd = open_regular(os.path.dirname(path) or ".", os.path.basename(path))
+    with open(fd, "rb", buffering=0) as file:
         while n := file.readinto(buffer):
             if digest is None:
                 value = crc32c(view[:n], value)

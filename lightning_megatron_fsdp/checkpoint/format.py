@@ -26,6 +26,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp.checkpoint.checksums import ALGORITHMS, file_digest
+from lightning_megatron_fsdp.checkpoint.confined_files import (
+    check_plain_name,
+    read_regular,
+    regular_size,
+)
 from lightning_megatron_fsdp.checkpoint.errors import NotACheckpointError
 
 __all__ = [
@@ -87,6 +92,8 @@ _HIDDEN_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|del)-(?P<token>[0-9a
 _DIGEST_RE = {"sha256": re.compile(r"^[0-9a-f]{64}$"), "crc32c": re.compile(r"^[0-9a-f]{8}$")}
 
 _MAX_LISTED = 20
+# A manifest lists a few lines per tensor; a larger file is not one (and is not read).
+_MAX_MANIFEST_BYTES = 256 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,12 +424,14 @@ class Manifest:
                 global_step=data["global_step"],
                 epoch=data["epoch"],
                 files={
-                    str(k): FileRecord(size=v["size"], **{a: v.get(a) for a in allowed})
+                    check_plain_name(k, what="manifest.json file"): FileRecord(
+                        size=v["size"], **{a: v.get(a) for a in allowed}
+                    )
                     for k, v in data["files"].items()
                 },
                 format_version=version,
             )
-        except (KeyError, TypeError, AttributeError) as err:
+        except (KeyError, TypeError, AttributeError, OSError) as err:
             raise ValueError(f"malformed manifest ({type(err).__name__}: {err})") from err
         if version >= 2 and data.get("checksum") != manifest.checksum:
             raise ValueError(
@@ -521,9 +530,14 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     if not path.is_dir() or not manifest_path.is_file():
         raise NotACheckpointError(_describe_not_a_checkpoint(path))
     try:
-        with open(manifest_path, encoding="utf-8") as file:
-            data = json.load(file)
+        text = read_regular(path, MANIFEST_FILE, limit=_MAX_MANIFEST_BYTES).decode("utf-8")
+        data = json.loads(text)
         return Manifest.from_json(data)
+    except RecursionError as err:
+        raise NotACheckpointError(
+            f"{manifest_path} cannot be parsed: it nests deeper than any manifest does. The "
+            "checkpoint is damaged or crafted; use another checkpoint."
+        ) from err
     except (ValueError, OSError) as err:  # json.JSONDecodeError is a ValueError
         raise NotACheckpointError(
             f"{manifest_path} cannot be parsed: {err}. The checkpoint is damaged or was not "
@@ -553,9 +567,12 @@ def check_files(
     problems: list[str] = []
     for name, record in sorted(manifest.files.items()):
         try:
-            size = (path / name).stat().st_size
+            size = regular_size(path, name)
         except FileNotFoundError:
             problems.append(f"{name}: missing (expected {record.size} bytes)")
+            continue
+        except OSError as err:  # a link, FIFO or device: never followed or opened
+            problems.append(f"{name}: {err}")
             continue
         if size != record.size:
             problems.append(f"{name}: {size} bytes on disk, {record.size} in the manifest")

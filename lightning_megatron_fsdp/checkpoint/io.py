@@ -138,6 +138,10 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             copies of the targets and write them into the targets only once every rank
             has read all its data, so any failure leaves the model and optimizers as they
             were, for one more CPU copy of this rank's shards during the load.
+        trust_checkpoint: Unpickle the checkpoint's pickles in full: ``.metadata``, DCP
+            byte records, and ``meta.pt`` unless ``weights_only`` is given. By default
+            nothing from a checkpoint runs (an allow-list unpickler and
+            ``weights_only=True``) and every file is opened confined to its directory.
 
     Raises:
         TypeError: If an option has the wrong type.
@@ -155,12 +159,14 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         thread_count: int = 1,
         storage_reader_factory: StorageReaderFactory | None = None,
         atomic_load: bool = False,
+        trust_checkpoint: bool = False,
     ) -> None:
         for name, value in (
             ("async_save", async_save),
             ("verify_checksums", verify_checksums),
             ("write_checksums", write_checksums),
             ("atomic_load", atomic_load),
+            ("trust_checkpoint", trust_checkpoint),
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"MegatronFSDPCheckpointIO: {name} must be a bool, got {value!r}.")
@@ -190,6 +196,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         self.thread_count = thread_count
         self.storage_reader_factory = storage_reader_factory
         self.atomic_load = atomic_load
+        self.trust_checkpoint = trust_checkpoint
         self._in_flight: concurrent.futures.Future[None] | None = None
         self._in_flight_path: Path | None = None
         self._committer: concurrent.futures.ThreadPoolExecutor | None = None
@@ -205,6 +212,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             verify_checksums=self.verify_checksums,
             atomic_load=self.atomic_load,
             reader_factory=self.storage_reader_factory,
+            trust_checkpoint=self.trust_checkpoint,
         )
 
     # ----------------------------------------------------------------------------- save
@@ -396,7 +404,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             path: The checkpoint directory; the same on every rank. If a crash left it
                 renamed aside (see the module docstring), it is restored first.
             map_location: ``torch.load``'s ``map_location`` for ``meta.pt``.
-            weights_only: ``torch.load``'s ``weights_only`` for ``meta.pt``.
+            weights_only: For ``meta.pt``; ``None``: ``not trust_checkpoint``.
             state: Targets, filled in place: ``{"state_dict": model_sd}`` plus
                 ``"optimizer_states": [osd, ...]`` unless loading weights only. ``None``
                 reads only the non-tensor part.

@@ -12,7 +12,6 @@ opens the checkpoint for everyone, the ranks agree on their checks, and on apply
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import os
 import re
@@ -23,7 +22,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
@@ -40,6 +38,7 @@ from lightning_megatron_fsdp.agreement import (
 )
 from lightning_megatron_fsdp.checkpoint.checksums import bytes_digest
 from lightning_megatron_fsdp.checkpoint.commit import CheckpointStore
+from lightning_megatron_fsdp.checkpoint.confined_files import read_regular
 from lightning_megatron_fsdp.checkpoint.copies import fill, stage
 from lightning_megatron_fsdp.checkpoint.errors import (
     CheckpointCorruptedError,
@@ -58,6 +57,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
     optimizer_fingerprint,
     read_manifest,
 )
+from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
 from lightning_megatron_fsdp.checkpoint.storage import ReadProgress, VerifyingFileSystemReader
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
 from lightning_megatron_fsdp.pretrained import load_full_weights
@@ -99,12 +99,16 @@ class LoadOptions:
     """Read into CPU copies and write the targets only once every rank has read all."""
     reader_factory: StorageReaderFactory | None = None
     """The DCP reader; a :class:`VerifyingFileSystemReader` when ``None``."""
+    trust_checkpoint: bool = False
+    """Unpickle ``.metadata``, byte records and (``weights_only=None``) ``meta.pt`` in full."""
 
     def reader(self, path: Path) -> StorageReader:
         """The DCP reader for the checkpoint at ``path``."""
         if self.reader_factory is not None:
             return self.reader_factory(path)
-        return VerifyingFileSystemReader(path, verify=self.verify_checksums)
+        return VerifyingFileSystemReader(
+            path, verify=self.verify_checksums, trust_checkpoint=self.trust_checkpoint
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +282,8 @@ def _validate(
         share = hashed[ranks.rank :: ranks.world_size]
     try:
         damaged = check_files(final, manifest, checksum_files=share)
-        data = None if damaged else (final / META_FILE).read_bytes()
+        size = manifest.files[META_FILE].size
+        data = None if damaged else read_regular(final, META_FILE, size=size)
     except OSError as err:
         damaged, data = [f"cannot read a file: {describe(err)}"], None
     digest = manifest.files[META_FILE].digest() if options.verify_checksums else None
@@ -297,19 +302,11 @@ def _validate(
         ]
     meta: dict[str, Any] = {}
     if not damaged and data is not None:
+        trust = options.trust_checkpoint if weights_only is None else not weights_only
         try:
-            meta = torch.load(
-                io.BytesIO(data), map_location=map_location, weights_only=weights_only
-            )
-        except Exception as err:
-            problems.append(
-                (
-                    kind[CheckpointError],
-                    f"{META_FILE}: torch.load(weights_only={weights_only}) failed: "
-                    f"{describe(err)}. If it holds objects the weights-only unpickler "
-                    "refuses and you trust the checkpoint, load with weights_only=False.",
-                )
-            )
+            meta = load_weights_only(data, source=META_FILE, trust=trust, map_location=map_location)
+        except CheckpointError as err:
+            problems.append((kind[CheckpointError], str(err)))
     return problems, meta
 
 
@@ -525,8 +522,10 @@ def load_into_sharded_model(
     opened = open_checkpoint(path, ranks, store)
     if opened.foreign:
         load_full_weights(model, opened.path, optimizers=optimizers, strict=strict)
-        meta = torch.load(
-            Path(opened.path, META_FILE), map_location="cpu", weights_only=weights_only
+        meta = load_weights_only(
+            read_regular(opened.path, META_FILE),
+            source=str(Path(opened.path, META_FILE)),
+            trust=weights_only is False,
         )
         return LoadResult(meta, bool(optimizers))
     saved_optimizers = (
@@ -599,7 +598,8 @@ def _is_foreign_lightning_dcp(path: str) -> bool:
     ):
         return False
     try:
-        keys = FileSystemReader(directory).read_metadata().state_dict_metadata
+        reader = VerifyingFileSystemReader(directory, verify=False)
+        keys = reader.read_metadata().state_dict_metadata
     except Exception:
         return False
     return any(re.match(r"optimizer_\d+\.", key) for key in keys)

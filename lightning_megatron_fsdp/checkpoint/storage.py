@@ -17,7 +17,6 @@ import dataclasses
 import io
 import math
 import os
-import pickle
 import re
 import struct
 import sys
@@ -52,9 +51,19 @@ from lightning_megatron_fsdp.checkpoint.checksums import (
     crc32c_hex,
     file_digest,
 )
+from lightning_megatron_fsdp.checkpoint.confined_files import (
+    open_regular,
+    read_regular,
+    regular_size,
+)
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
 from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, Manifest, read_manifest
 from lightning_megatron_fsdp.checkpoint.records import TensorRecords, shared_records
+from lightning_megatron_fsdp.checkpoint.safe_unpickling import (
+    check_tensor_record,
+    load_dcp_metadata,
+    safe_byte_record,
+)
 
 __all__ = [
     "RECORD_ATTR",
@@ -464,6 +473,10 @@ class VerifyingFileSystemReader(FileSystemReader):
         verify: Check ``.metadata``'s digest and every record's CRC32C (records without
             one: their file's digest, before any record is read). ``False`` still reads
             records directly into their targets.
+        trust_checkpoint: Unpickle ``.metadata`` and byte records in full. By default
+            nothing from the checkpoint is run (``checkpoint.safe_unpickling``)
+            and every file is opened confined to the directory (``confined_files``),
+            with or without ``verify``.
     """
 
     def __init__(
@@ -472,9 +485,11 @@ class VerifyingFileSystemReader(FileSystemReader):
         _extension_registry: Any = None,
         *,
         verify: bool = True,
+        trust_checkpoint: bool = False,
     ) -> None:
         super().__init__(path, _extension_registry)
         self.verify = verify
+        self.trust_checkpoint = trust_checkpoint
         self.progress = ReadProgress()
         self._manifest: Manifest | None = None
         self._manifest_read = False
@@ -496,15 +511,33 @@ class VerifyingFileSystemReader(FileSystemReader):
         record = None if manifest is None else manifest.files.get(name)
         return None if record is None else record.digest()
 
+    def _expected_size(self, name: str) -> int | None:
+        """The manifest's size of ``name``; ``None`` without a manifest.
+
+        Raises:
+            CheckpointCorruptedError: If there is a manifest and it does not list ``name``.
+        """
+        manifest = self._checkpoint_manifest()
+        if manifest is None:
+            return None
+        record = manifest.files.get(name)
+        if record is None:
+            raise self._corrupted(
+                name, "not listed in manifest.json; a load reads only the files it lists"
+            )
+        return record.size
+
     def _corrupted(self, name: str, what: str) -> CheckpointCorruptedError:
         return CheckpointCorruptedError(f"{Path(self.path) / name}: {what}")
 
     @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:  # DCP's no-collective per-rank metadata
-            return super().read_metadata(*args, **kwargs)
-        data = Path(_torch.metadata_path(self)).read_bytes()
-        expected = self._expected_digest(DCP_METADATA_FILE)
+        name = Path(_torch.metadata_path(self, kwargs.get("rank"))).name
+        try:
+            data = read_regular(self.path, name, size=self._expected_size(name))
+        except OSError as err:
+            raise self._corrupted(name, str(err)) from err
+        expected = self._expected_digest(name)
         if expected is not None:
             algorithm, digest = expected
             found = bytes_digest(data, algorithm)
@@ -514,7 +547,9 @@ class VerifyingFileSystemReader(FileSystemReader):
                     f"{algorithm} {found} on disk, {digest} in the manifest (the file changed "
                     "after it was written)",
                 )
-        metadata = pickle.loads(data)
+        metadata = load_dcp_metadata(
+            data, source=str(Path(self.path) / name), trust=self.trust_checkpoint
+        )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -525,12 +560,36 @@ class VerifyingFileSystemReader(FileSystemReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._check_records_fit()
         self._chunks = {}
         for fqn, entry in metadata.state_dict_metadata.items():
             if isinstance(entry, TensorStorageMetadata):
                 for chunk in entry.chunks:
                     key = (fqn, tuple(chunk.offsets))
                     self._chunks[key] = (tuple(chunk.sizes), entry.properties.dtype)
+
+    def _check_records_fit(self) -> None:
+        """Every record lies inside a regular file of the directory (one the manifest
+        lists, when there is one), before anything is allocated for it.
+
+        Raises:
+            CheckpointCorruptedError: Naming the first file or record that does not.
+        """
+        sizes: dict[str, int] = {}
+        for index, info in self.storage_data.items():
+            name = info.relative_path
+            if name not in sizes:
+                try:
+                    expected = self._expected_size(name)
+                    sizes[name] = regular_size(self.path, name) if expected is None else expected
+                except OSError as err:
+                    raise self._corrupted(name, str(err)) from err
+            if info.offset + info.length > sizes[name]:
+                raise self._corrupted(
+                    name,
+                    f"the record of {index.fqn!r} spans bytes [{info.offset}, "
+                    f"{info.offset + info.length}) of a {sizes[name]}-byte file",
+                )
 
     @override
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -571,7 +630,10 @@ class VerifyingFileSystemReader(FileSystemReader):
             per_file.setdefault(name, []).append(item)
         for name, items in per_file.items():
             items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
-            fd = os.open(Path(self.path) / name, os.O_RDONLY)
+            try:
+                fd = open_regular(self.path, name, size=self._expected_size(name))
+            except OSError as err:
+                raise self._corrupted(name, str(err)) from err
             try:
                 for item in items:
                     self.progress.current = item.dest_index.fqn
@@ -604,10 +666,17 @@ class VerifyingFileSystemReader(FileSystemReader):
         stream = self.transforms.transform_load_stream(
             item, info.transform_descriptors or (), io.BytesIO(data)
         )
+        where = f"{Path(self.path) / name}: {self._where(item)}"
         if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(stream.read(-1)))
+            record = safe_byte_record(stream.read(-1), source=where, trust=self.trust_checkpoint)
+            planner.load_bytes(item, io.BytesIO(record))
             return
         seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
+        chunk = self._chunks.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
+        if chunk is None:
+            raise self._corrupted(name, f"{item.storage_index.fqn!r}: no such chunk in .metadata")
+        check_tensor_record(seekable, math.prod(chunk[0]) * chunk[1].itemsize, source=where)
+        seekable.seek(0)
         stored = torch.load(seekable, map_location="cpu", weights_only=True)
         source = _torch.narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
@@ -694,6 +763,8 @@ class VerifyingFileSystemReader(FileSystemReader):
 
 def _is_storage_header(head: bytearray, header: int, payload: int) -> bool:
     if header + _LOCAL_HEADER_SIZE > payload or head[header : header + 4] != _LOCAL_HEADER:
+        return False
+    if struct.unpack_from("<H", head, header + 8)[0] != 0:  # compressed: not torch.save's
         return False
     name_length, extra_length = struct.unpack_from("<HH", head, header + 26)
     start = header + _LOCAL_HEADER_SIZE
