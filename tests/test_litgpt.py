@@ -44,6 +44,7 @@ def _losses(out: Path) -> dict[int, float]:
     return {record["step"]: record["loss"] for record in map(json.loads, lines)}
 
 
+@pytest.mark.both_versions
 def test_litgpt_pretrain_resumes_exactly_and_exports_for_litgpt(tmp_path: Path) -> None:
     resumed, straight = tmp_path / "resumed", tmp_path / "uninterrupted"
     _runs((resumed, ("--max-steps", "4")), (straight, ("--max-steps", "8")))
