@@ -69,6 +69,7 @@ import io
 import json
 import logging
 import os
+import posixpath
 import re
 import uuid
 from collections.abc import Callable, Mapping
@@ -106,11 +107,12 @@ from lightning_megatron_fsdp.checkpoint_parts import (
     _versions,
     _write_meta,
 )
-from lightning_megatron_fsdp.checksums import bytes_digest, crc32c_hex, file_digest
+from lightning_megatron_fsdp.checksums import bytes_digest, crc32c_hex, file_digest, stream_digest
 from lightning_megatron_fsdp.dcp_storage import (
     ChecksummingFileSystemWriter,
     VerifyingFileSystemReader,
 )
+from lightning_megatron_fsdp.fsspec_storage import ChecksummingFsspecWriter, VerifyingFsspecReader
 from lightning_megatron_fsdp.load_checks import (
     _LOAD_ERRORS,
     _aftermath,
@@ -148,6 +150,7 @@ from lightning_megatron_fsdp.manifest import (
     report_interrupted_saves,
     resolve_latest_checkpoint,
 )
+from lightning_megatron_fsdp.object_store import StoreCheckpoint, is_url, local_path, open_store
 
 __all__ = [
     "CheckpointCorruptedError",
@@ -244,6 +247,10 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             copies of the targets and write them into the targets only once every rank
             has read all its data, so any failure leaves the model and optimizers as they
             were, for one more CPU copy of this rank's shards during the load.
+        storage_options: Options of the fsspec filesystem of a URL path (``s3://...``,
+            ``gs://...``): passed to its constructor (for s3fs: ``endpoint_url``, ``key``,
+            ``secret``, ``client_kwargs``, ...); the filesystem's own configuration (for S3
+            the ``AWS_*`` variables) applies without them. Local paths ignore them.
 
     Raises:
         TypeError: If an option has the wrong type.
@@ -261,6 +268,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         thread_count: int = 1,
         storage_reader_factory: StorageReaderFactory | None = None,
         atomic_load: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         for name, value in (
             ("async_save", async_save),
@@ -288,6 +296,12 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             raise ValueError(
                 f"MegatronFSDPCheckpointIO: thread_count must be >= 1, got {thread_count}."
             )
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(
+                "MegatronFSDPCheckpointIO: storage_options must be a mapping of fsspec "
+                f"filesystem options (e.g. {{'endpoint_url': ...}}), got {storage_options!r:.200}."
+            )
+        self.storage_options = dict(storage_options or {})
         self.async_save = async_save
         self.verify_checksums = verify_checksums
         self.write_checksums = write_checksums
@@ -325,7 +339,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         """
         self.wait()
         comm = Ranks.of(self.process_group)
-        final = Path(os.path.abspath(os.fspath(path)))
+        final = self._location(path)
         try:
             job, tensors, writer = self._prepare_save(checkpoint, final, storage_options, comm)
         except PeerLostError as err:
@@ -344,7 +358,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         try:
             background = self._background_comm(comm)
         except Exception as err:
-            self._discard(final, job.token, comm)
+            self._discard(final, job.staging, comm)
             raise CheckpointSaveError(
                 f"Saving checkpoint {final} failed starting the background save on rank "
                 f"{comm.rank}: {describe(err)}. The previous checkpoint there, if any, is "
@@ -375,8 +389,15 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 whose state differs from rank 0's; rank 0's hidden directory is removed.
             PeerLostError: If a peer is gone.
         """
-        # Agree on the hidden directory first.
-        token = comm.broadcast_from_first(uuid.uuid4().hex)
+        # Agree on the staging location first: a hidden directory, or the next version's prefix.
+        token, staging, error = comm.broadcast_from_first(
+            self._plan_staging(final) if comm.rank == 0 else None
+        )
+        if error is not None:
+            raise CheckpointSaveError(
+                f"Saving checkpoint {final} failed before anything was written, on rank 0: {error}"
+            )
+        store = final.store if isinstance(final, StoreCheckpoint) else None
         job = writer = None
         tensors: dict[str, Any] = {}
         error: str | None = None
@@ -387,16 +408,19 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             digest = hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
             job = _SaveJob(
                 final,
-                hidden_path(final, STAGING, token),
+                staging,
                 token,
                 self.write_checksums,
                 self._manifest_fields(checkpoint, tensors, comm),
+                store=store,
             )
             if comm.rank == 0:
-                check_replaceable(final)
-                job.staging.mkdir(parents=True)
-                job.written[META_FILE] = _write_meta(job.staging / META_FILE, meta, job)
-            writer = (self._writer_factory(storage_options) or self._default_writer)(job.staging)
+                if store is None:
+                    check_replaceable(final)
+                    job.staging.mkdir(parents=True)
+                job.written[META_FILE] = _write_meta(job.file(META_FILE), meta, job)
+            factory = self._writer_factory(storage_options)
+            writer = factory(job.staging) if factory else self._default_writer(job)
             if self.async_save:
                 tensors = self._staging.stage(tensors)
         except Exception as err:
@@ -409,10 +433,10 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 layouts = comm.all_gather(_layout_summary(tensors))
                 errors = _layout_disagreement(layouts)
         except PeerLostError:
-            self._discard(final, token, comm)
+            self._discard(final, staging, comm)
             raise
         if errors:
-            self._discard(final, token, comm)
+            self._discard(final, staging, comm)
             raise CheckpointSaveError(
                 f"Saving checkpoint {final} failed before any tensor was written; the "
                 "previous checkpoint there, if any, is untouched:\n  " + "\n  ".join(errors)
@@ -420,11 +444,45 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         assert job is not None and writer is not None
         return job, tensors, writer
 
+    def _location(self, path: str | os.PathLike[str]) -> Path | StoreCheckpoint:
+        """A local checkpoint directory (absolute), or a checkpoint on an object store for
+        a URL (never a local directory named ``s3:``)."""
+        if is_url(path):
+            store, inside = open_store(os.fspath(path), self.storage_options)
+            return StoreCheckpoint(store, inside)
+        return Path(os.path.abspath(os.fspath(local_path(path))))
+
     @staticmethod
-    def _discard(final: Path, token: str, comm: Ranks) -> None:
-        if comm.rank == 0:
-            with contextlib.suppress(OSError):
-                remove_tree(hidden_path(final, STAGING, token))
+    def _plan_staging(final: Path | StoreCheckpoint) -> tuple[str, Any, str | None]:
+        """(token, staging location, error) of a new save; rank 0 (on a store it lists)."""
+        token = uuid.uuid4().hex
+        if not isinstance(final, StoreCheckpoint):
+            return token, hidden_path(final, STAGING, token), None
+        try:
+            version = final.store.new_version(final.path)
+        except Exception as err:
+            return token, None, describe(err)
+        return version.token, version.path, None
+
+    @staticmethod
+    def _discard(final: Path | StoreCheckpoint, staging: Any, comm: Ranks) -> None:
+        """Rank 0 deletes a save's staging location (every rank may call this); never raises."""
+        if comm.rank != 0 or staging is None:
+            return
+        if isinstance(final, StoreCheckpoint):
+            final.store.discard(staging)
+            return
+        with contextlib.suppress(OSError):
+            remove_tree(staging)
+
+    @staticmethod
+    def _drop_staging(job: _SaveJob) -> None:
+        """Delete what a failed save wrote (rank 0); never raises."""
+        if job.store is not None:
+            job.store.discard(job.staging)
+            return
+        with contextlib.suppress(OSError):
+            remove_tree(job.staging)
 
     def _writer_factory(self, storage_options: Any) -> StorageWriterFactory | None:
         if storage_options is None:
@@ -441,9 +499,16 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             )
         return storage_options["storage_writer_factory"]
 
-    def _default_writer(self, staging: Path) -> StorageWriter:
+    def _default_writer(self, job: _SaveJob) -> StorageWriter:
+        if job.store is not None:
+            return ChecksummingFsspecWriter(
+                job.store,
+                job.staging,
+                checksum=self.write_checksums,
+                thread_count=self.thread_count,
+            )
         return ChecksummingFileSystemWriter(
-            staging, checksum=self.write_checksums, thread_count=self.thread_count
+            job.staging, checksum=self.write_checksums, thread_count=self.thread_count
         )
 
     def _manifest_fields(
@@ -491,8 +556,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             return save()
         except (CheckpointException, Exception) as err:
             if comm.rank == 0:
-                with contextlib.suppress(OSError):
-                    remove_tree(job.staging)
+                self._drop_staging(job)
             message = (
                 dcp_failure_message("Saving", job.final, err)
                 if isinstance(err, CheckpointException)
@@ -536,8 +600,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             gathered = comm.all_gather((error, records))
         except PeerLostError as err:
             if comm.rank == 0:
-                with contextlib.suppress(OSError):
-                    remove_tree(job.staging)
+                self._drop_staging(job)
             raise CheckpointSaveError(
                 f"Saving checkpoint {job.final} failed before the commit: {err}. The previous "
                 "checkpoint there, if any, is untouched."
@@ -547,8 +610,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         if errors:
             outcome = "\n  ".join(errors)
             if comm.rank == 0:
-                with contextlib.suppress(OSError):
-                    remove_tree(job.staging)
+                self._drop_staging(job)
         elif comm.rank == 0:
             try:
                 files: dict[str, FileRecord] = {}
@@ -557,13 +619,12 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 self._check_claims(job, files, metadata)
                 manifest = Manifest(files=files, **job.manifest_fields)
                 _fault("commit:manifest")
-                self._write_manifest(job.staging, manifest)
+                self._write_manifest(job, manifest)
                 _fault("commit:publish")
                 self._publish(job)
             except Exception as err:
                 outcome = describe(err)
-                with contextlib.suppress(OSError):
-                    remove_tree(job.staging)
+                self._drop_staging(job)
         try:
             outcome = comm.broadcast_from_first(outcome)
         except PeerLostError as err:
@@ -599,13 +660,18 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         was written, is read back and hashed.
         """
         pattern = re.compile(_DISTCP_RE.format(rank=rank))
-        names = sorted(p.name for p in job.staging.iterdir() if pattern.fullmatch(p.name))
+        stored = _stored_sizes(job)
+        names = sorted(n for n in stored if pattern.fullmatch(n))
         if rank == 0:
             names += [DCP_METADATA_FILE, META_FILE]
         hashed = writer.written_files() if isinstance(writer, ChecksummingFileSystemWriter) else {}
         records = {}
         for name in names:
-            size = (job.staging / name).stat().st_size
+            if name not in stored:
+                raise FileNotFoundError(
+                    f"{name} is missing from {job.staging} after it was written"
+                )
+            size = stored[name]
             if not job.write_checksums:
                 records[name] = FileRecord(size)
                 continue
@@ -615,7 +681,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             if known is not None and known.size == size:
                 records[name] = known
             else:
-                records[name] = FileRecord(size, crc32c=file_digest(job.staging / name, "crc32c"))
+                records[name] = FileRecord(size, crc32c=_stored_digest(job, name))
         return records
 
     @staticmethod
@@ -625,7 +691,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         Raises:
             RuntimeError: Otherwise: DCP's file naming changed, or a writer misbehaved.
         """
-        on_disk = {p.name for p in job.staging.iterdir()}
+        on_disk = set(_stored_sizes(job))
         unclaimed = sorted(on_disk - set(files))
         storage = getattr(metadata, "storage_data", None) or {}
         indexed = {
@@ -640,7 +706,12 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             )
 
     @staticmethod
-    def _write_manifest(staging: Path, manifest: Manifest) -> None:
+    def _write_manifest(job: _SaveJob, manifest: Manifest) -> None:
+        if job.store is not None:
+            # One PUT: the object appears whole or not at all, so it is the commit record.
+            job.store.write_bytes(job.file(MANIFEST_FILE), manifest.dumps().encode())
+            return
+        staging = job.staging
         partial = staging / f"{MANIFEST_FILE}.partial"
         with open(partial, "w", encoding="utf-8") as file:
             file.write(manifest.dumps())
@@ -659,6 +730,11 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             Once the new checkpoint is in place nothing raises: leftovers are logged.
         """
         final = job.final
+        if isinstance(final, StoreCheckpoint):
+            # Committed by the manifest; retiring the previous versions only frees space.
+            _fault("commit:replaced")
+            final.store.retire(final.path, keep=job.staging)
+            return
         if final.exists() or final.is_symlink():
             check_replaceable(final)
             if not _exchange(job.staging, final, use_exchange=_USE_RENAME_EXCHANGE):
@@ -789,21 +865,37 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         """
         self.wait()
         comm = Ranks.of(self.process_group)
-        final = Path(os.path.abspath(os.fspath(path)))
+        requested = final = self._location(path)
+        located: tuple[str | None, str | None] | None = None
         if comm.rank == 0:
-            try:
-                if recover_checkpoint(final):
-                    log.warning("Restored %s, which an interrupted save had renamed aside.", final)
-            except OSError as err:
-                log.warning("Could not restore %s from a renamed-aside copy: %s", final, err)
-            report_interrupted_saves(final.parent, log)
+            if isinstance(final, StoreCheckpoint):
+                located = _locate_version(final)
+            else:
+                try:
+                    if recover_checkpoint(final):
+                        log.warning(
+                            "Restored %s, which an interrupted save had renamed aside.", final
+                        )
+                except OSError as err:
+                    log.warning("Could not restore %s from a renamed-aside copy: %s", final, err)
+                report_interrupted_saves(final.parent, log)
         try:
-            comm.broadcast_from_first(None)  # nobody looks at the path before recovery is done
+            # Nobody looks at the path before recovery is done; on a store, rank 0 has chosen
+            # the version every rank reads.
+            located = comm.broadcast_from_first(located)
             reader, problems = None, []
-            try:
-                reader = (self.storage_reader_factory or self._default_reader)(final)
-            except Exception as err:
-                problems = [(_LOAD_ERRORS.index(CheckpointError), describe(err))]
+            if isinstance(requested, StoreCheckpoint):
+                assert located is not None
+                version, missing = located
+                if version is None:
+                    problems = [(_LOAD_ERRORS.index(NotACheckpointError), str(missing))]
+                else:
+                    final = StoreCheckpoint(requested.store, version)
+            if not problems:
+                try:
+                    reader = (self.storage_reader_factory or self._default_reader)(final)
+                except Exception as err:
+                    problems = [(_LOAD_ERRORS.index(CheckpointError), describe(err))]
             if reader is not None:
                 problems, meta = self._validate(
                     final, state, strict, comm, map_location, weights_only, reader
@@ -814,7 +906,9 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 "targets are unchanged."
             ) from err
         agree_before_reading(comm, final, problems)
-        manifest = read_manifest(final)
+        manifest = (
+            final.read_manifest() if isinstance(final, StoreCheckpoint) else read_manifest(final)
+        )
         if (saved := manifest.world_size) != (ranks := comm.world_size):
             log.info("Loading %s, saved by %d ranks, on %d: DCP reshards.", final, saved, ranks)
         assert reader is not None
@@ -840,7 +934,9 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             loaded = targets
         return {**meta, **loaded}
 
-    def _default_reader(self, final: Path) -> StorageReader:
+    def _default_reader(self, final: Path | StoreCheckpoint) -> StorageReader:
+        if isinstance(final, StoreCheckpoint):
+            return VerifyingFsspecReader(final.store, final.path, verify=self.verify_checksums)
         return VerifyingFileSystemReader(final, verify=self.verify_checksums)
 
     def _load_failure(
@@ -903,8 +999,9 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             shape_error = _state_shape_error(state)
             if shape_error:
                 return [(kind[TypeError], shape_error)], {}
+        remote = isinstance(final, StoreCheckpoint)
         try:
-            manifest = read_manifest(final)
+            manifest = final.read_manifest() if remote else read_manifest(final)
         except NotACheckpointError as err:
             return [(kind[NotACheckpointError], str(err))], {}
         share = None
@@ -914,8 +1011,12 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             )
             share = hashed[comm.rank :: comm.world_size]
         try:
-            damaged = check_files(final, manifest, checksum_files=share)
-            data = None if damaged else (final / META_FILE).read_bytes()
+            if remote:
+                damaged = final.check_files(manifest, checksum_files=share)
+                data = None if damaged else final.read_bytes(META_FILE)
+            else:
+                damaged = check_files(final, manifest, checksum_files=share)
+                data = None if damaged else (final / META_FILE).read_bytes()
         except OSError as err:
             damaged, data = [f"cannot read a file: {describe(err)}"], None
         digest = manifest.files[META_FILE].digest() if self.verify_checksums else None
@@ -956,7 +1057,9 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         """Delete a checkpoint directory; a missing path is not an error. Not collective.
 
         The directory is first renamed to a hidden ``.<name>.del-<token>``, so a crash
-        halfway through the deletion never leaves a damaged checkpoint under its name.
+        halfway through the deletion never leaves a damaged checkpoint under its name. On
+        an object store each version's manifest goes first, and the only complete
+        checkpoint under the parent prefix is kept (a warning says so).
         A symbolic link is unlinked, its target kept. Only global rank 0 acts (Lightning
         calls this on rank 0 only).
 
@@ -966,7 +1069,17 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         """
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             return
-        target = Path(os.path.abspath(os.fspath(path)))
+        location = self._location(path)
+        if isinstance(location, StoreCheckpoint):
+            # Lightning removes the checkpoint a new save replaces right after that save
+            # returns, and an async save may still be writing: once it has committed (or
+            # failed), the store keeps the checkpoint if no other complete one is left. The
+            # save's error stays for wait()/poll(): every rank must see it there.
+            if self._in_flight is not None:
+                concurrent.futures.wait([self._in_flight])
+            location.store.remove(location.path)
+            return
+        target = location
         if self._in_flight is not None and self._in_flight_path == target:
             # Let the background save commit first, or it would re-create the directory.
             # Its error stays for wait()/poll(): every rank must see it there.
@@ -996,3 +1109,40 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             fsync_path(target.parent)
             target = trash
         remove_tree(target)
+
+
+def _stored_sizes(job: _SaveJob) -> dict[str, int]:
+    """Every file of the staging location by name, with its size (one listing)."""
+    if job.store is not None:
+        return job.store.sizes(job.staging)
+    return {p.name: p.stat().st_size for p in job.staging.iterdir()}
+
+
+def _stored_digest(job: _SaveJob, name: str) -> str:
+    """The CRC32C of a file as stored, read back (files another writer wrote)."""
+    if job.store is not None:
+        with job.store.fs.open(job.file(name), "rb") as file:
+            return stream_digest(file, "crc32c")
+    return file_digest(job.file(name), "crc32c")
+
+
+def _locate_version(final: StoreCheckpoint) -> tuple[str | None, str | None]:
+    """(the prefix of ``final``'s newest complete version, or ``None`` and why); rank 0.
+
+    Saves newer than the one chosen that did not finish are logged: they are never loaded,
+    and the next save of this checkpoint deletes them.
+    """
+    store = final.store
+    try:
+        version = store.require(final.path)
+    except (CheckpointError, OSError) as err:
+        return None, describe(err) if isinstance(err, OSError) else str(err)
+    newer = [v.name for v in store.versions(final.path) if v.path > version]
+    if newer:
+        log.warning(
+            "%s: loading %s; newer save(s) %s did not finish (no manifest) and are ignored.",
+            final,
+            posixpath.basename(version),
+            ", ".join(newer),
+        )
+    return version, None

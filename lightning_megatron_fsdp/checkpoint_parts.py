@@ -22,6 +22,7 @@ import functools
 import importlib.metadata
 import io
 import os
+import posixpath
 import sys
 import threading
 from collections.abc import Mapping, MutableMapping
@@ -338,13 +339,21 @@ def _exchange(a: Path, b: Path, *, use_exchange: bool = True) -> bool:
 class _SaveJob:
     """Everything the commit of one save needs, computed on the calling thread."""
 
-    final: Path
-    staging: Path
+    final: Any
+    """The checkpoint: a local ``Path``, or a ``StoreCheckpoint`` on an object store."""
+    staging: Any
+    """Where this save writes: a hidden local directory, or the new version's prefix."""
     token: str
     write_checksums: bool
     manifest_fields: dict[str, Any]
     written: dict[str, FileRecord] = dataclasses.field(default_factory=dict)
     """Files this rank wrote itself outside DCP (rank 0's ``meta.pt``), as written."""
+    store: Any = None
+    """The ``ObjectStore`` of ``final``, or ``None`` on a local filesystem."""
+
+    def file(self, name: str) -> Any:
+        """``name`` inside the staging location."""
+        return posixpath.join(self.staging, name) if self.store else Path(self.staging, name)
 
 
 _BACKGROUND_NICE = 10
@@ -369,15 +378,18 @@ def _lower_thread_priority() -> None:
             )
 
 
-def _write_meta(path: Path, meta: dict[str, Any], job: _SaveJob) -> FileRecord:
+def _write_meta(path: Any, meta: dict[str, Any], job: _SaveJob) -> FileRecord:
     """``torch.save`` the non-tensor rest to ``path``, fsync'd; its size and CRC32C are
     taken from the bytes written (pickled in memory first: it is small)."""
     buffer = io.BytesIO()
     torch.save(meta, buffer)
     data = buffer.getbuffer()
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
+    if job.store is not None:
+        job.store.write_bytes(path, data)
+    else:
+        with open(path, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
     digest = crc32c_hex(crc32c(data)) if job.write_checksums else None
     return FileRecord(size=data.nbytes, crc32c=digest)

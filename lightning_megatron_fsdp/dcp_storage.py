@@ -59,7 +59,7 @@ import re
 import struct
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -570,13 +570,35 @@ class VerifyingFileSystemReader(FileSystemReader):
         return None if record is None else record.digest()
 
     def _corrupted(self, name: str, what: str) -> CheckpointCorruptedError:
-        return CheckpointCorruptedError(f"{Path(self.path) / name}: {what}")
+        return CheckpointCorruptedError(f"{self._display(name)}: {what}")
+
+    # Storage access: the local filesystem here; ``fsspec_storage`` overrides these four.
+
+    def _display(self, name: str) -> str:
+        """``name`` inside the checkpoint, as messages show it."""
+        return str(Path(self.path) / name)
+
+    def _read_file(self, name: str) -> bytes:
+        return (Path(self.path) / name).read_bytes()
+
+    def _file_digest(self, name: str, algorithm: str) -> str:
+        return file_digest(Path(self.path) / name, algorithm)
+
+    @contextlib.contextmanager
+    def _ranges(self, name: str) -> Iterator[Callable[[list[Any], int], int]]:
+        """A function that fills buffers from ``name`` at an offset (``preadv`` until they
+        are full or the file ends) and returns the bytes read."""
+        fd = os.open(Path(self.path) / name, os.O_RDONLY)
+        try:
+            yield lambda buffers, offset: _read_exact(fd, buffers, offset)
+        finally:
+            os.close(fd)
 
     @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # DCP's no-collective per-rank metadata
             return super().read_metadata(*args, **kwargs)
-        data = Path(self._get_metadata_path()).read_bytes()
+        data = self._read_file(DCP_METADATA_FILE)
         expected = self._expected_digest(DCP_METADATA_FILE)
         if expected is not None:
             algorithm, digest = expected
@@ -623,7 +645,7 @@ class VerifyingFileSystemReader(FileSystemReader):
                 expected = self._expected_digest(name)
                 if expected is None:
                     continue
-                found = file_digest(Path(self.path) / name, expected[0])
+                found = self._file_digest(name, expected[0])
                 if found != expected[1]:
                     raise self._corrupted(
                         name,
@@ -644,20 +666,23 @@ class VerifyingFileSystemReader(FileSystemReader):
             per_file.setdefault(name, []).append(item)
         for name, items in per_file.items():
             items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
-            fd = os.open(Path(self.path) / name, os.O_RDONLY)
-            try:
+            with self._ranges(name) as read_at:
                 for item in items:
                     self.progress.current = item.dest_index.fqn
-                    self._read_record(fd, name, item, planner)
+                    self._read_record(read_at, name, item, planner)
                     self.progress.written += 1
                     self.progress.last, self.progress.current = item.dest_index.fqn, None
-            finally:
-                os.close(fd)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _read_record(self, fd: int, name: str, item: ReadItem, planner: LoadPlanner) -> None:
+    def _read_record(
+        self,
+        read_at: Callable[[list[Any], int], int],
+        name: str,
+        item: ReadItem,
+        planner: LoadPlanner,
+    ) -> None:
         info = self.storage_data[item.storage_index]
         annotation = self._annotation(item)
         expected = annotation.get("crc32c") if self.verify else None
@@ -667,10 +692,10 @@ class VerifyingFileSystemReader(FileSystemReader):
             and annotation.get("byteorder") == sys.byteorder
             and not info.transform_descriptors
         ):
-            self._read_payload(fd, name, item, planner, annotation, expected)
+            self._read_payload(read_at, name, item, planner, annotation, expected)
             return
         data = bytearray(info.length)
-        if _read_exact(fd, [data], info.offset) != info.length:
+        if read_at([data], info.offset) != info.length:
             raise self._truncated(name, item)
         if expected is not None and (found := crc32c(data)) != expected:
             raise self._mismatch(name, item, found, expected)
@@ -693,7 +718,7 @@ class VerifyingFileSystemReader(FileSystemReader):
 
     def _read_payload(
         self,
-        fd: int,
+        read_at: Callable[[list[Any], int], int],
         name: str,
         item: ReadItem,
         planner: LoadPlanner,
@@ -723,7 +748,7 @@ class VerifyingFileSystemReader(FileSystemReader):
         chunk = target if direct else torch.empty(sizes, dtype=dtype)
         head, tail = bytearray(payload), bytearray(info.length - payload - nbytes)
         body = _tensor_bytes(chunk)
-        if _read_exact(fd, [head, body, tail], info.offset) != info.length:
+        if read_at([head, body, tail], info.offset) != info.length:
             raise self._truncated(name, item)
         if expected is not None:
             found = crc32c(tail, crc32c(body, crc32c(head)))

@@ -39,6 +39,7 @@ from lightning_megatron_fsdp.manifest import (
     read_manifest,
     recover_checkpoint,
 )
+from lightning_megatron_fsdp.object_store import is_url, open_store
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
 from lightning_megatron_fsdp.pretrained import load_full_weights
 from lightning_megatron_fsdp.uneven_dtensor import attach_uneven_dtensor_metadata
@@ -96,7 +97,7 @@ def load_into_sharded_model(
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     ranks = Ranks.of()
-    peek = _inspect(path) if ranks.rank == 0 else None
+    peek = _inspect(path, getattr(io, "storage_options", None)) if ranks.rank == 0 else None
     foreign, saved_optimizers = ranks.broadcast_from_first(peek) or (False, None)
     if foreign:
         load_full_weights(model, path, optimizers=optimizers, strict=strict)
@@ -145,12 +146,21 @@ def load_into_sharded_model(
     return LoadResult(checkpoint, bool(optimizers))
 
 
-def _inspect(path: str) -> tuple[bool, int | None]:
+def _inspect(path: str, storage_options: Any = None) -> tuple[bool, int | None]:
     """(Is it a foreign Lightning DCP directory, how many optimizers it saved).
 
     Filesystem work for rank 0 only: restores a checkpoint a crash left renamed aside
-    first. An unreadable checkpoint is the IO's to explain (``None`` optimizers).
+    first. An unreadable checkpoint is the IO's to explain (``None`` optimizers). On an
+    object store: the newest complete version's manifest (ours only).
     """
+    if is_url(path):
+        try:
+            store, inside = open_store(path, storage_options)
+            version = store.locate(inside)
+            manifest = None if version is None else store.read_manifest(version)
+        except (CheckpointError, OSError, ValueError, ImportError):
+            return False, None
+        return False, None if manifest is None else len(manifest.optimizer_fingerprints)
     with contextlib.suppress(OSError):
         recover_checkpoint(os.fspath(path))
     if _is_foreign_lightning_dcp(path):
