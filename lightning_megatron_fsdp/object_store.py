@@ -360,6 +360,11 @@ class ObjectStore:
             if recursive:
                 for child in self.children(prefix):
                     self.fs.rm(self.join(prefix, child), recursive=True)
+                # Stores that keep directory entries (SeaweedFS's filer, HDFS-like
+                # gateways) list an empty prefix until its marker is deleted too; on S3
+                # itself this deletes nothing.
+                with contextlib.suppress(Exception):
+                    self.fs.rm_file(prefix.rstrip("/") + "/")
         except Exception as err:
             log.warning("Could not delete %s: %s", self.url(prefix), err)
 
@@ -399,8 +404,7 @@ class ObjectStore:
                 return False
         for version in reversed(self.versions(checkpoint)):
             self._delete(version.path)
-        if self.sizes(checkpoint):
-            self._delete(checkpoint, recursive=False)
+        self._delete(checkpoint)
         return True
 
     # ------------------------------------------------------------------------ lookup
