@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-import lightning_megatron_fsdp.checkpoint_parts as checkpoint_parts
+import lightning_megatron_fsdp.checkpoint.save as checkpoint_parts
 from benchmarks.bench_save_load import (
     QUICK_WIDTH,
     WIDTH,

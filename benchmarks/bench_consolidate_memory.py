@@ -39,7 +39,7 @@ from lightning_megatron_fsdp import (
     ensure_optimizer_state,
     shard_module,
 )
-from lightning_megatron_fsdp.checkpoint_io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from tests.harness import run_distributed
 
 MIB = 1 << 20

@@ -85,7 +85,7 @@ from lightning_megatron_fsdp import (
 from lightning_megatron_fsdp._megatron import fully_shard_optimizer
 
 try:  # the default writer since issue 13; older checkouts write with torch's own
-    from lightning_megatron_fsdp.checkpoint_io import (
+    from lightning_megatron_fsdp.checkpoint.storage import (
         ChecksummingFileSystemWriter as _DefaultWriter,
     )
 except ImportError:  # pragma: no cover - only when benchmarking an older checkout

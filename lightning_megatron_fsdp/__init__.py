@@ -1,6 +1,15 @@
 """Train with NVIDIA Megatron-FSDP in PyTorch Lightning, and checkpoint/resume it bit-exactly."""
 
-from lightning_megatron_fsdp.checkpoint_io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.checkpoint.commit import interrupted_saves, resolve_latest_checkpoint
+from lightning_megatron_fsdp.checkpoint.errors import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    NotACheckpointError,
+)
+from lightning_megatron_fsdp.checkpoint.format import is_complete_checkpoint, read_manifest
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.cpu_execution import cpu_execution_enabled, enable_cpu_execution
 from lightning_megatron_fsdp.export import consolidate_checkpoint
 from lightning_megatron_fsdp.gather import full_tensor, grad_norm
@@ -13,17 +22,6 @@ from lightning_megatron_fsdp.inspection import (
 from lightning_megatron_fsdp.lightning_checkpoint import (
     export_lightning_checkpoint,
     load_lightning_module,
-)
-from lightning_megatron_fsdp.manifest import (
-    CheckpointCorruptedError,
-    CheckpointError,
-    CheckpointMismatchError,
-    CheckpointSaveError,
-    NotACheckpointError,
-    interrupted_saves,
-    is_complete_checkpoint,
-    read_manifest,
-    resolve_latest_checkpoint,
 )
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
 from lightning_megatron_fsdp.precision import (

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_megatron_fsdp.manifest import CheckpointError
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
 
 __all__ = [
     "PeerLostError",

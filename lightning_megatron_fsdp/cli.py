@@ -35,10 +35,10 @@ import sys
 import warnings
 from typing import Any, TextIO
 
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
 from lightning_megatron_fsdp.export import consolidate_checkpoint
 from lightning_megatron_fsdp.inspection import CheckpointInfo, inspect_checkpoint, verify_checkpoint
 from lightning_megatron_fsdp.lightning_checkpoint import export_lightning_checkpoint
-from lightning_megatron_fsdp.manifest import CheckpointError
 
 __all__ = ["build_parser", "main"]
 

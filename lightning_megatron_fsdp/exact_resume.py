@@ -92,6 +92,7 @@ __all__ = [
     "align_sampler_epoch",
     "capture_rng_states",
     "restore_rng_states",
+    "rng_states_of",
     "shuffle_by_epoch",
 ]
 
@@ -215,6 +216,11 @@ def align_sampler_epoch(dataloader: object, epoch: int) -> None:
     _set_sampler_epoch(dataloader, epoch)
 
 
+def rng_states_of(states: list[Any]) -> dict[str, Any]:
+    """What ``meta.pt`` holds under :data:`RNG_STATES_KEY`: every rank's streams, by rank."""
+    return {"world_size": len(states), "states": states}
+
+
 class ExactResume:
     """A ``fit``'s random streams and data position across saves, resumes and validation.
 
@@ -230,24 +236,14 @@ class ExactResume:
         self._pending: dict[str, Any] | None = None
         self._resuming = False
 
-    def gather_for_checkpoint(self, device: torch.device) -> dict[str, Any] | None:
-        """Every rank's training streams, on rank 0 (``None`` elsewhere). Collective.
+    def states_for_checkpoint(self, device: torch.device) -> Any:
+        """This rank's training streams for the checkpoint (rank-local, no collective).
 
         During a validation run inside ``fit`` the streams captured when it began are
-        recorded (the training run's), not the live ones validation has advanced.
-
-        Raises:
-            RuntimeError: If the gather fails (a peer died or timed out).
+        recorded (the training run's), not the live ones validation has advanced. The save
+        gathers every rank's into rank 0's ``meta.pt`` (:func:`rng_states_of`).
         """
-        own = self._validation_snapshot or capture_rng_states(device)
-        if not (dist.is_available() and dist.is_initialized()):
-            return {"world_size": 1, "states": [own]}
-        world_size = dist.get_world_size()
-        gathered: list[Any] | None = [None] * world_size if dist.get_rank() == 0 else None
-        dist.gather_object(own, gathered, dst=0)
-        if gathered is None:
-            return None
-        return {"world_size": world_size, "states": gathered}
+        return self._validation_snapshot or capture_rng_states(device)
 
     def checkpoint_loaded(self, checkpoint: dict[str, Any], *, fitting: bool) -> None:
         """Keep this rank's saved streams for the resume (a ``fit`` only).

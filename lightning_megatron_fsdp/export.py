@@ -9,7 +9,7 @@ job's world size, nor a process group, nor a GPU, nor memory for the whole model
 How: DCP's ``.metadata`` records every tensor's global shape and where each saved chunk
 lies (file, byte range, offsets in the global tensor). :func:`consolidate_checkpoint`
 checks that metadata against the manifest (read and size/checksum-checked by
-:mod:`lightning_megatron_fsdp.manifest`, as the loader does) and against the files on
+:mod:`lightning_megatron_fsdp.checkpoint.format`, as the loader does) and against the files on
 disk, and that every tensor's chunks tile it exactly once; then, for one tensor at
 a time, allocates only that full tensor and has ``dcp.load(..., no_dist=True)`` (no
 process group) plan its reads: only that tensor's chunks, each read straight into place
@@ -80,7 +80,6 @@ from typing import IO, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -88,9 +87,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
+from lightning_megatron_fsdp import _torch
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
+from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, MANIFEST_FILE
 from lightning_megatron_fsdp.inspection import (
     _MAX_EXAMPLES,
     MODEL_PREFIX,
@@ -99,12 +100,6 @@ from lightning_megatron_fsdp.inspection import (
     _Checked,
     _ordered_keys,
     _summarise,
-)
-from lightning_megatron_fsdp.manifest import (
-    DCP_METADATA_FILE,
-    MANIFEST_FILE,
-    CheckpointCorruptedError,
-    NotACheckpointError,
 )
 
 __all__ = ["consolidate_checkpoint"]
@@ -224,10 +219,10 @@ class _StreamingReader(FileSystemReader):
         info = self.storage_data[item.storage_index]
         if item.type != LoadItemType.TENSOR or info.transform_descriptors:
             return False
-        view = _create_file_view(stream, info.offset, info.length)
+        view = _torch.create_file_view(stream, info.offset, info.length)
         stored = torch.load(view, map_location="meta", weights_only=True)
         offset = getattr(stored.untyped_storage(), "_checkpoint_offset", None)
-        source = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+        source = _torch.narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if (
             offset is None
@@ -569,9 +564,7 @@ def _write_torch(
     storage's byte offset, where the real bytes are then written. The zip CRC-32 that
     ``skip_data`` leaves at zero is computed while writing and patched in.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
+    with _torch.fake_tensor_mode():
         for entry, place in places:
             assert entry.dtype is not None
             _at(tree, place[:-1])[place[-1]] = torch.empty(entry.shape, dtype=entry.dtype)

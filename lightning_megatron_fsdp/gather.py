@@ -58,7 +58,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp import _megatron, _torch
 from lightning_megatron_fsdp.uneven_dtensor import parameter_chunk
 
 __all__ = [
@@ -103,7 +103,7 @@ def full_tensor(tensor: Tensor) -> Tensor:
             "on_before_optimizer_step), when Megatron-FSDP has reduced it."
         )
     sharded = [dim for dim, placement in enumerate(placements) if placement.is_shard()]
-    local = tensor._local_tensor.detach()
+    local = _torch.local_tensor(tensor).detach()
     if not sharded:
         return local
     if len(sharded) > 1 or placements[sharded[0]].dim != 0:  # type: ignore[attr-defined]
@@ -264,7 +264,7 @@ def local_grad(parameter: Tensor) -> Tensor | None:
     grad = parameter.grad
     if grad is None:
         return None
-    return grad._local_tensor if isinstance(grad, DTensor) else grad
+    return _torch.local_tensor(grad) if isinstance(grad, DTensor) else grad
 
 
 class _FullTensorMethod:

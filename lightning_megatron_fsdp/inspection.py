@@ -28,14 +28,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from lightning_megatron_fsdp.manifest import (
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
+from lightning_megatron_fsdp.checkpoint.format import (
     DCP_METADATA_FILE,
     FORMAT_NAME,
     MANIFEST_FILE,
     META_FILE,
-    CheckpointCorruptedError,
     Manifest,
-    NotACheckpointError,
     TensorSpec,
     check_files,
     read_manifest,

@@ -40,13 +40,13 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_megatron_fsdp.manifest import (
-    MANIFEST_FILE,
+from lightning_megatron_fsdp.checkpoint.commit import (
     latest_complete_checkpoint,
     matching_checkpoints,
     recover_matching,
 )
-from lightning_megatron_fsdp.object_store import is_url, open_store
+from lightning_megatron_fsdp.checkpoint.format import MANIFEST_FILE
+from lightning_megatron_fsdp.checkpoint.object_store import is_url, open_store
 
 __all__ = ["resolving_last_launcher"]
 

@@ -57,6 +57,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
+from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, META_FILE, Manifest
 from lightning_megatron_fsdp.export import (
     _check_output,
     _Entry,
@@ -70,13 +72,6 @@ from lightning_megatron_fsdp.export import (
     _write_torch,
 )
 from lightning_megatron_fsdp.inspection import MODEL_PREFIX, _check
-from lightning_megatron_fsdp.manifest import (
-    DCP_METADATA_FILE,
-    META_FILE,
-    CheckpointCorruptedError,
-    Manifest,
-    NotACheckpointError,
-)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -64,7 +64,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    _get_fqns,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -72,7 +71,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp import _megatron, _torch
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
 from lightning_megatron_fsdp.uneven_dtensor import (
     attach_uneven_dtensor_metadata,
@@ -375,7 +374,7 @@ def _tie_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
         names_by_param.setdefault(id(parameter), []).append(name)
     groups: dict[str, tuple[str, ...]] = {}
     for names in names_by_param.values():
-        fqns = tuple(fqn for name in names for fqn in sorted(_get_fqns(model, name)))
+        fqns = tuple(fqn for name in names for fqn in sorted(_torch.fqns_of(model, name)))
         if len(fqns) > 1:
             for fqn in fqns:
                 groups[fqn] = fqns
@@ -402,7 +401,7 @@ def _check_spec(
 def _copy_of(key: str, entry: torch.Tensor, chunk: Any) -> _Copy:
     if isinstance(entry, DTensor):
         start = int(chunk.offsets[0])
-        return _Copy(key, entry._local_tensor, (start, start + int(chunk.sizes[0])), entry)
+        return _Copy(key, _torch.local_tensor(entry), (start, start + int(chunk.sizes[0])), entry)
     return _Copy(key, entry, None, entry)
 
 

@@ -89,8 +89,12 @@ from typing_extensions import override
 from lightning_megatron_fsdp import _megatron
 from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointError, CheckpointSaveError
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.checkpoint.load import load_into_sharded_model
+from lightning_megatron_fsdp.checkpoint.save import PerRank
 from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
-from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY, ExactResume
+from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY, ExactResume, rng_states_of
 from lightning_megatron_fsdp.gather import bind_full_tensor, lightning_grad_norm_explained
 from lightning_megatron_fsdp.interpreter_exit import register_exit_hook
 from lightning_megatron_fsdp.join import (
@@ -99,7 +103,6 @@ from lightning_megatron_fsdp.join import (
     refuse_uneven_batches,
 )
 from lightning_megatron_fsdp.launcher import resolving_last_launcher
-from lightning_megatron_fsdp.manifest import CheckpointError, CheckpointSaveError
 from lightning_megatron_fsdp.mesh import (
     MeshRequest,
     build_device_mesh,
@@ -117,7 +120,6 @@ from lightning_megatron_fsdp.pretrained import (
     apply_pretrained_weights,
     as_pretrained_weights,
 )
-from lightning_megatron_fsdp.restore import load_into_sharded_model
 from lightning_megatron_fsdp.sharding import (
     AutoWrapPolicy,
     check_fully_sharded,
@@ -779,34 +781,48 @@ class MegatronFSDPStrategy(ParallelStrategy):
             CheckpointSaveError: On every rank if any rank fails (naming the failing rank
                 and its error); nothing is written.
         """
-        path = self.broadcast(str(filepath))
         model = self.lightning_module
         assert model is not None
-        # Every rank's random streams, gathered into rank 0's (meta.pt) part: a collective,
-        # so every rank runs it before any rank-local step that may fail on one rank alone.
-        checkpoint[RNG_STATES_KEY] = self._exact_resume.gather_for_checkpoint(self.root_device)
-        error: Exception | None = None
-        try:
+
+        def attach() -> None:
             attach_uneven_dtensor_metadata(model, checkpoint.get("state_dict", {}), {})
             for optimizer_state in checkpoint.get("optimizer_states", []):
                 attach_uneven_dtensor_metadata(model, {}, optimizer_state)
-        except Exception as err:
-            error = err
-        Ranks.of().raise_together(
-            f"{_STRATEGY}: saving checkpoint {path} (attaching chunk metadata)",
-            error,
-            CheckpointSaveError,
-            consequence="nothing was written",
+
+        # Every rank's random streams, in rank 0's meta.pt: gathered by the save's first round.
+        checkpoint[RNG_STATES_KEY] = PerRank(
+            self._exact_resume.states_for_checkpoint(self.root_device), combine=rng_states_of
         )
+        io = self.checkpoint_io
         try:
-            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            if isinstance(io, MegatronFSDPCheckpointIO):
+                # One round agrees on the path, the attached metadata and the layout.
+                io.save_checkpoint(checkpoint, filepath, storage_options, prepare=attach)
+            else:  # a wrapper or another plugin: the same steps, a round each
+                path = self.broadcast(str(filepath))
+                ranks = Ranks.of()
+                checkpoint[RNG_STATES_KEY] = rng_states_of(
+                    ranks.all_gather(checkpoint[RNG_STATES_KEY].value)
+                )
+                error: Exception | None = None
+                try:
+                    attach()
+                except Exception as err:
+                    error = err
+                ranks.raise_together(
+                    f"{_STRATEGY}: saving checkpoint {path} (attaching chunk metadata)",
+                    error,
+                    CheckpointSaveError,
+                    consequence="nothing was written",
+                )
+                io.save_checkpoint(checkpoint, path, storage_options=storage_options)
             if not self._stage_running():
                 # After fit nothing else waits for an async write (no later step, save or
                 # teardown): the checkpoint must be committed when the call returns.
-                self.checkpoint_io.teardown()
+                io.teardown()
         except CheckpointException as err:  # a BaseException: never let it escape as is
             raise CheckpointSaveError(
-                f"{_STRATEGY}: " + dcp_failure_message("Saving", path, err)
+                f"{_STRATEGY}: " + dcp_failure_message("Saving", filepath, err)
             ) from err
 
     def _stage_running(self) -> bool:
@@ -841,7 +857,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
                 error is raised on every rank; before any tensor is read, the model and
                 optimizers are unchanged.
         """
-        path = self.broadcast(str(checkpoint_path))
+        path = str(checkpoint_path)  # rank 0's is loaded
         model = self.lightning_module
         assert model is not None
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
@@ -948,8 +964,6 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
 
 def _default_checkpoint_io() -> CheckpointIO:
-    from lightning_megatron_fsdp.checkpoint_io import MegatronFSDPCheckpointIO
-
     return MegatronFSDPCheckpointIO()
 
 

@@ -47,10 +47,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp import _megatron, _torch
 from lightning_megatron_fsdp._megatron import DBuffer
 
 __all__ = ["attach_uneven_dtensor_metadata", "chunk_metadata_by_fqn", "parameter_chunk"]
@@ -207,11 +206,11 @@ class _FqnResolver:
         if prefixes is None:
             prefixes = {
                 fqn[: -len(leaf)]
-                for fqn in _get_fqns(self._model, name)
+                for fqn in _torch.fqns_of(self._model, name)
                 if fqn == leaf or fqn.endswith(f".{leaf}")
             }
             if not prefixes:  # A wrapper renamed the leaf itself: no shortcut.
-                return _get_fqns(self._model, name)
+                return _torch.fqns_of(self._model, name)
             self._prefixes[module_path] = prefixes
         return {prefix + leaf for prefix in prefixes}
 
@@ -350,7 +349,7 @@ def _attach_dcp_hooks(dtensor: DTensor, chunk: ChunkStorageMetadata, *, where: s
             fit the DTensor's global shape, or the local tensor already carries a
             different chunk (a state dict attached for another model's layout).
     """
-    local = dtensor._local_tensor
+    local = _torch.local_tensor(dtensor)
     global_size = dtensor.size()
     if (
         tuple(local.shape) != tuple(chunk.sizes)
@@ -402,7 +401,7 @@ class _WriteItems:
     global_size: torch.Size
 
     def __call__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        local = obj._local_tensor if isinstance(obj, DTensor) else obj
+        local = _torch.local_tensor(obj) if isinstance(obj, DTensor) else obj
         if local.numel() == 0:
             return []
         return [

@@ -28,16 +28,18 @@ import torch.distributed as dist
 
 from lightning_megatron_fsdp import upstream_checkpoint
 from lightning_megatron_fsdp.agreement import Problem, Ranks
-from lightning_megatron_fsdp.export import _checkpoints_inside
-from lightning_megatron_fsdp.manifest import (
-    DCP_METADATA_FILE,
-    MANIFEST_FILE,
+from lightning_megatron_fsdp.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
     NotACheckpointError,
+)
+from lightning_megatron_fsdp.checkpoint.format import (
+    DCP_METADATA_FILE,
+    MANIFEST_FILE,
     check_files,
     read_manifest,
 )
+from lightning_megatron_fsdp.export import _checkpoints_inside
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 

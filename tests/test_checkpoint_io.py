@@ -48,17 +48,15 @@ from lightning_megatron_fsdp import (
     shard_module,
     sharding_scope,
 )
-from lightning_megatron_fsdp.checkpoint_io import (
+from lightning_megatron_fsdp.checkpoint.commit import resolve_latest_checkpoint
+from lightning_megatron_fsdp.checkpoint.errors import (
     CheckpointCorruptedError,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointSaveError,
-    MegatronFSDPCheckpointIO,
     NotACheckpointError,
-    VerifyingFileSystemReader,
 )
-from lightning_megatron_fsdp.dcp_storage import RECORD_ATTR
-from lightning_megatron_fsdp.manifest import (
+from lightning_megatron_fsdp.checkpoint.format import (
     ASIDE,
     MANIFEST_FILE,
     STAGING,
@@ -70,8 +68,9 @@ from lightning_megatron_fsdp.manifest import (
     is_complete_checkpoint,
     parse_hidden_name,
     read_manifest,
-    resolve_latest_checkpoint,
 )
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.checkpoint.storage import RECORD_ATTR, VerifyingFileSystemReader
 from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import run_distributed
 from tests.legacy_format import downgrade_to_format_1
@@ -626,12 +625,12 @@ def _async_vs_sync(rank: int, world_size: int, root: str) -> dict:
     removed_exists = (root_path / "removed").exists()
     # A later async save copies into the earlier saves' staging buffers (the same memory)
     # and still writes exactly what a sync save of the state at its call writes.
-    first_buffers = {t.data_ptr() for t in plugin._staging._held}
+    first_buffers = {t.data_ptr() for t in plugin._copies._held}
     _step(model, adam, 1)
     checkpoint = _checkpoint(model, adam, step=6)
     MegatronFSDPCheckpointIO().save_checkpoint(checkpoint, root_path / "sync2")
     plugin.save_checkpoint(checkpoint, root_path / "async2")
-    reused = {t.data_ptr() for t in plugin._staging._held} == first_buffers
+    reused = {t.data_ptr() for t in plugin._copies._held} == first_buffers
     _step(model, adam, 1)
     plugin.wait()
     # teardown waits for the last save.

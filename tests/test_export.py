@@ -50,11 +50,11 @@ from lightning_megatron_fsdp import (
     chunk_metadata_by_fqn,
     enable_cpu_execution,
 )
-from lightning_megatron_fsdp.checkpoint_io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.cli import main
 from lightning_megatron_fsdp.export import consolidate_checkpoint
 from lightning_megatron_fsdp.inspection import inspect_checkpoint, verify_checkpoint
-from lightning_megatron_fsdp.manifest import CheckpointCorruptedError, NotACheckpointError
 from tests.harness import THIRD_PARTY_WARNINGS, run_distributed, spawned
 from tests.legacy_format import downgrade_to_format_1
 from tests.models import (

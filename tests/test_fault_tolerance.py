@@ -39,16 +39,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_megatron_fsdp.checkpoint_io import CheckpointError, MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.inspection import verify_checkpoint
-from lightning_megatron_fsdp.manifest import (
+from lightning_megatron_fsdp.checkpoint.commit import resolve_latest_checkpoint
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
+from lightning_megatron_fsdp.checkpoint.format import (
     ASIDE,
     STAGING,
     is_complete_checkpoint,
     parse_hidden_name,
     read_manifest,
-    resolve_latest_checkpoint,
 )
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.inspection import verify_checkpoint
 from tests.harness import run_distributed
 from tests.models import train_unsharded
 from tests.scripts.fault_injection import (
@@ -190,7 +191,7 @@ def _resume(rank: int, world_size: int, roots: list[str], expected_steps: list[i
     crashed run took after it, save again. Returns facts for the pytest process."""
     init_group(rank, world_size)
     records = _Records()
-    logging.getLogger("lightning_megatron_fsdp.checkpoint_io").addHandler(records)
+    logging.getLogger("lightning_megatron_fsdp.checkpoint.io").addHandler(records)
     out = []
     for root, saved_step in zip(roots, expected_steps, strict=True):
         path = Path(root) / "ckpt" / "last.ckpt"

@@ -33,15 +33,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import lightning_megatron_fsdp.checkpoint_io
-from lightning_megatron_fsdp.checkpoint_io import (
+import lightning_megatron_fsdp.checkpoint.commit
+import lightning_megatron_fsdp.checkpoint.save
+from lightning_megatron_fsdp.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointSaveError,
-    MegatronFSDPCheckpointIO,
 )
+from lightning_megatron_fsdp.checkpoint.format import (
+    ASIDE,
+    STAGING,
+    parse_hidden_name,
+    read_manifest,
+)
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.inspection import verify_checkpoint
-from lightning_megatron_fsdp.manifest import ASIDE, STAGING, parse_hidden_name, read_manifest
 from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import run_distributed
 from tests.scripts.fault_injection import (
@@ -121,13 +127,14 @@ def _named_phases(source: object, call: str) -> set[str]:
 
 def test_every_phase_the_code_names_is_injected() -> None:
     """Each save phase the code names (the writer's, and the commit steps
-    ``checkpoint_io._fault`` marks) is failed here and SIGKILLed in
+    ``commit.reach`` marks) is failed here and SIGKILLed in
     ``test_fault_tolerance.py``; each load phase is failed here. A new phase without a
     scenario fails this test."""
     from tests.test_fault_tolerance import CRASHES
 
     save = _named_phases(FaultyWriter, "self.fault.reached")
-    save |= _named_phases(lightning_megatron_fsdp.checkpoint_io, "_fault")
+    save |= _named_phases(lightning_megatron_fsdp.checkpoint.commit, "reach")
+    save |= _named_phases(lightning_megatron_fsdp.checkpoint.save, "reach")
     load = _named_phases(FaultyReader, "self.fault.reached")
     assert {"plan", "metadata", "commit:hashed", "commit:replaced"} <= save  # parsed
     assert {"read:metadata", "read:after"} <= load
@@ -184,7 +191,7 @@ def _phase_faults(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # After the rename nothing may fail the save: the new checkpoint is committed, and
     # the previous one is left behind for the next save to delete.
     records = _Records()
-    logging.getLogger("lightning_megatron_fsdp.checkpoint_io").addHandler(records)
+    logging.getLogger("lightning_megatron_fsdp.checkpoint.commit").addHandler(records)
     for phase, failing, how in COMMITTED_FAULTS:
         replaced = base / f"replaced-{how}" / "last.ckpt"
         plugin.save_checkpoint(checkpoint_dict(model, adam, 2), replaced)

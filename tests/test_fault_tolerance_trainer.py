@@ -27,9 +27,9 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
-from lightning_megatron_fsdp.checkpoint_io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.checkpoint.format import parse_hidden_name, read_manifest
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.inspection import verify_checkpoint
-from lightning_megatron_fsdp.manifest import parse_hidden_name, read_manifest
 from tests.harness import run_distributed
 from tests.models import VOCAB, PackedBlock, build_packed_lm, lm_loss
 from tests.scripts.fault_injection import PG_TIMEOUT, Fault, FaultyWriter

@@ -32,10 +32,11 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from lightning_megatron_fsdp.checkpoint_io import CheckpointError, MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.fsspec_storage import ChecksummingFsspecWriter
-from lightning_megatron_fsdp.manifest import MANIFEST_FILE
-from lightning_megatron_fsdp.object_store import ObjectStore, open_store
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
+from lightning_megatron_fsdp.checkpoint.format import MANIFEST_FILE
+from lightning_megatron_fsdp.checkpoint.fsspec_storage import ChecksummingFsspecWriter
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.checkpoint.object_store import ObjectStore, StoreCheckpoint
 from tests.harness import run_distributed
 from tests.object_store import SeaweedServer
 from tests.scripts.fault_injection import (
@@ -91,12 +92,12 @@ class _KillingWriter(ChecksummingFsspecWriter):
     (its shard object still streaming: never completed), or once its objects are
     complete (``after=None``)."""
 
-    def __init__(self, store: ObjectStore, path: str, *, victim: int, after: int | None):
-        super().__init__(store, path)
+    def __init__(self, staging: StoreCheckpoint, *, victim: int, after: int | None):
+        super().__init__(staging.store, staging.path)
         self.victim, self.after, self.count = victim, after, 0
 
-    def _write_record(self, stream: Any, storage_key: str, item: Any, data: Any) -> Any:
-        written = super()._write_record(stream, storage_key, item, data)
+    def write_record(self, stream: Any, storage_key: str, item: Any, data: Any) -> Any:
+        written = super().write_record(stream, storage_key, item, data)
         self.count += 1
         if dist.get_rank() == self.victim and self.count == self.after:
             die()
@@ -122,10 +123,9 @@ def _crash(
     plugin.save_checkpoint(checkpoint_dict(model, adam, 2), path)
     step(model, adam, 2)
     dist.barrier()
-    store, _ = open_store(url)
 
-    def factory(staging: str) -> _KillingWriter:
-        return _KillingWriter(store, staging, victim=victim, after=after)
+    def factory(staging: StoreCheckpoint) -> _KillingWriter:
+        return _KillingWriter(staging, victim=victim, after=after)
 
     try:
         plugin.save_checkpoint(
@@ -163,7 +163,6 @@ def _server_lost(
     saved = facts(live_state(model, adam))
     step(model, adam, 2)
     dist.barrier()
-    store, _ = open_store(url)
 
     class StopServer(ChecksummingFsspecWriter):
         def write_data(self, plan: Any, planner: Any) -> Any:
@@ -175,7 +174,7 @@ def _server_lost(
         plugin.save_checkpoint(
             checkpoint_dict(model, adam, 3),
             path,
-            storage_options={"storage_writer_factory": lambda s: StopServer(store, s)},
+            storage_options={"storage_writer_factory": lambda s: StopServer(s.store, s.path)},
         )
     except CheckpointError as err:
         return {"error": f"{type(err).__name__}: {err}", "saved": saved}
@@ -344,7 +343,7 @@ def test_remove_keeps_the_only_complete_checkpoint(seaweed: SeaweedServer) -> No
 def test_a_url_whose_filesystem_is_missing_names_what_to_install(tmp_path: Path) -> None:
     code = (
         "import sys; sys.modules['s3fs'] = None\n"
-        "from lightning_megatron_fsdp.checkpoint_io import MegatronFSDPCheckpointIO\n"
+        "from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO\n"
         "try:\n"
         "    MegatronFSDPCheckpointIO().save_checkpoint({'state_dict': {}}, 's3://b/x/last.ckpt')\n"
         "except ImportError as err:\n"

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
-from lightning_megatron_fsdp.manifest import MANIFEST_FILE, META_FILE, read_manifest
+from lightning_megatron_fsdp.checkpoint.format import MANIFEST_FILE, META_FILE, read_manifest
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import VOCAB, PackedBlock, build_packed_lm, lm_loss
 from tests.test_strategy import Block, TwoOptimizers, _regression_data

@@ -27,8 +27,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor, nn
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
+from lightning_megatron_fsdp.checkpoint.format import read_manifest
 from lightning_megatron_fsdp.inspection import verify_checkpoint
-from lightning_megatron_fsdp.manifest import read_manifest
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock, build_packed_lm
 from tests.test_strategy import _assemble, _shards

@@ -12,7 +12,7 @@ How: every injector is a real DCP component or a documented seam of our own:
   and, on the chosen rank at the chosen phase, raises an ``OSError`` or SIGKILLs its own
   process. They reach the plugin through its public ``storage_writer_factory`` /
   ``storage_reader_factory``.
-* Commit steps, which no writer sees, go through ``checkpoint_io._FAULT_HOOK``
+* Commit steps, which no writer sees, go through ``commit._FAULT_HOOK``
   (:func:`arm_commit_fault`).
 * A full disk is the kernel's: :func:`file_size_limit` sets ``RLIMIT_FSIZE``, so the real
   writer's ``write`` fails with ``EFBIG``.
@@ -24,7 +24,7 @@ Phases, in the order a save reaches them (``*`` = coordinator, rank 0, only)::
     write:before  FaultyWriter.write_data            before this rank's shard files
     write:after   FaultyWriter.write_data            this rank's shard files on disk
     metadata*     FaultyWriter.finish                every shard on disk, no .metadata
-    commit:...    checkpoint_io._FAULT_HOOK          see its docstring
+    commit:...    commit._FAULT_HOOK          see its docstring
 
 and a load: ``read:metadata``, ``read:plan``, ``read:global-plan*``, ``read:before``,
 ``read:after`` (this rank's data read into the load's buffers).
@@ -57,13 +57,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-import lightning_megatron_fsdp.checkpoint_io as checkpoint_io
+import lightning_megatron_fsdp.checkpoint.commit as commit
 from lightning_megatron_fsdp import (
     attach_uneven_dtensor_metadata,
     enable_cpu_execution,
     ensure_optimizer_state,
 )
-from lightning_megatron_fsdp.checkpoint_io import (
+from lightning_megatron_fsdp.checkpoint.storage import (
     ChecksummingFileSystemWriter,
     VerifyingFileSystemReader,
 )
@@ -205,20 +205,20 @@ def reader_factory(fault: Fault) -> Any:
 
 @contextlib.contextmanager
 def arm_commit_fault(fault: Fault | None, *, rename_exchange: bool = True) -> Iterator[None]:
-    """Install ``fault`` at the commit steps (``checkpoint_io._FAULT_HOOK``) for a block.
+    """Install ``fault`` at the commit steps (``commit._FAULT_HOOK``) for a block.
 
     Args:
         fault: The fault, or ``None`` for none.
         rename_exchange: ``False`` forces the two-rename commit that systems without
             ``renameat2(RENAME_EXCHANGE)`` use.
     """
-    checkpoint_io._FAULT_HOOK = None if fault is None else fault.reached
-    checkpoint_io._USE_RENAME_EXCHANGE = rename_exchange
+    commit._FAULT_HOOK = None if fault is None else fault.reached
+    commit._USE_RENAME_EXCHANGE = rename_exchange
     try:
         yield
     finally:
-        checkpoint_io._FAULT_HOOK = None
-        checkpoint_io._USE_RENAME_EXCHANGE = True
+        commit._FAULT_HOOK = None
+        commit._USE_RENAME_EXCHANGE = True
 
 
 @contextlib.contextmanager

@@ -27,16 +27,17 @@ from torch.futures import Future
 from typing_extensions import override
 
 from lightning_megatron_fsdp.agreement import describe
-from lightning_megatron_fsdp.checksums import stream_digest
-from lightning_megatron_fsdp.dcp_storage import (
+from lightning_megatron_fsdp.checkpoint.checksums import stream_digest
+from lightning_megatron_fsdp.checkpoint.errors import NotACheckpointError
+from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, Manifest
+from lightning_megatron_fsdp.checkpoint.object_store import ObjectStore
+from lightning_megatron_fsdp.checkpoint.storage import (
     ChecksummingFileSystemWriter,
     VerifyingFileSystemReader,
     WrittenFile,
     _Record,
     _RecordStream,
 )
-from lightning_megatron_fsdp.manifest import DCP_METADATA_FILE, Manifest, NotACheckpointError
-from lightning_megatron_fsdp.object_store import ObjectStore
 
 __all__ = ["ChecksummingFsspecWriter", "VerifyingFsspecReader"]
 

@@ -18,24 +18,25 @@ import dataclasses
 import fnmatch
 import json
 import logging
+import os
 import posixpath
 import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_megatron_fsdp.checksums import stream_digest
-from lightning_megatron_fsdp.manifest import (
-    DCP_METADATA_FILE,
-    MANIFEST_FILE,
+from lightning_megatron_fsdp.checkpoint.checksums import stream_digest
+from lightning_megatron_fsdp.checkpoint.commit import reach
+from lightning_megatron_fsdp.checkpoint.errors import (
     CheckpointError,
     CheckpointSaveError,
-    Manifest,
     NotACheckpointError,
 )
+from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, MANIFEST_FILE, Manifest
 
 __all__ = [
     "ObjectStore",
+    "ObjectStores",
     "StoreCheckpoint",
     "StoreVersion",
     "is_url",
@@ -523,3 +524,142 @@ def open_store(
     protocol = url_protocol(url)
     assert protocol is not None
     return ObjectStore(fs, protocol), path.rstrip("/")
+
+
+class ObjectStores:
+    """The plugin's :class:`~lightning_megatron_fsdp.checkpoint.commit.CheckpointStore`:
+    URLs go to the versioned object-store layout (:class:`ObjectStore`), every other path
+    to ``local`` (the exchange-rename commit of
+    :class:`~lightning_megatron_fsdp.checkpoint.commit.LocalDirectories`).
+
+    Each method routes on its location's type, so a save or load never mixes the two.
+
+    Args:
+        local: The backend of local paths.
+        storage_options: Options of the fsspec filesystem of a URL (``endpoint_url``,
+            ``key``, ...); the filesystem's own configuration applies without them.
+    """
+
+    def __init__(self, local: Any, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.local = local
+        self.storage_options = dict(storage_options or {})
+
+    def location(self, path: str | os.PathLike[str]) -> Any:
+        """A :class:`StoreCheckpoint` for a URL (never a local directory named ``s3:``);
+        else the local backend's location (``file://`` stripped).
+
+        Raises:
+            ImportError: The URL's filesystem is not installed (naming what to install).
+            ValueError: fsspec knows no filesystem for the URL's scheme.
+        """
+        if isinstance(path, StoreCheckpoint):
+            return path
+        if is_url(path):
+            store, inside = open_store(os.fspath(path), self.storage_options)
+            return StoreCheckpoint(store, inside)
+        return self.local.location(local_path(path))
+
+    def staging_path(self, final: Any, token: str) -> Any:
+        if isinstance(final, StoreCheckpoint):
+            return StoreCheckpoint(final.store, final.file(token))
+        return self.local.staging_path(final, token)
+
+    def stage(self, final: Any, token: str) -> str:
+        """On a store: pick the next version (rank 0 lists); its name is the token.
+
+        Raises:
+            CheckpointSaveError: If the prefix holds objects that are not ours.
+        """
+        if isinstance(final, StoreCheckpoint):
+            return final.store.new_version(final.path).name
+        return str(self.local.stage(final, token))
+
+    def discard(self, final: Any, token: str) -> None:
+        if isinstance(final, StoreCheckpoint):
+            final.store.discard(final.file(token))
+            return
+        self.local.discard(final, token)
+
+    def publish(self, final: Any, staging: Any, manifest: Manifest, token: str) -> None:
+        """On a store: write the manifest (one PUT: the commit), then retire the previous
+        versions (never raises once the manifest is written)."""
+        if not isinstance(final, StoreCheckpoint):
+            self.local.publish(final, staging, manifest, token)
+            return
+        reach("commit:manifest")
+        final.store.write_bytes(staging.file(MANIFEST_FILE), manifest.dumps().encode())
+        # Committed: a reader now takes this version; the rest only frees space.
+        reach("commit:replaced")
+        final.store.retire(final.path, keep=staging.path)
+
+    def recover(self, final: Any) -> bool:
+        """On a store there is nothing to restore: a crash leaves an incomplete newer
+        version, which :meth:`resolve` skips and the next save retires."""
+        if isinstance(final, StoreCheckpoint):
+            return False
+        return bool(self.local.recover(final))
+
+    def resolve(self, final: Any) -> Any:
+        """On a store: the newest complete version (``final`` itself when there is none,
+        whose :meth:`read_manifest` then says why)."""
+        if not isinstance(final, StoreCheckpoint):
+            return self.local.resolve(final)
+        version = final.store.locate(final.path)
+        if version is None:
+            return final
+        newer = [v.name for v in final.store.versions(final.path) if v.path > version]
+        if newer:
+            log.warning(
+                "%s: loading %s; newer save(s) %s did not finish (no manifest, or objects "
+                "missing) and are ignored; the next save of it deletes them.",
+                final,
+                posixpath.basename(version),
+                ", ".join(newer),
+            )
+        return StoreCheckpoint(final.store, version)
+
+    def remove(self, final: Any) -> None:
+        if isinstance(final, StoreCheckpoint):
+            final.store.remove(final.path)
+            return
+        self.local.remove(final)
+
+    def write_file(self, staging: Any, name: str, data: bytes) -> None:
+        if isinstance(staging, StoreCheckpoint):
+            staging.store.write_bytes(staging.file(name), data)
+            return
+        self.local.write_file(staging, name, data)
+
+    def sizes(self, location: Any) -> dict[str, int]:
+        if isinstance(location, StoreCheckpoint):
+            return location.store.sizes(location.path)
+        return dict(self.local.sizes(location))
+
+    def digest(self, location: Any, name: str, algorithm: str) -> str:
+        if isinstance(location, StoreCheckpoint):
+            with location.store.fs.open(location.file(name), "rb") as file:
+                return stream_digest(file, algorithm)
+        return str(self.local.digest(location, name, algorithm))
+
+    def read_manifest(self, location: Any) -> Manifest:
+        """Raises: NotACheckpointError: Saying what is there instead."""
+        if not isinstance(location, StoreCheckpoint):
+            return self.local.read_manifest(location)
+        try:
+            return location.read_manifest()
+        except NotACheckpointError:
+            if location.store.versions(location.path):
+                location.store.require(location.path)  # raises, listing the versions
+            raise
+
+    def check_files(
+        self, location: Any, manifest: Manifest, *, checksum_files: list[str] | None = None
+    ) -> list[str]:
+        if isinstance(location, StoreCheckpoint):
+            return location.check_files(manifest, checksum_files=checksum_files)
+        return list(self.local.check_files(location, manifest, checksum_files=checksum_files))
+
+    def read_bytes(self, location: Any, name: str) -> bytes:
+        if isinstance(location, StoreCheckpoint):
+            return location.read_bytes(name)
+        return bytes(self.local.read_bytes(location, name))

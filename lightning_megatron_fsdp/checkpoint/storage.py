@@ -19,7 +19,7 @@ starts and ends with a ``stream.tell()``.
   the manifest lists. It also saves a view into a packed buffer through a storage of
   exactly its size, so DCP does not clone it first. Nothing is read back. Its write loop
   is torch's (same files, order, threads and fsyncs), except that each tensor record is
-  written by :class:`~lightning_megatron_fsdp.tensor_records.TensorRecords`: the bytes
+  written by :class:`~lightning_megatron_fsdp.checkpoint.records.TensorRecords`: the bytes
   ``torch.save`` would write, from a template of its output, without a ``torch.save``
   per tensor (the per-call cost that made the 98 M GPT's 592 records per rank save at
   1.4x a single per-rank ``torch.save``; see that module).
@@ -33,7 +33,7 @@ starts and ends with a ``stream.tell()``.
 
 What a load guarantees (see docs/DESIGN.md, "Atomic load"): every check that needs no
 tensor bytes passes on every rank before any rank writes into a target; a record that
-fails its CRC raises :class:`~lightning_megatron_fsdp.manifest.CheckpointCorruptedError`
+fails its CRC raises :class:`~lightning_megatron_fsdp.checkpoint.format.CheckpointCorruptedError`
 naming the file and key, and :attr:`VerifyingFileSystemReader.progress` says how many of
 the rank's records were already written.
 
@@ -54,27 +54,18 @@ import io
 import math
 import os
 import pickle
-import queue
 import re
 import struct
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from crc32c import crc32c as _crc32c_update  # the C function: no Python frame per write
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import (
     FileSystem,
-    SerializationFormat,
-    _item_size,
-    _OverlappingCpuLoader,
-    _SerialCpuLoader,
-    _StorageInfo,
-    _TensorLoader,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
@@ -91,21 +82,17 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from typing_extensions import override
 
-from lightning_megatron_fsdp.checksums import (
+from lightning_megatron_fsdp import _torch
+from lightning_megatron_fsdp.checkpoint.checksums import (
     bytes_digest,
     crc32c,
     crc32c_combine,
     crc32c_hex,
     file_digest,
 )
-from lightning_megatron_fsdp.manifest import (
-    DCP_METADATA_FILE,
-    CheckpointCorruptedError,
-    Manifest,
-    NotACheckpointError,
-    read_manifest,
-)
-from lightning_megatron_fsdp.tensor_records import TensorRecords, shared_records
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
+from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, Manifest, read_manifest
+from lightning_megatron_fsdp.checkpoint.records import TensorRecords, shared_records
 
 __all__ = [
     "RECORD_ATTR",
@@ -180,7 +167,7 @@ class _RecordStream(io.RawIOBase):
         return size
 
     def write_raw(self, data: Any) -> None:
-        """Write a piece of a record that :class:`~lightning_megatron_fsdp.tensor_records.
+        """Write a piece of a record that :class:`~lightning_megatron_fsdp.checkpoint.records.
         TensorRecords` built itself (no sniffing: it reports the payload's place)."""
         if self._checksum:
             self._crc = _crc32c_update(data, self._crc)
@@ -326,7 +313,7 @@ class _ExactPlanner:
         return data
 
 
-class ChecksummingFileSystemWriter(FileSystemWriter):
+class ChecksummingFileSystemWriter(_torch.OwnWriteLoopWriter):
     """torch's ``FileSystemWriter`` that records a CRC32C of every record and file as it
     writes them (see the module docstring); the files are byte-identical to torch's.
 
@@ -335,7 +322,7 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
         checksum: Compute CRC32Cs; ``False`` still records payload offsets (they make
             loading fast) and file sizes.
         records: Writes the tensor records; the process's shared
-            :class:`~lightning_megatron_fsdp.tensor_records.TensorRecords` (whose
+            :class:`~lightning_megatron_fsdp.checkpoint.records.TensorRecords` (whose
             templates outlive one save) when ``None``.
         **kwargs: ``FileSystemWriter``'s options (``thread_count``, ...).
     """
@@ -361,84 +348,7 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
         return written
 
     @override
-    def _write_data(
-        self, planner: SavePlanner, file_queue: queue.Queue[Any]
-    ) -> Future[list[WriteResult]]:
-        """torch's ``_write_data`` (the same files, threads and fsyncs), with each tensor
-        record written by :class:`~lightning_megatron_fsdp.tensor_records.TensorRecords`:
-        the bytes ``torch.save`` would write, without a ``torch.save`` per tensor. With
-        stream extensions or another serialization format, torch's own loop runs."""
-        if (
-            self.transforms.extensions
-            or self.serialization_format != SerializationFormat.TORCH_SAVE
-        ):
-            return cast(Future[list[WriteResult]], super()._write_data(planner, file_queue))
-        results: queue.Queue[list[WriteResult]] = queue.Queue()
-        failures: list[BaseException] = []
-
-        def work() -> None:
-            try:
-                self._write_files(planner, file_queue, results)
-            except BaseException as err:  # re-raised on the calling thread
-                failures.append(err)
-
-        threads = [threading.Thread(target=work) for _ in range(1, self.thread_count)]
-        for thread in threads:
-            thread.start()
-        work()
-        for thread in threads:
-            thread.join()
-        if failures:
-            raise failures[0]
-        written: list[WriteResult] = []
-        while not results.empty():
-            written += results.get_nowait()
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(written)
-        return future
-
-    def _loader(self, planner: SavePlanner) -> _TensorLoader:
-        """The tensor loader torch's writer would use (copies ahead from an accelerator)."""
-        backend = getattr(torch, torch._C._get_privateuse1_backend_name(), None)
-        accelerator = torch.cuda.is_available() or bool(backend and backend.is_available())
-        if self.thread_count == 1 and accelerator and self.per_thread_copy_ahead > 0:
-            return _OverlappingCpuLoader(
-                planner.resolve_data, inflight_threshhold=self.per_thread_copy_ahead
-            )
-        return _SerialCpuLoader(planner.resolve_data)
-
-    def _write_files(
-        self, planner: SavePlanner, file_queue: queue.Queue[Any], results: queue.Queue[Any]
-    ) -> None:
-        """Write files from ``file_queue`` until it is empty: in each, the byte items, then
-        the tensors, in plan order; then fsync (torch's order and guarantees)."""
-        while True:
-            try:
-                path, storage_key, items = file_queue.get_nowait()
-            except queue.Empty:
-                return
-            loader = self._loader(planner)
-            for item in items:
-                if item.type != WriteItemType.BYTE_IO:
-                    loader.add(_item_size(item), item)
-            loader.start_loading()
-            written = []
-            with self.fs.create_stream(path, "wb") as stream:
-                for item in items:
-                    if item.type == WriteItemType.BYTE_IO:
-                        data = planner.resolve_data(item)
-                        written.append(self._write_record(stream, storage_key, item, data))
-                for tensor, item in loader.values():
-                    written.append(self._write_record(stream, storage_key, item, tensor))
-                if self.sync_files:
-                    stream.flush()  # the buffer's tail, before the sync that commits it
-                    try:
-                        os.fsync(stream.fileno())
-                    except (AttributeError, io.UnsupportedOperation):
-                        os.sync()
-            results.put(written)
-
-    def _write_record(
+    def write_record(
         self, stream: Any, storage_key: str, item: WriteItem, data: Any
     ) -> WriteResult:
         offset = stream.tell()
@@ -452,7 +362,7 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
         return WriteResult(
             index=item.index,
             size_in_bytes=length,
-            storage_data=_StorageInfo(storage_key, offset, length),
+            storage_data=_torch.storage_info(storage_key, offset, length),
         )
 
     def _annotate(self, result: WriteResult, payload_bytes: int | None) -> None:
@@ -707,7 +617,7 @@ class VerifyingFileSystemReader(FileSystemReader):
             return
         seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
         stored = torch.load(seekable, map_location="cpu", weights_only=True)
-        source = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+        source = _torch.narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != source.size():
             raise AssertionError(
@@ -761,7 +671,7 @@ class VerifyingFileSystemReader(FileSystemReader):
                 f"record offset {payload}; the record is not a torch.save of one tensor",
             )
         if not direct:
-            source = narrow_tensor_by_index(chunk, item.storage_offsets, item.lengths)
+            source = _torch.narrow_tensor_by_index(chunk, item.storage_offsets, item.lengths)
             if target.size() != source.size():
                 raise AssertionError(
                     f"req {item.storage_index} mismatch sizes {target.size()} vs {source.size()}"

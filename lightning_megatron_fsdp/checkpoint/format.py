@@ -1,54 +1,32 @@
-"""The on-disk format of a Megatron-FSDP checkpoint: manifest, fingerprint, names, discovery.
+"""The on-disk format: file names, key prefixes, the manifest and the layout fingerprint.
 
-Problem: a sharded checkpoint is a directory of files written by every rank, so "the file
-exists" no longer means "the checkpoint is complete", and a checkpoint taken from one model
-can be pointed at another whose parameters have different shapes. DCP itself records
-neither completeness nor anything a human can check before the tensor reads begin.
-
-How: the last file written into a checkpoint is ``manifest.json`` (see docs/DESIGN.md,
-"On-disk format"). It records the layout fingerprint (every model and optimizer-state
-tensor's global shape and dtype, keyed by FQN), the world size and mesh, package versions,
-the training position, and the size and checksum (CRC32C; sha256 in format 1, see
-:mod:`lightning_megatron_fsdp.checksums`) of every other file. A directory is a complete
-checkpoint iff its manifest parses and every file it lists has the recorded size.
-A checkpoint is written under a hidden temporary name and renamed into place, so a
-complete-looking directory under a final name is never half written::
-
-    <parent>/
-      last.ckpt/                     complete: manifest.json present, every size matches
-      .last.ckpt.tmp-<token>/        a save in progress (or one that crashed), or, for a
-                                     moment after an atomic exchange commit, the previous
-                                     last.ckpt being deleted
-      .last.ckpt.old-<token>/        the previous last.ckpt, renamed aside during a
-                                     two-rename commit (systems without RENAME_EXCHANGE)
-      .last.ckpt.del-<token>/        a checkpoint being removed
-
-Every hidden name starts with ``.``, so Lightning's ``last*`` lookup never sees one, and
-:func:`resolve_latest_checkpoint` returns only complete checkpoints.
-
-This module is pure filesystem and bookkeeping: no process group, no Lightning. The
-exporter and the CLI read checkpoints through it too.
+A sharded checkpoint is a directory of files from every rank, so "the directory exists" does
+not mean "the checkpoint is complete", and DCP records nothing a human can check before its
+tensor reads begin. ``manifest.json``, written last, records the layout fingerprint (every
+tensor's global shape and dtype by FQN), the world size and mesh, package versions, the
+training position and the size and checksum of every other file; a directory is a complete
+checkpoint iff its manifest parses and every listed file has its recorded size. Pure files
+and bookkeeping: no process group, no Lightning (docs/DESIGN.md, "On-disk format").
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fnmatch
+import functools
+import importlib.metadata
 import json
-import logging
 import math
 import os
 import re
-import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron_fsdp.checksums import ALGORITHMS, file_digest
+from lightning_megatron_fsdp.checkpoint.checksums import ALGORITHMS, file_digest
+from lightning_megatron_fsdp.checkpoint.errors import NotACheckpointError
 
 __all__ = [
     "ASIDE",
@@ -58,74 +36,57 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_FILE",
     "META_FILE",
+    "MODEL_PREFIX",
+    "OPTIMIZER_PREFIX",
     "READABLE_FORMAT_VERSIONS",
     "STAGING",
-    "CheckpointCorruptedError",
-    "CheckpointError",
-    "CheckpointMismatchError",
-    "CheckpointSaveError",
     "FileRecord",
+    "Fingerprint",
     "Manifest",
-    "NotACheckpointError",
     "TensorSpec",
     "check_files",
-    "check_replaceable",
     "compare_fingerprints",
     "finite_int_or_none",
-    "fsync_path",
     "hidden_path",
-    "interrupted_saves",
     "is_complete_checkpoint",
-    "latest_complete_checkpoint",
-    "matching_checkpoints",
+    "listed",
     "mesh_info",
     "model_fingerprint",
     "optimizer_fingerprint",
+    "package_versions",
     "parse_hidden_name",
     "read_manifest",
-    "recover_checkpoint",
-    "recover_matching",
-    "remove_tree",
-    "report_interrupted_saves",
-    "resolve_latest_checkpoint",
     "sha256_file",
 ]
 
 FORMAT_NAME = "lightning-megatron-fsdp"
+
 FORMAT_VERSION = 2
 """Written by this version: CRC32C digests and a ``"checksum"`` field naming the algorithm."""
+
 READABLE_FORMAT_VERSIONS = (1, 2)
 """Format 1 (sha256 digests, no ``"checksum"`` field) still loads and verifies."""
+
 MANIFEST_FILE = "manifest.json"
+
 META_FILE = "meta.pt"
+
 DCP_METADATA_FILE = ".metadata"
 
-# Kinds of hidden sibling directories; see the module docstring.
+MODEL_PREFIX = "state_dict."
+"""DCP keys of model tensors: ``state_dict.<fqn>``."""
+OPTIMIZER_PREFIX = "optimizer_states."
+"""DCP keys of optimizer state: ``optimizer_states.<i>.state.<fqn>.<name>`` and
+``optimizer_states.<i>.param_groups.<g>.<key>`` (DCP flattens nested dicts with dots)."""
+
+# Kinds of hidden sibling directories (docs/DESIGN.md, "On-disk format").
 STAGING, ASIDE, DELETING = "tmp", "old", "del"
+
 _HIDDEN_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|del)-(?P<token>[0-9a-f]{8,64})$")
+
 _DIGEST_RE = {"sha256": re.compile(r"^[0-9a-f]{64}$"), "crc32c": re.compile(r"^[0-9a-f]{8}$")}
-# Problems listed by name before the rest is summarised as "... and N more".
+
 _MAX_LISTED = 20
-
-
-class CheckpointError(RuntimeError):
-    """A Megatron-FSDP checkpoint could not be saved, loaded or removed."""
-
-
-class NotACheckpointError(CheckpointError):
-    """The path is not a complete checkpoint directory written by this library."""
-
-
-class CheckpointCorruptedError(CheckpointError):
-    """A checkpoint's files are missing, truncated, or fail their checksum."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """A checkpoint's layout fingerprint does not match the state it is loaded into."""
-
-
-class CheckpointSaveError(CheckpointError):
-    """A save failed on some rank; the previous checkpoint under that name is untouched."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,9 +180,10 @@ def optimizer_fingerprint(optimizer_state_dict: Mapping[str, Any]) -> Fingerprin
     return fingerprint
 
 
-def _listed(keys: list[str]) -> str:
-    shown = ", ".join(repr(k) for k in keys[:_MAX_LISTED])
-    more = len(keys) - _MAX_LISTED
+def listed(keys: list[str], limit: int = _MAX_LISTED) -> str:
+    """``['a', 'b', ... and 3 more']``: keys for a message, the first ``limit`` by name."""
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    more = len(keys) - limit
     return f"[{shown}{f', ... and {more} more' if more > 0 else ''}]"
 
 
@@ -251,12 +213,12 @@ def compare_fingerprints(
     if strict and missing:
         problems.append(
             f"{what}: {len(missing)} key(s) of the target are missing from the checkpoint: "
-            f"{_listed(missing)}"
+            f"{listed(missing)}"
         )
     if strict and unexpected:
         problems.append(
             f"{what}: {len(unexpected)} key(s) in the checkpoint are not in the target: "
-            f"{_listed(unexpected)}"
+            f"{listed(unexpected)}"
         )
     for key in sorted(k for k in target if k in saved):
         have, want = saved[key], target[key]
@@ -625,158 +587,6 @@ def is_complete_checkpoint(path: str | os.PathLike[str]) -> bool:
     return not check_files(path, manifest)
 
 
-def _recency(path: Path) -> tuple[int, int]:
-    """Sort key of a complete checkpoint: manifest global_step, then manifest mtime."""
-    step = read_manifest(path).global_step
-    return (-1 if step is None else step, (path / MANIFEST_FILE).stat().st_mtime_ns)
-
-
-def recover_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Restore a checkpoint that a crash left renamed aside, if its final name is missing.
-
-    A commit renames the previous checkpoint to ``.<name>.old-<token>`` before renaming the
-    new one into place. A crash between the two renames leaves no ``<name>``; this renames
-    the newest complete aside copy back. Filesystem work: call it on one rank only.
-
-    Returns:
-        Whether a checkpoint was restored.
-    """
-    path = Path(path)
-    if path.exists() or path.is_symlink() or not path.parent.is_dir():
-        return False
-    asides = [
-        sibling
-        for sibling in path.parent.iterdir()
-        if parse_hidden_name(sibling.name) == (path.name, ASIDE) and is_complete_checkpoint(sibling)
-    ]
-    if not asides:
-        return False
-    os.rename(max(asides, key=_recency), path)
-    return True
-
-
-def interrupted_saves(dirpath: str | os.PathLike[str]) -> list[Path]:
-    """Return the hidden ``.<name>.tmp-<token>`` directories in ``dirpath``, sorted.
-
-    Each is a save that has not committed: one in progress, or one that crashed (a rank
-    was killed, the disk filled up); or the previous checkpoint that a commit swapped out
-    and a crash kept from being deleted. None is ever loaded or returned by
-    :func:`resolve_latest_checkpoint`; the next save under the same name deletes them.
-    Pure listing: no process group.
-    """
-    dirpath = Path(dirpath)
-    if not dirpath.is_dir():
-        return []
-    return sorted(
-        p
-        for p in dirpath.iterdir()
-        if (hidden := parse_hidden_name(p.name)) is not None and hidden[1] == STAGING
-    )
-
-
-def recover_matching(dirpath: str | os.PathLike[str], pattern: str) -> list[Path]:
-    """Restore every checkpoint matching ``pattern`` that a crash left renamed aside.
-
-    Safe on several ranks at once: a rank that loses a rename race finds the checkpoint
-    already restored.
-
-    Returns:
-        The checkpoints restored by this call.
-    """
-    dirpath = Path(dirpath)
-    restored: list[Path] = []
-    with contextlib.suppress(OSError):
-        for sibling in list(dirpath.iterdir()):
-            hidden = parse_hidden_name(sibling.name)
-            if hidden is None or hidden[1] != ASIDE or not fnmatch.fnmatch(hidden[0], pattern):
-                continue
-            with contextlib.suppress(OSError):  # another rank restored it first
-                if recover_checkpoint(dirpath / hidden[0]):
-                    restored.append(dirpath / hidden[0])
-    return restored
-
-
-def matching_checkpoints(dirpath: str | os.PathLike[str], pattern: str) -> list[Path]:
-    """Entries of ``dirpath`` whose name matches ``pattern``, hidden ones never."""
-    dirpath = Path(dirpath)
-    try:
-        return [
-            p
-            for p in dirpath.iterdir()
-            if not p.name.startswith(".") and fnmatch.fnmatch(p.name, pattern)
-        ]
-    except OSError:
-        return []
-
-
-def latest_complete_checkpoint(
-    candidates: Iterable[str | os.PathLike[str]], *, by: str = "step"
-) -> Path | None:
-    """The newest complete checkpoint among ``candidates``; incomplete ones never.
-
-    Args:
-        candidates: Checkpoint paths (missing or incomplete ones are skipped).
-        by: ``"step"``: highest manifest ``global_step``, then latest manifest mtime;
-            ``"written"``: latest manifest mtime only (Lightning's ``"last"`` rule: a run
-            restarted from scratch into the same directory is newer than an older run's
-            higher step).
-
-    Returns:
-        The checkpoint's path, or ``None`` if none is complete.
-
-    Raises:
-        ValueError: For another ``by``.
-    """
-    if by not in ("step", "written"):
-        raise ValueError(f"latest_complete_checkpoint: by must be 'step' or 'written', got {by!r}.")
-    newest: tuple[tuple[int, ...], Path] | None = None
-    for candidate in {Path(c) for c in candidates}:
-        try:
-            if not is_complete_checkpoint(candidate):
-                continue
-            mtime = (candidate / MANIFEST_FILE).stat().st_mtime_ns
-            key = (*_recency(candidate)[:1], mtime) if by == "step" else (mtime,)
-        except (OSError, CheckpointError):
-            continue
-        if newest is None or (key, str(candidate)) > (newest[0], str(newest[1])):
-            newest = (key, candidate)
-    return None if newest is None else newest[1]
-
-
-def resolve_latest_checkpoint(
-    dirpath: str | os.PathLike[str], pattern: str = "last*", *, recover: bool = True
-) -> Path | None:
-    """Return the newest complete checkpoint in ``dirpath`` whose name matches ``pattern``.
-
-    Newest means the highest manifest ``global_step``, then the latest manifest mtime.
-    Hidden directories (saves in progress, renamed-aside and half-removed checkpoints) and
-    incomplete directories are never returned.
-
-    Args:
-        dirpath: Directory holding checkpoints.
-        pattern: ``fnmatch`` pattern for checkpoint names, Lightning's ``last*`` by default.
-        recover: First restore any matching checkpoint that a crash left renamed aside
-            (see :func:`recover_checkpoint`).
-
-    Returns:
-        The checkpoint's path, or ``None`` if there is none.
-    """
-    dirpath = Path(dirpath)
-    if not dirpath.is_dir():
-        return None
-    if recover:
-        recover_matching(dirpath, pattern)
-    return latest_complete_checkpoint(matching_checkpoints(dirpath, pattern), by="step")
-
-
-def remove_tree(path: Path) -> None:
-    """Delete a directory tree, or a file; a missing path is not an error."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=False)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 def mesh_info(*state_dicts: Any) -> dict[str, Any] | None:
     """Return the device mesh of a DTensor in the state dicts (all share one), or ``None``."""
     stack: list[Any] = list(state_dicts)
@@ -802,50 +612,18 @@ def finite_int_or_none(value: Any) -> int | None:
     return int(value) if math.isfinite(value) and float(value).is_integer() else None
 
 
-def report_interrupted_saves(parent: Path, log: logging.Logger) -> None:
-    """Log the hidden directories of saves that never finished to ``log`` (rank 0, on load)."""
-    try:
-        leftovers = interrupted_saves(parent)
-    except OSError:
-        return
-    if leftovers:
-        log.warning(
-            "%d hidden directory(ies) left by interrupted saves in %s: %s. None of them is "
-            "ever loaded; the next save under the same name deletes them (or delete them by "
-            "hand while no save is running).",
-            len(leftovers),
-            parent,
-            ", ".join(p.name for p in leftovers),
-        )
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's or directory's entry to disk (directories: not on Windows)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
+@functools.cache
+def package_versions() -> dict[str, str]:
+    """Package versions, looked up once per process (``importlib.metadata`` scans
+    ``sys.path`` on every call); callers copy the dict."""
+    versions = {"torch": torch.__version__}
+    for key, distribution in (
+        ("lightning", "lightning"),
+        ("megatron_fsdp", "megatron-fsdp"),
+        ("lightning_megatron_fsdp", "lightning-megatron-fsdp"),
+    ):
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def check_replaceable(final: Path) -> None:
-    """Refuse to overwrite anything but one of our checkpoints, a plain file or a link.
-
-    A plain file is a single-file checkpoint (say from another strategy), which Lightning
-    would overwrite too; a link (Lightning's ``save_last="link"``) is replaced, never its
-    target.
-
-    Raises:
-        CheckpointSaveError: If ``final`` is a directory without a readable manifest.
-    """
-    if final.is_symlink() or not final.exists() or final.is_file():
-        return
-    with contextlib.suppress(NotACheckpointError):
-        read_manifest(final)
-        return
-    raise CheckpointSaveError(
-        f"Refusing to overwrite {final}: it exists and is not a checkpoint written by "
-        "MegatronFSDPCheckpointIO (no readable manifest.json). Move it away or save "
-        "under another name."
-    )
+            versions[key] = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            versions[key] = "unknown"
+    return versions

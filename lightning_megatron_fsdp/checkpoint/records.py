@@ -68,6 +68,8 @@ from typing import Any
 import torch
 from typing_extensions import override
 
+from lightning_megatron_fsdp import _torch
+
 try:  # ISA-L's CRC-32 (carry-less multiply): 3x zlib's here, same values, GIL released
     from isal.isal_zlib import crc32 as _payload_crc32
 except ImportError:  # pragma: no cover - a platform without isal wheels
@@ -257,7 +259,7 @@ def _kind(tensor: torch.Tensor) -> tuple[Any, ...] | None:
         or tensor.is_quantized
         or tensor.is_conj()
         or tensor.is_neg()
-        or tensor._backward_hooks
+        or _torch.has_backward_hooks(tensor)
         or tensor.storage_offset() != 0
         or not tensor.is_contiguous()
     ):
@@ -265,17 +267,16 @@ def _kind(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     nbytes = tensor.numel() * tensor.element_size()
     if not 0 < nbytes < _MAX_PAYLOAD or tensor.untyped_storage().nbytes() != nbytes:
         return None
-    if torch._utils._get_obj_state(tensor):
+    if _torch.obj_state(tensor):
         return None
-    serialization = torch.serialization
-    if serialization._serialization_tls.skip_data or not serialization.get_crc32_options():
+    if _torch.serialization_skips_data() or not torch.serialization.get_crc32_options():
         return None
     return (
         tensor.dtype,
         tuple(tensor.shape),
         tensor.stride(),
         tensor.requires_grad,
-        serialization._get_storage_alignment(),
+        _torch.storage_alignment(),
         sys.byteorder,
     )
 

@@ -1,0 +1,260 @@
+"""Every private torch name the package relies on, each path chosen by feature detection.
+
+torch's private names change between releases without notice. Keeping them here means a
+release that drops or reshapes one breaks this module alone, and ``tests/test_torch_compat.py``
+fails first, naming the shim to update. No other module imports a private torch name or
+reads a private torch attribute (``tests/test_structure.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import os
+import queue
+import threading
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import filesystem as _filesystem
+from torch.distributed.checkpoint.filesystem import SerializationFormat
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
+from typing_extensions import override
+
+__all__ = [
+    "SYNC_WITHOUT_FD_CALLS_OS_SYNC",
+    "OwnWriteLoopWriter",
+    "create_file_view",
+    "dtensor_with_local",
+    "fake_tensor_mode",
+    "fqns_of",
+    "group_timeout",
+    "has_backward_hooks",
+    "local_tensor",
+    "metadata_path",
+    "narrow_tensor_by_index",
+    "obj_state",
+    "serialization_skips_data",
+    "storage_alignment",
+    "storage_info",
+]
+
+
+# ------------------------------------------------------------------------------- DTensor
+
+
+def local_tensor(dtensor: DTensor) -> torch.Tensor:
+    """The rank's shard of ``dtensor`` itself (not a view through autograd)."""
+    return dtensor._local_tensor
+
+
+def dtensor_with_local(like: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor with ``like``'s spec around ``local``, where it lies (``from_local``
+    would move it to the mesh's device)."""
+    return DTensor(local, like._spec, requires_grad=False)
+
+
+# ------------------------------------------------------------------------ process groups
+
+
+def group_timeout(group: dist.ProcessGroup) -> timedelta:
+    """The collective timeout of ``group``'s backend, or torch's default."""
+    for device in getattr(group, "_device_types", []):
+        try:
+            timeout = group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return dist.default_pg_timeout
+
+
+# -------------------------------------------------------------------------- state dicts
+
+
+def fqns_of(model: torch.nn.Module, name: str) -> set[str]:
+    """Every FQN DCP's state-dict helpers give the parameter or buffer ``name``."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    return cast(set[str], _get_fqns(model, name))
+
+
+def narrow_tensor_by_index(tensor: torch.Tensor, offsets: Any, sizes: Any) -> torch.Tensor:
+    """The part of ``tensor`` a DCP read item addresses."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index as narrow
+
+    return narrow(tensor, offsets, sizes)
+
+
+# ------------------------------------------------------------------------ serialization
+
+
+def obj_state(tensor: torch.Tensor) -> Any:
+    """Python state ``torch.save`` pickles along with a tensor (empty for a plain one)."""
+    return torch._utils._get_obj_state(tensor)
+
+
+def serialization_skips_data() -> bool:
+    """Whether ``torch.save`` runs under ``skip_data`` (it then writes no payloads)."""
+    return bool(torch.serialization._serialization_tls.skip_data)
+
+
+def storage_alignment() -> int:
+    """The payload alignment ``torch.save`` uses in its zip files."""
+    return int(torch.serialization._get_storage_alignment())
+
+
+def has_backward_hooks(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has backward hooks (``torch.save`` pickles them)."""
+    return bool(tensor._backward_hooks)
+
+
+def fake_tensor_mode() -> Any:
+    """torch's ``FakeTensorMode`` (tensors with shapes and no storage)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+# ------------------------------------------------------------------------- DCP storage
+
+
+def storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """DCP's storage entry of one record (``.metadata``'s index)."""
+    return _filesystem._StorageInfo(relative_path, offset, length)
+
+
+def metadata_path(reader: FileSystemReader) -> str:
+    """Where ``reader`` reads ``.metadata`` from."""
+    return cast(str, reader._get_metadata_path())
+
+
+def create_file_view(file: Any, offset: int, length: int) -> Any:
+    """A file object over bytes ``[offset, offset + length)`` of the open ``file``."""
+    from torch.distributed.checkpoint.utils import _create_file_view
+
+    return _create_file_view(file, offset, length)
+
+
+def _sync_without_fd_calls_os_sync() -> bool:
+    """torch 2.13's write loop calls ``os.sync()`` when a stream has no file descriptor;
+    2.14 warns instead. Read from the loop's source; ``True`` where it cannot be read."""
+    try:
+        return "os.sync()" in inspect.getsource(_filesystem._write_files_from_queue)
+    except (OSError, TypeError, AttributeError):
+        return True
+
+
+SYNC_WITHOUT_FD_CALLS_OS_SYNC = _sync_without_fd_calls_os_sync()
+"""Whether torch's write loop calls ``os.sync()`` for a stream without a file descriptor
+(torch < 2.14) rather than warning; our copy of the loop does what the running torch does."""
+
+WriteRecord = Callable[[Any, str, WriteItem, Any], WriteResult]
+
+
+class OwnWriteLoopWriter(FileSystemWriter):
+    """torch's ``FileSystemWriter`` whose per-record write is the subclass's
+    :meth:`write_record`; the loop around it (files, threads, order, flush and sync) is a
+    copy of torch's private one, following the torch it runs on. With stream extensions
+    or another serialization format, torch's own loop runs."""
+
+    def write_record(
+        self, stream: Any, storage_key: str, item: WriteItem, data: Any
+    ) -> WriteResult:
+        """Write one item as one record of ``stream``."""
+        raise NotImplementedError
+
+    @override
+    def _write_data(
+        self, planner: SavePlanner, file_queue: queue.Queue[Any]
+    ) -> Future[list[WriteResult]]:
+        if (
+            self.transforms.extensions
+            or self.serialization_format != SerializationFormat.TORCH_SAVE
+        ):
+            return cast(Future[list[WriteResult]], super()._write_data(planner, file_queue))
+        results: queue.Queue[list[WriteResult]] = queue.Queue()
+        failures: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                self._write_files(planner, file_queue, results)
+            except BaseException as err:  # re-raised on the calling thread
+                failures.append(err)
+
+        threads = [threading.Thread(target=work) for _ in range(1, self.thread_count)]
+        for thread in threads:
+            thread.start()
+        work()
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
+        written: list[WriteResult] = []
+        while not results.empty():
+            written += results.get_nowait()
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(written)
+        return future
+
+    def _loader(self, planner: SavePlanner) -> Any:
+        """The tensor loader torch's writer would use (copies ahead from an accelerator)."""
+        backend = getattr(torch, torch._C._get_privateuse1_backend_name(), None)
+        accelerator = torch.cuda.is_available() or bool(backend and backend.is_available())
+        if self.thread_count == 1 and accelerator and self.per_thread_copy_ahead > 0:
+            return _filesystem._OverlappingCpuLoader(
+                planner.resolve_data, inflight_threshhold=self.per_thread_copy_ahead
+            )
+        return _filesystem._SerialCpuLoader(planner.resolve_data)
+
+    def _write_files(
+        self, planner: SavePlanner, file_queue: queue.Queue[Any], results: queue.Queue[Any]
+    ) -> None:
+        """Write files from ``file_queue`` until it is empty: in each, the byte items, then
+        the tensors, in plan order; then flush and sync (torch's order and guarantees)."""
+        while True:
+            try:
+                path, storage_key, items = file_queue.get_nowait()
+            except queue.Empty:
+                return
+            loader = self._loader(planner)
+            for item in items:
+                if item.type != WriteItemType.BYTE_IO:
+                    loader.add(_filesystem._item_size(item), item)
+            loader.start_loading()
+            written = []
+            with self.fs.create_stream(path, "wb") as stream:
+                for item in items:
+                    if item.type == WriteItemType.BYTE_IO:
+                        data = planner.resolve_data(item)
+                        written.append(self.write_record(stream, storage_key, item, data))
+                for tensor, item in loader.values():
+                    written.append(self.write_record(stream, storage_key, item, tensor))
+                if self.sync_files:
+                    _sync(stream)
+            results.put(written)
+
+
+def _sync(stream: Any) -> None:
+    """Flush ``stream``'s buffer, then fsync its file; without a file descriptor, what the
+    running torch does (``os.sync()``, or a warning)."""
+    stream.flush()  # the buffer's tail, before the sync that commits it
+    try:
+        os.fsync(stream.fileno())
+    except (AttributeError, io.UnsupportedOperation):
+        if SYNC_WITHOUT_FD_CALLS_OS_SYNC:
+            os.sync()
+        else:
+            warnings.warn(
+                "A checkpoint file stream has no file descriptor to fsync; its data may not "
+                "be durable until the OS writes it back.",
+                stacklevel=2,
+            )

@@ -1,0 +1,1 @@
+"""The checkpoint protocol, one module per phase: errors, format, commit, storage, save, load."""

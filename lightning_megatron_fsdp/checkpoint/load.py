@@ -1,0 +1,634 @@
+"""A load's phases, the mirror of a save: open, check and agree, read, apply.
+
+A resume must recognise what it was handed (our directory, a ``ModelParallelStrategy`` DCP
+directory, one a crashed commit left renamed aside), refuse a checkpoint that does not fit
+the model or whose files were damaged before any rank reads tensor data, read each rank's
+records straight into the live targets, and apply what was read. Every step can fail on one
+rank alone, so each ends in an agreement; there are three collective rounds of ours: rank 0
+opens the checkpoint for everyone, the ranks agree on their checks, and on applying
+(docs/DESIGN.md, "Load path").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.optim import Optimizer
+
+from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp.agreement import (
+    LOST_PEER_HINT,
+    PeerLostError,
+    Problem,
+    Ranks,
+    dcp_failure_message,
+    describe,
+)
+from lightning_megatron_fsdp.checkpoint.checksums import bytes_digest
+from lightning_megatron_fsdp.checkpoint.commit import CheckpointStore
+from lightning_megatron_fsdp.checkpoint.copies import fill, stage
+from lightning_megatron_fsdp.checkpoint.errors import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    CheckpointMismatchError,
+    NotACheckpointError,
+)
+from lightning_megatron_fsdp.checkpoint.format import (
+    DCP_METADATA_FILE,
+    MANIFEST_FILE,
+    META_FILE,
+    Manifest,
+    compare_fingerprints,
+    model_fingerprint,
+    optimizer_fingerprint,
+)
+from lightning_megatron_fsdp.checkpoint.fsspec_storage import VerifyingFsspecReader
+from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint
+from lightning_megatron_fsdp.checkpoint.storage import ReadProgress, VerifyingFileSystemReader
+from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
+from lightning_megatron_fsdp.pretrained import load_full_weights
+from lightning_megatron_fsdp.uneven_dtensor import attach_uneven_dtensor_metadata
+
+__all__ = [
+    "LoadOptions",
+    "LoadResult",
+    "OpenedCheckpoint",
+    "StorageReaderFactory",
+    "load_into_sharded_model",
+    "open_checkpoint",
+    "read_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+
+StorageReaderFactory = Callable[[Path], StorageReader]
+"""Builds the DCP reader for a load, given the checkpoint directory."""
+
+_LOAD_ERRORS: tuple[type[Exception], ...] = (
+    TypeError,
+    NotACheckpointError,
+    CheckpointCorruptedError,
+    CheckpointMismatchError,
+    CheckpointError,  # meta.pt does not unpickle
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How a load reads; the plugin's options."""
+
+    store: CheckpointStore
+    """Where checkpoints live (recovery of a crashed commit)."""
+    verify_checksums: bool = True
+    """Check ``meta.pt``, ``.metadata`` and every record read against their CRC32C."""
+    atomic_load: bool = False
+    """Read into CPU copies and write the targets only once every rank has read all."""
+    reader_factory: StorageReaderFactory | None = None
+    """The DCP reader; a :class:`VerifyingFileSystemReader` when ``None``."""
+
+    def reader(self, path: Any) -> StorageReader:
+        """The DCP reader for the checkpoint at ``path``."""
+        if self.reader_factory is not None:
+            return self.reader_factory(path)
+        if isinstance(path, StoreCheckpoint):
+            return VerifyingFsspecReader(path.store, path.path, verify=self.verify_checksums)
+        return VerifyingFileSystemReader(path, verify=self.verify_checksums)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenedCheckpoint:
+    """What rank 0 found at a checkpoint path, as every rank learns it.
+
+    Attributes:
+        path: Rank 0's absolute path.
+        manifest: The parsed manifest, or ``None``.
+        problem: Why there is no manifest (a :class:`NotACheckpointError` text).
+        foreign: A ``ModelParallelStrategy`` (FSDP2) DCP directory.
+    """
+
+    path: Any
+    manifest: Manifest | None
+    problem: str | None
+    foreign: bool
+
+
+def open_checkpoint(
+    path: str | os.PathLike[str], ranks: Ranks, store: CheckpointStore
+) -> OpenedCheckpoint:
+    """Round 1: rank 0 repairs what a crashed commit left, parses the manifest (once, for
+    every rank) and recognises a foreign directory; every rank gets its findings.
+
+    Raises:
+        CheckpointError: If a peer was lost.
+    """
+    found = None
+    if ranks.rank == 0:
+        manifest, problem, foreign, final = None, None, False, None
+        try:
+            final = store.location(path)
+            store.recover(final)
+            final = store.resolve(final)
+            manifest = store.read_manifest(final)
+        except NotACheckpointError as err:
+            problem = str(err)
+        except (OSError, ValueError, ImportError) as err:  # an unreachable store, say
+            problem = f"{path}: {describe(err)}"
+        if isinstance(final, Path):
+            foreign = manifest is None and _is_foreign_lightning_dcp(final)
+        found = OpenedCheckpoint(final if final is not None else path, manifest, problem, foreign)
+    try:
+        opened = ranks.broadcast_from_first(found)
+    except PeerLostError as err:
+        raise CheckpointError(
+            f"Loading checkpoint {path} failed before any tensor was read: {err}. The "
+            "targets are unchanged."
+        ) from err
+    assert isinstance(opened, OpenedCheckpoint)
+    return opened
+
+
+def read_checkpoint(
+    opened: OpenedCheckpoint,
+    state: dict[str, Any] | None,
+    ranks: Ranks,
+    options: LoadOptions,
+    *,
+    map_location: Any = None,
+    weights_only: bool | None = None,
+    strict: bool = True,
+    error: BaseException | None = None,
+) -> dict[str, Any]:
+    """Round 2, then DCP's read: every rank checks, the ranks agree, DCP reads into ``state``.
+
+    Args:
+        opened: From :func:`open_checkpoint`.
+        state: Targets (``{"state_dict": ..., "optimizer_states": [...]}``), filled in
+            place; ``None`` reads only the non-tensor part.
+        ranks: The ranks that load together.
+        options: How to read.
+        map_location: ``torch.load``'s, for ``meta.pt``.
+        weights_only: ``torch.load``'s, for ``meta.pt``.
+        strict: Refuse missing and unexpected keys.
+        error: A failure of this rank's own preparation (building the targets), agreed on
+            in the same round.
+
+    Returns:
+        ``meta.pt``'s dict plus the filled targets.
+
+    Raises:
+        See ``MegatronFSDPCheckpointIO.load_checkpoint``.
+    """
+    final = opened.path
+    kind = {cls: i for i, cls in enumerate(_LOAD_ERRORS)}
+    reader: StorageReader | None = None
+    meta: dict[str, Any] = {}
+    problems: list[tuple[int, str]] = []
+    if error is not None:
+        problems.append(
+            (
+                kind[CheckpointError],
+                f"rank {ranks.rank}: building the load targets: {describe(error)}",
+            )
+        )
+    elif opened.manifest is None:
+        problems.append((kind[NotACheckpointError], opened.problem or f"{final}: no manifest"))
+    else:
+        try:
+            reader = options.reader(final)
+        except Exception as err:
+            problems.append((kind[CheckpointError], describe(err)))
+        if reader is not None:
+            problems, meta = _validate(
+                final,
+                opened.manifest,
+                state,
+                strict,
+                ranks,
+                map_location,
+                weights_only,
+                reader,
+                options,
+            )
+    _agree_before_reading(ranks, final, problems)
+    manifest = opened.manifest
+    assert manifest is not None and reader is not None
+    if (saved := manifest.world_size) != ranks.world_size:
+        log.info(
+            "Loading %s, saved by %d ranks, on %d: DCP reshards.", final, saved, ranks.world_size
+        )
+    if isinstance(reader, VerifyingFileSystemReader):
+        reader.expect(manifest, verify=options.verify_checksums)
+    loaded: dict[str, Any] = {}
+    if state is not None:
+        targets = {k: state[k] for k in ("state_dict", "optimizer_states") if k in state}
+        # Tied entries are one object in both: stage copies them once, fill copies twice.
+        into = stage(targets) if options.atomic_load else targets
+        try:
+            dcp.load(
+                into,
+                storage_reader=reader,
+                planner=DefaultLoadPlanner(allow_partial_load=not strict),
+                process_group=ranks.group,
+            )
+        except (CheckpointException, Exception) as err:
+            raise _load_failure(final, err, reader, ranks, options.atomic_load) from err
+        if options.atomic_load:
+            with torch.no_grad():
+                fill(targets, into)
+        loaded = targets
+    return {**meta, **loaded}
+
+
+def _validate(
+    final: Any,
+    manifest: Manifest,
+    state: dict[str, Any] | None,
+    strict: bool,
+    ranks: Ranks,
+    map_location: Any,
+    weights_only: bool | None,
+    reader: StorageReader,
+    options: LoadOptions,
+) -> tuple[list[tuple[int, str]], dict[str, Any]]:
+    """This rank's problems with loading ``final`` into ``state``, as (kind, text), and the
+    checkpoint's ``meta.pt`` (empty if it could not be read).
+
+    Sizes always; with ``verify_checksums``, ``meta.pt``'s digest on every rank (it is read
+    here anyway) and, unless ``reader`` verifies as it reads, this rank's share of the other
+    files' digests.
+    """
+    kind = {cls: i for i, cls in enumerate(_LOAD_ERRORS)}
+    if state is not None:
+        shape_error = _state_shape_error(state)
+        if shape_error:
+            return [(kind[TypeError], shape_error)], {}
+    share = None
+    if options.verify_checksums and not isinstance(reader, VerifyingFileSystemReader):
+        hashed = sorted(
+            n for n, r in manifest.files.items() if r.digest() is not None and n != META_FILE
+        )
+        share = hashed[ranks.rank :: ranks.world_size]
+    try:
+        damaged = options.store.check_files(final, manifest, checksum_files=share)
+        data = None if damaged else options.store.read_bytes(final, META_FILE)
+    except OSError as err:
+        damaged, data = [f"cannot read a file: {describe(err)}"], None
+    digest = manifest.files[META_FILE].digest() if options.verify_checksums else None
+    if data is not None and digest is not None:
+        found = bytes_digest(data, digest[0])
+        if found != digest[1]:
+            damaged.append(
+                f"{META_FILE}: {digest[0]} {found} on disk, {digest[1]} in the manifest "
+                "(the file changed after it was written)"
+            )
+    problems = [(kind[CheckpointCorruptedError], line) for line in damaged]
+    if state is not None:
+        problems += [
+            (kind[CheckpointMismatchError], line)
+            for line in _fingerprint_problems(manifest, state, strict)
+        ]
+    meta: dict[str, Any] = {}
+    if not damaged and data is not None:
+        try:
+            meta = torch.load(
+                io.BytesIO(data), map_location=map_location, weights_only=weights_only
+            )
+        except Exception as err:
+            problems.append(
+                (
+                    kind[CheckpointError],
+                    f"{META_FILE}: torch.load(weights_only={weights_only}) failed: "
+                    f"{describe(err)}. If it holds objects the weights-only unpickler "
+                    "refuses and you trust the checkpoint, load with weights_only=False.",
+                )
+            )
+    return problems, meta
+
+
+def _load_failure(
+    final: Any, err: BaseException, reader: StorageReader, ranks: Ranks, atomic_load: bool
+) -> CheckpointError:
+    """The error every rank raises when ``dcp.load`` failed: DCP's per-rank errors, and
+    what the targets now hold on each rank.
+
+    Without ``atomic_load`` the ranks all-gather how far their readers got (one more
+    collective, on this failure path only; a lost peer is reported as unknown), so every
+    rank states the same partial state.
+    """
+    if isinstance(err, CheckpointException):
+        message = dcp_failure_message("Loading", final, err)
+        failures = [exc for exc, _ in err.failures.values()]
+    else:
+        message = (
+            f"Loading checkpoint {final} failed on rank {ranks.rank}: {describe(err)}\n"
+            "DCP reports each rank's own errors as one CheckpointException, so this "
+            f"error most likely means {LOST_PEER_HINT}."
+        )
+        failures = [err]
+    corrupted = all(isinstance(e, CheckpointCorruptedError) for e in failures)
+    error = CheckpointCorruptedError if corrupted else CheckpointError
+    if corrupted:
+        message += (
+            "\nThe files differ from what the save recorded: load an older complete "
+            "checkpoint, or restore these files from an intact copy (check it offline with "
+            f"`lightning-megatron-fsdp inspect --verify {final}`)."
+        )
+    if atomic_load:
+        return error(f"{message}\nThe targets are unchanged (atomic_load).")
+    progress = reader.progress if isinstance(reader, VerifyingFileSystemReader) else None
+    try:
+        states = ranks.all_gather(None if progress is None else dataclasses.asdict(progress))
+    except PeerLostError:
+        states = [None] * ranks.world_size
+        states[ranks.rank] = None if progress is None else dataclasses.asdict(progress)
+    return error(f"{message}\n{_aftermath(final, states)}")
+
+
+def _state_shape_error(state: Any) -> str | None:
+    if not isinstance(state, Mapping) or not isinstance(state.get("state_dict"), Mapping):
+        return (
+            "state must be {'state_dict': model_state_dict, 'optimizer_states': [...]} "
+            f"(optimizer_states optional), got {state!r:.200}"
+        )
+    optimizers = state.get("optimizer_states", [])
+    if not isinstance(optimizers, (list, tuple)) or not all(
+        isinstance(o, Mapping) for o in optimizers
+    ):
+        return (
+            "state['optimizer_states'] must be a list of optimizer state dicts, got "
+            f"{optimizers!r:.200}"
+        )
+    return None
+
+
+def _fingerprint_problems(manifest: Manifest, state: Mapping[str, Any], strict: bool) -> list[str]:
+    problems = compare_fingerprints(
+        manifest.fingerprint, model_fingerprint(state["state_dict"]), what="model", strict=strict
+    )
+    if "optimizer_states" not in state:
+        return problems
+    targets, saved = state["optimizer_states"], manifest.optimizer_fingerprints
+    if targets and not saved:
+        problems.append(
+            f"the checkpoint holds no optimizer state (it was saved weights-only), but "
+            f"{len(targets)} optimizer state dict(s) were given to fill. Load weights only: "
+            "leave 'optimizer_states' out of state (the strategy's weights-only load)."
+        )
+    elif len(targets) != len(saved):
+        problems.append(
+            f"the checkpoint holds state for {len(saved)} optimizer(s), but {len(targets)} "
+            "optimizer state dict(s) were given; configure the same optimizers as when saving"
+        )
+    else:
+        for i, (fingerprint, target) in enumerate(zip(saved, targets, strict=True)):
+            problems += compare_fingerprints(
+                fingerprint, optimizer_fingerprint(target), what=f"optimizer {i}", strict=strict
+            )
+    return problems
+
+
+def _agree_before_reading(comm: Ranks, final: Any, problems: list[tuple[int, str]]) -> None:
+    """Raise, identically on every rank, the problems all ranks found; else return.
+
+    Through the one agreement helper (:meth:`~lightning_megatron_fsdp.agreement.Ranks.agree`):
+    a summary line first, then every problem with the ranks that saw it where not all did,
+    then what to do. Nothing has been read at this point, so every error says so.
+
+    Args:
+        comm: The ranks of the load.
+        final: The checkpoint.
+        problems: This rank's ``(kind, text)`` problems; the kind indexes ``_LOAD_ERRORS``.
+
+    Raises:
+        TypeError | NotACheckpointError | CheckpointCorruptedError | CheckpointMismatchError
+        | CheckpointError: The class of the most fundamental problem kind found;
+            ``CheckpointError`` also when the ranks could not agree (a lost peer).
+    """
+    comm.agree(
+        [Problem(kind, text) for kind, text in problems],
+        heading=f"Cannot load checkpoint {final}",
+        errors=dict(enumerate(_LOAD_ERRORS)),
+        advice={cls: text.format(final=final) for cls, text in _LOAD_ADVICE.items()},
+        lost_peer_error=CheckpointError,
+    )
+
+
+def _aftermath(final: Any, states: list[dict[str, Any] | None]) -> str:
+    """What the targets hold after a failed in-place load, from each rank's reader
+    progress (``None``: unknown, another reader or a lost rank)."""
+    if all(s is not None and not s["started"] for s in states):
+        return (
+            "Nothing was loaded: no rank had begun reading tensor data. The targets are unchanged."
+        )
+    lines = []
+    for rank, state in enumerate(states):
+        if state is None:
+            lines.append(f"  rank {rank}: unknown (another storage reader, or the rank was lost)")
+        else:
+            progress = ReadProgress(**state)
+            lines.append(f"  rank {rank}: {progress.describe()}")
+    verb = "may be" if any(state is None for state in states) else "are"
+    return (
+        f"The targets {verb} partly loaded (atomic_load=False): each rank's reader wrote "
+        "records into its targets in order, and the rest keep their previous values:\n"
+        + "\n".join(lines)
+        + f"\nLoad {final} again once it is intact, or another complete checkpoint, before "
+        "training on (atomic_load=True keeps the targets unchanged on any failure, for one "
+        "more copy of the shards in memory)."
+    )
+
+
+_LOAD_ADVICE: dict[type[Exception], str] = {
+    CheckpointCorruptedError: (
+        "Nothing was loaded. The files differ from what the save recorded: load an older "
+        "complete checkpoint, or restore these files from an intact copy (check it offline "
+        "with `lightning-megatron-fsdp inspect --verify {final}`)."
+    ),
+    CheckpointMismatchError: (
+        "Nothing was loaded. Build the model and optimizers the checkpoint was saved from "
+        "(strict=False tolerates missing and unexpected keys, not other shapes or dtypes)."
+    ),
+    CheckpointError: "Nothing was loaded: no rank had read tensor data; the targets are unchanged.",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadResult:
+    """What a load did.
+
+    Attributes:
+        checkpoint: The non-tensor rest of the checkpoint (Lightning's dict), plus the
+            filled targets.
+        optimizers_loaded: Whether optimizer state was loaded (``False`` for a
+            weights-only checkpoint or when no optimizers were passed).
+    """
+
+    checkpoint: dict[str, Any]
+    optimizers_loaded: bool
+
+
+def load_into_sharded_model(
+    io: Any,
+    path: str,
+    model: nn.Module,
+    optimizers: list[Optimizer],
+    *,
+    weights_only: bool | None,
+    strict: bool,
+    allow_missing_optimizers: bool,
+) -> LoadResult:
+    """Load ``path`` into ``model`` (and ``optimizers``) in place, on every rank.
+
+    With a ``MegatronFSDPCheckpointIO`` (anything with ``load_options`` and
+    ``process_group``): three rounds of ours (open, agree, apply). Another checkpoint IO
+    (say, a wrapper) is called through its ``load_checkpoint(path, state=...)``.
+
+    Args:
+        io: The checkpoint IO (``MegatronFSDPCheckpointIO`` or a wrapper of it).
+        path: The checkpoint directory (rank 0's is loaded).
+        model: The sharded model.
+        optimizers: The ``fully_shard_optimizer``-adapted optimizers to fill (none when
+            evaluating).
+        weights_only: Passed to ``torch.load`` for the non-tensor part.
+        strict: Refuse missing and unexpected keys.
+        allow_missing_optimizers: Accept a checkpoint without optimizer state although
+            ``optimizers`` were passed (they stay fresh).
+
+    Returns:
+        The loaded checkpoint and whether optimizer state was loaded.
+
+    Raises:
+        NotACheckpointError: ``path`` is missing, a file, or incomplete.
+        CheckpointMismatchError: The checkpoint does not fit the model or optimizers, or
+            it holds no optimizer state and ``allow_missing_optimizers`` is off.
+        CheckpointError: Building targets, reading or applying failed on some rank.
+    """
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    options: LoadOptions | None = getattr(io, "load_options", None)
+    ranks = Ranks.of(getattr(io, "process_group", None) if options is not None else None)
+    if options is not None:
+        io.wait()  # an async save in flight commits first
+        store = options.store
+    else:
+        from lightning_megatron_fsdp.checkpoint.commit import LocalDirectories
+
+        store = LocalDirectories()
+    opened = open_checkpoint(path, ranks, store)
+    if opened.foreign:
+        load_full_weights(model, opened.path, optimizers=optimizers, strict=strict)
+        meta = torch.load(
+            Path(opened.path, META_FILE), map_location="cpu", weights_only=weights_only
+        )
+        return LoadResult(meta, bool(optimizers))
+    saved_optimizers = (
+        None if opened.manifest is None else len(opened.manifest.optimizer_fingerprints)
+    )
+    if optimizers and saved_optimizers == 0:
+        if not allow_missing_optimizers:
+            raise CheckpointMismatchError(
+                f"Checkpoint {opened.path} holds no optimizer state (it was saved with "
+                "weights_only=True, e.g. by ModelCheckpoint(save_weights_only=True)), so fit() "
+                f"cannot resume the run exactly with its {len(optimizers)} optimizer(s). To "
+                "train on from its weights with fresh optimizer state, set "
+                "strategy.allow_weights_only_resume = True before fit; to evaluate it, use "
+                "trainer.validate/test/predict(ckpt_path=...); to resume exactly, save "
+                "checkpoints with optimizer state."
+            )
+        optimizers = []
+    state: dict[str, Any] = {}
+    error: Exception | None = None
+    try:
+        state = _load_targets(model, optimizers)
+    except Exception as err:
+        error = err
+    if options is not None:
+        checkpoint = read_checkpoint(
+            opened, state, ranks, options, weights_only=weights_only, strict=strict, error=error
+        )
+    else:
+        ranks.raise_together(
+            f"loading checkpoint {opened.path} (building the load targets)",
+            error,
+            CheckpointError,
+            consequence="nothing was read; the model and optimizers are unchanged",
+        )
+        checkpoint = io.load_checkpoint(
+            str(opened.path), weights_only=weights_only, state=state, strict=strict
+        )
+    try:
+        for optimizer, optimizer_state in zip(
+            optimizers, checkpoint.get("optimizer_states", []) if optimizers else [], strict=True
+        ):
+            set_optimizer_state_dict(model, optimizer, optimizer_state)
+        _megatron.sync_compute_weights(model)
+    except Exception as err:
+        error = err
+    ranks.raise_together(
+        f"loading checkpoint {opened.path} (applying the loaded state)",
+        error,
+        CheckpointError,
+        consequence="the tensors were loaded but the optimizers may be half restored; do not "
+        "train on, load again",
+    )
+    return LoadResult(checkpoint, bool(optimizers))
+
+
+def _is_foreign_lightning_dcp(path: str) -> bool:
+    """Whether ``path`` is a ``ModelParallelStrategy`` (FSDP2) checkpoint directory.
+
+    Recognised positively, never by what is missing: DCP's ``.metadata`` and Lightning's
+    ``meta.pt`` without our manifest, *and* Lightning's ``optimizer_<i>.`` keys, which our
+    format never writes (ours are ``optimizer_states.<i>.``). So a checkpoint of ours whose
+    manifest was lost or not yet copied still goes to our loader, which refuses it as
+    incomplete instead of loading it unchecked.
+    """
+    directory = Path(path)
+    if not (
+        (directory / DCP_METADATA_FILE).is_file()
+        and (directory / META_FILE).is_file()
+        and not (directory / MANIFEST_FILE).exists()
+    ):
+        return False
+    try:
+        keys = FileSystemReader(directory).read_metadata().state_dict_metadata
+    except Exception:
+        return False
+    return any(re.match(r"optimizer_\d+\.", key) for key in keys)
+
+
+def _load_targets(model: nn.Module, optimizers: list[Optimizer]) -> dict[str, Any]:
+    """FQN-keyed state dicts of the live model (and ``optimizers``) for DCP to load into.
+
+    Rank-local. A fresh optimizer first gets all-zero state (``ensure_optimizer_state``),
+    equivalent to one that never stepped, so a load works before the first step.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    model_state = get_model_state_dict(model)
+    attach_uneven_dtensor_metadata(model, model_state, {})
+    state: dict[str, Any] = {"state_dict": model_state}
+    if optimizers:
+        for optimizer in optimizers:
+            ensure_optimizer_state(optimizer)
+        state["optimizer_states"] = [get_optimizer_state_dict(model, o) for o in optimizers]
+        for optimizer_state in state["optimizer_states"]:
+            attach_uneven_dtensor_metadata(model, {}, optimizer_state)
+    return state
