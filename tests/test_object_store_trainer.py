@@ -131,7 +131,8 @@ def test_resume_from_last_on_the_bucket_is_bit_exact(
     )
     assert not any(run["local_s3_dir"] for run in saved_runs)
     dirpath = saved_runs[0]["dirpath"]
-    assert dirpath == (f"{url}/checkpoints" if async_save else f"{url}/run")
+    # default_root_dir: Lightning's <root>/<logger name>/<version>/checkpoints, on the bucket.
+    assert dirpath == (f"{url}/memory/version_0/checkpoints" if async_save else f"{url}/run")
     store = ObjectStore(seaweed.filesystem(), "s3")
     inside = dirpath.removeprefix("s3://")
     names = ["epoch=0-step=2.ckpt", f"epoch=1-step={SAVED_STEP}.ckpt", "last.ckpt"]
