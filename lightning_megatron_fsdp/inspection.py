@@ -14,6 +14,7 @@ compare the two and the files on disk (chunks must tile each tensor exactly once
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import os
 from collections.abc import Mapping
@@ -39,6 +40,8 @@ from lightning_megatron_fsdp.checkpoint.format import (
     check_files,
     read_manifest,
 )
+from lightning_megatron_fsdp.checkpoint.fsspec_storage import VerifyingFsspecReader
+from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint, is_url, open_store
 from lightning_megatron_fsdp.upstream_checkpoint import FORMAT_NAME as UPSTREAM_FORMAT_NAME
 from lightning_megatron_fsdp.upstream_checkpoint import NOTE as UPSTREAM_NOTE
 from lightning_megatron_fsdp.upstream_checkpoint import is_upstream_checkpoint
@@ -122,7 +125,7 @@ class CheckpointInfo:
             :data:`~lightning_megatron_fsdp.upstream_checkpoint.FORMAT_NAME`), else ``None``.
     """
 
-    path: Path
+    path: Any
     tensors: tuple[TensorInfo, ...]
     objects: tuple[str, ...]
     manifest: Manifest | None
@@ -180,19 +183,47 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _read_metadata(path: Path) -> Metadata:
+def _open(checkpoint_dir: Any, storage_options: Mapping[str, Any] | None) -> tuple[Any, list[str]]:
+    """The location to inspect and notes on it: a local directory, or on an object store
+    the newest complete version of the checkpoint (the one a load takes), with one note
+    per version, complete or not."""
+    if not is_url(checkpoint_dir):
+        return Path(checkpoint_dir), []
+    store, inside = open_store(os.fspath(checkpoint_dir), storage_options)
+    version = store.locate(inside)
+    notes = [f"version {line}" for line in store.describe(inside)]
+    return StoreCheckpoint(store, inside if version is None else version), notes
+
+
+def _is_dir(path: Any) -> bool:
+    if isinstance(path, StoreCheckpoint):
+        return bool(path.store.sizes(path.path)) or bool(path.store.versions(path.path))
+    return bool(path.is_dir())
+
+
+def _manifest_of(path: Any) -> Manifest:
+    return path.read_manifest() if isinstance(path, StoreCheckpoint) else read_manifest(path)
+
+
+def _read_metadata(path: Any) -> Metadata:
     """Parse ``<path>/.metadata``.
 
     Raises:
         CheckpointCorruptedError: If it is missing or does not parse as DCP metadata.
     """
-    if not (path / DCP_METADATA_FILE).is_file():
+    remote = isinstance(path, StoreCheckpoint)
+    if DCP_METADATA_FILE not in (path.store.sizes(path.path) if remote else {}) and not (
+        not remote and (path / DCP_METADATA_FILE).is_file()
+    ):
         raise CheckpointCorruptedError(
             f"{DCP_METADATA_FILE}: missing. Every checkpoint has this DCP index of its "
             "tensors; without it no tensor can be located."
         )
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        if remote:
+            metadata = VerifyingFsspecReader(path.store, path.path, verify=False).read_metadata()
+        else:
+            metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # a pickle of unknown content can raise anything
         raise CheckpointCorruptedError(
             f"{DCP_METADATA_FILE}: unreadable as DCP metadata ({type(err).__name__}: {err}); "
@@ -213,9 +244,12 @@ def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     ``hyper_parameters`` may hold arbitrary objects; then the scalars come from the
     manifest alone.
     """
-    file = path / META_FILE
-    if not file.is_file():
+    remote = isinstance(path, StoreCheckpoint)
+    if remote and META_FILE not in path.store.sizes(path.path):
         return None, f"{META_FILE}: missing."
+    if not remote and not (path / META_FILE).is_file():
+        return None, f"{META_FILE}: missing."
+    file = io.BytesIO(path.read_bytes(META_FILE)) if remote else path / META_FILE
     try:
         meta = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # UnpicklingError, RuntimeError, ... depending on content
@@ -230,8 +264,10 @@ def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     return {str(key): value for key, value in meta.items() if isinstance(value, plain)}, None
 
 
-def _file_sizes(path: Path) -> dict[str, int]:
+def _file_sizes(path: Any) -> dict[str, int]:
     """Size of every regular file directly inside ``path``."""
+    if isinstance(path, StoreCheckpoint):
+        return path.store.sizes(path.path)
     with os.scandir(path) as entries:
         return {entry.name: entry.stat().st_size for entry in entries if entry.is_file()}
 
@@ -422,12 +458,12 @@ class _Checked:
     manifest: Manifest | None = None
 
 
-def _check(path: Path, *, checksums: bool) -> _Checked:
+def _check(path: Any, *, checksums: bool) -> _Checked:
     """Collect every problem of ``path`` as a checkpoint (see :func:`verify_checkpoint`)."""
     try:
-        manifest: Manifest | None = read_manifest(path)
+        manifest: Manifest | None = _manifest_of(path)
     except NotACheckpointError as err:
-        if not path.is_dir():
+        if not _is_dir(path):
             return _Checked([str(err)])
         manifest, problems = None, [str(err)]
     else:
@@ -437,7 +473,10 @@ def _check(path: Path, *, checksums: bool) -> _Checked:
     if manifest is not None:
         hashed = sorted(manifest.files) if checksums else None
         try:
-            problems += check_files(path, manifest, checksum_files=hashed)
+            if isinstance(path, StoreCheckpoint):
+                problems += path.check_files(manifest, checksum_files=hashed)
+            else:
+                problems += check_files(path, manifest, checksum_files=hashed)
         except OSError as err:
             problems.append(f"cannot read a file: {type(err).__name__}: {err}")
         listed_missing = {name for name in manifest.files if name not in sizes}
@@ -463,7 +502,10 @@ def _check(path: Path, *, checksums: bool) -> _Checked:
 
 
 def verify_checkpoint(
-    checkpoint_dir: str | os.PathLike[str], *, checksums: bool = True
+    checkpoint_dir: str | os.PathLike[str],
+    *,
+    checksums: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Check a checkpoint's completeness and integrity offline, reading only files.
 
@@ -477,17 +519,23 @@ def verify_checkpoint(
     Needs no process group and no GPU. With ``checksums`` it reads every file once.
 
     Args:
-        checkpoint_dir: The checkpoint directory.
+        checkpoint_dir: The checkpoint directory, or a URL (``s3://...``): then the
+            newest complete version there (saves that did not finish are not problems:
+            they are never loaded; none complete is).
         checksums: Also compare the file digests; sizes are always checked.
+        storage_options: Options of a URL's fsspec filesystem.
 
     Returns:
         One line per problem, each naming the file (relative to ``checkpoint_dir``) and
         key concerned; empty if the checkpoint is complete and intact.
     """
-    return _check(Path(checkpoint_dir), checksums=checksums).problems
+    path, _ = _open(checkpoint_dir, storage_options)
+    return _check(path, checksums=checksums).problems
 
 
-def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> CheckpointInfo:
+def inspect_checkpoint(
+    checkpoint_dir: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+) -> CheckpointInfo:
     """Describe a checkpoint: every tensor's global shape, dtype and chunk count, and the
     Lightning metadata (epoch, step, versions, world size).
 
@@ -496,7 +544,10 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> CheckpointInfo
     ``.metadata``, ``manifest.json`` and ``meta.pt`` only, no tensor data.
 
     Args:
-        checkpoint_dir: The checkpoint directory.
+        checkpoint_dir: The checkpoint directory, or a URL (``s3://...``): then the
+            newest complete version, and a note per version saying whether it is
+            complete (a save that did not finish shows as INCOMPLETE).
+        storage_options: Options of a URL's fsspec filesystem.
 
     Returns:
         The description.
@@ -506,12 +557,11 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> CheckpointInfo
             ``.metadata``.
         CheckpointCorruptedError: If it has a manifest but no readable ``.metadata``.
     """
-    path = Path(checkpoint_dir)
-    notes = []
+    path, notes = _open(checkpoint_dir, storage_options)
     try:
-        manifest: Manifest | None = read_manifest(path)
+        manifest: Manifest | None = _manifest_of(path)
     except NotACheckpointError as err:
-        if not path.is_dir() or not (path / DCP_METADATA_FILE).exists():
+        if not _is_dir(path) or DCP_METADATA_FILE not in _file_sizes(path):
             raise
         manifest = None
         notes.append(str(err))

@@ -267,6 +267,27 @@ def test_sigkill_mid_upload_keeps_last_loadable(
     assert lines[0].startswith(f"{versions[0].name}: complete (the one loaded)")
     if len(versions) > 1:  # the crashed save left objects: reported, never loaded
         assert "INCOMPLETE" in lines[1], lines
+    # The console script on the URL, configured by the AWS variables alone: the loaded
+    # version verifies (every byte's CRC32C), the crashed one shows as incomplete.
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_megatron_fsdp.cli",
+            "inspect",
+            "--verify",
+            f"s3://{checkpoint}",
+        ],
+        env={**os.environ, **seaweed.env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert "global_step  2" in cli.stdout and "verify: OK" in cli.stdout, cli.stdout
+    assert f"version {versions[0].name}: complete (the one loaded)" in cli.stdout, cli.stdout
+    if len(versions) > 1:
+        assert f"version {versions[1].name}: INCOMPLETE" in cli.stdout, cli.stdout
 
     # The step-2 state, saved by the same processes, is what a fresh run loads.
     expected = run_distributed(_save_step2_facts, 2, init_process_group=False)
