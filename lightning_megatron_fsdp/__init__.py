@@ -41,6 +41,7 @@ from lightning_megatron_fsdp.sharding import (
     shard_module,
     sharding_scope,
 )
+from lightning_megatron_fsdp.sharding_modes import ShardingMode
 from lightning_megatron_fsdp.strategy import MegatronFSDPStrategy
 from lightning_megatron_fsdp.uneven_dtensor import (
     attach_uneven_dtensor_metadata,
@@ -61,6 +62,7 @@ __all__ = [
     "MegatronFSDPStrategy",
     "NotACheckpointError",
     "PretrainedWeights",
+    "ShardingMode",
     "TensorInfo",
     "attach_uneven_dtensor_metadata",
     "chunk_metadata_by_fqn",

@@ -35,6 +35,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import megatron_fsdp
 import torch
 import torch.distributed as dist
 from megatron_fsdp import MixedPrecisionPolicy
@@ -54,7 +55,9 @@ from torch import nn
 
 __all__ = [
     "HAS_SHARDING_CONTEXT",
+    "REPLICATED_PARAMETERS",
     "UPSTREAM_TIES",
+    "VERSION",
     "DBuffer",
     "FsdpModule",
     "FsdpParameterGroup",
@@ -66,6 +69,7 @@ __all__ = [
     "ShardingContext",
     "dbuffer_flat",
     "dbuffer_from_local",
+    "defers_gradient_reduction",
     "entries",
     "fsdp_modules",
     "fsdp_placements",
@@ -73,6 +77,7 @@ __all__ = [
     "fully_shard_optimizer",
     "group_mesh",
     "group_of",
+    "group_placements",
     "hsdp_placements",
     "is_sharded_parameter",
     "join_gradient_reduction",
@@ -83,8 +88,10 @@ __all__ = [
     "owned_range",
     "owning_module",
     "parameter_groups",
+    "placements_problem",
     "release_prefetched",
     "root_modules",
+    "sharding_placements",
     "sync_compute_weights",
     "sync_group_compute_weights",
     "unit_parameter_groups",
@@ -113,14 +120,76 @@ _PHASE: Any = getattr(FsdpModule, "Phase", None)
 # ---------------------------------------------------------------------- placements
 
 
+#: The installed megatron-fsdp's version, for messages only (paths are chosen by feature).
+VERSION: str = megatron_fsdp.__version__
+
+#: megatron-fsdp >= 0.7 (upstream #6137, "no-shard, ZeRO-1 and ZeRO-2") builds each
+#: parameter group's compute weight, gradient and main weight from placements of their own
+#: (parameter_group.py ``FsdpParameterGroup.__init__``: ``model_weight_placements``,
+#: ``main_grad_placements``, ``main_weight_placements``), computes with a replicated
+#: compute weight as it is, and copies a gradient that stays ``Partial``. 0.6.1 takes one
+#: ``Placements`` and refuses both at the first forward or backward ("FSDP parameter
+#: unshard requires a changed placement axis").
+REPLICATED_PARAMETERS = (
+    "model_weight_placements" in inspect.signature(FsdpParameterGroup.__init__).parameters
+)
+
+if _HAS_OWN_PLACEMENTS:
+    _PARTIAL_TYPES: tuple[type, ...] = (_experimental.Partial,)
+    _REPLICATE_TYPES: tuple[type, ...] = (_experimental.Replicate,)
+else:
+    from torch.distributed.tensor import Partial as _TorchPartial
+    from torch.distributed.tensor import Replicate as _TorchReplicate
+
+    _PARTIAL_TYPES, _REPLICATE_TYPES = (_TorchPartial,), (_TorchReplicate,)
+
+
+def _placement_kinds() -> tuple[Any, Any, Any]:
+    """(shard, replicate, partial-average) in the installed version's placement types."""
+    if _HAS_OWN_PLACEMENTS:
+        experimental: Any = _experimental
+        return (
+            experimental.Flat(),
+            experimental.Replicate(),
+            experimental.Partial(dist.ReduceOp.AVG),
+        )
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    # Partial("avg"), the string: 0.7's DBuffer maps reduce_op names to torch ops and
+    # does not accept a ReduceOp object (dbuffer.py, ``_get_reduce_op``).
+    return Shard(0), Replicate(), Partial("avg")
+
+
+def sharding_placements(
+    *, parameters: bool, gradients: bool, optimizer: bool, hybrid: bool
+) -> Placements:
+    """Placements that shard the chosen buffers across the ``dp_shard`` mesh axis.
+
+    A buffer that is not sharded is replicated (parameters, optimizer state) or left
+    ``Partial`` until the optimizer step (gradients: reduced once per step, straight into
+    the optimizer state's placement). With ``hybrid``, the mesh is 2-D
+    ``(dp_replicate, dp_shard)`` and every buffer is also replicated across rows, its
+    gradient ``Partial`` across them until the last micro-batch.
+
+    Args:
+        parameters: Shard the compute weights (ZeRO-3); else each rank holds them whole.
+        gradients: Reduce-scatter gradients in every backward (ZeRO-2 and 3).
+        optimizer: Shard the main weights and optimizer state (ZeRO-1, 2 and 3).
+        hybrid: Add the replicate axis in front (HSDP).
+    """
+    shard, replicate, partial = _placement_kinds()
+    placements = Placements(
+        dp_axes=[0, 1] if hybrid else [0],
+        parameter=[*([replicate] if hybrid else []), shard if parameters else replicate],
+        gradient=[*([partial] if hybrid else []), shard if gradients else partial],
+        optimizer=[*([replicate] if hybrid else []), shard if optimizer else replicate],
+    )
+    return placements
+
+
 def fsdp_placements() -> Placements:
     """Placements for plain FSDP on a 1-D mesh: parameters, gradients and state sharded."""
-    if _HAS_OWN_PLACEMENTS:
-        flat = _experimental.Flat
-        return Placements(dp_axes=[0], parameter=[flat()], gradient=[flat()], optimizer=[flat()])
-    from torch.distributed.tensor import Shard
-
-    return Placements(dp_axes=[0], parameter=[Shard(0)], gradient=[Shard(0)], optimizer=[Shard(0)])
+    return sharding_placements(parameters=True, gradients=True, optimizer=True, hybrid=False)
 
 
 def hsdp_placements() -> Placements:
@@ -131,25 +200,55 @@ def hsdp_placements() -> Placements:
     reduce-scatters within the row, and only the last micro-batch of an accumulation
     window all-reduces across rows (megatron-fsdp's ``reduce_partial_gradients``).
     """
-    if _HAS_OWN_PLACEMENTS:
-        flat, partial = _experimental.Flat, _experimental.Partial
-        replicate = _experimental.Replicate
-        return Placements(
-            dp_axes=[0, 1],
-            parameter=[replicate(), flat()],
-            gradient=[partial(dist.ReduceOp.AVG), flat()],
-            optimizer=[replicate(), flat()],
-        )
-    from torch.distributed.tensor import Partial, Replicate, Shard
+    return sharding_placements(parameters=True, gradients=True, optimizer=True, hybrid=True)
 
-    # Partial("avg"), the string: 0.7's DBuffer maps reduce_op names to torch ops and
-    # does not accept a ReduceOp object (dbuffer.py, ``_get_reduce_op``).
-    return Placements(
-        dp_axes=[0, 1],
-        parameter=[Replicate(), Shard(0)],
-        gradient=[Partial("avg"), Shard(0)],
-        optimizer=[Replicate(), Shard(0)],
+
+def defers_gradient_reduction(placements: Placements) -> bool:
+    """Whether gradients rest ``Partial`` on some mesh axis between micro-batches.
+
+    Then only the last micro-batch of an accumulation window may finalise them, which
+    megatron-fsdp learns from :func:`microbatch`; finalising each micro-batch would
+    drop the earlier ones' gradients under ZeRO-1 (0.7 parameter_group.py
+    ``reduce_partial_gradients`` allocates a fresh buffer for a finalised sharded one).
+    """
+    return any(isinstance(p, _PARTIAL_TYPES) for p in placements.gradient)
+
+
+def placements_problem(placements: Placements) -> str | None:
+    """Why the installed megatron-fsdp cannot train with ``placements``; ``None`` if it can.
+
+    Pure: checks the redistributions a step needs with upstream's own rule
+    (placement.py ``changed_mesh_axis``: a ``DBuffer`` changes one mesh axis at a time,
+    both versions) and, on 0.6.1, the replicated parameter or unreduced gradient that only
+    0.7 handles (:data:`REPLICATED_PARAMETERS`).
+    """
+    from megatron_fsdp.experimental.placement import changed_mesh_axis
+
+    _shard, replicate, _partial = _placement_kinds()
+    n = len(placements.dp_axes)
+    steps = (
+        ("the compute weights are gathered", placements.parameter, [replicate] * n),
+        ("gradients are finalised", placements.gradient, placements.optimizer),
+        ("compute weights are refreshed", placements.optimizer, placements.parameter),
     )
+    for what, source, target in steps:
+        try:
+            changed_mesh_axis(source, target)
+        except NotImplementedError:
+            return (
+                f"when {what}, {list(source)} must become {list(target)}, a change on more "
+                "than one mesh axis; megatron-fsdp redistributes a buffer along one mesh "
+                "axis at a time"
+            )
+    if not REPLICATED_PARAMETERS:
+        if all(isinstance(p, _REPLICATE_TYPES) for p in placements.parameter):
+            return "it replicates the parameters on every mesh axis, which needs megatron-fsdp 0.7"
+        if all(isinstance(p, _PARTIAL_TYPES) for p in placements.gradient):
+            return (
+                "it leaves gradients unreduced until the optimizer step on every mesh axis, "
+                "which needs megatron-fsdp 0.7"
+            )
+    return None
 
 
 # ---------------------------------------------------------------------- DBuffer
@@ -304,6 +403,29 @@ def main_weight_local(group: FsdpParameterGroup, index: int) -> torch.Tensor:
 def group_mesh(group: FsdpParameterGroup) -> Any:
     """The data-parallel mesh the group is sharded over (parameter_group.py ``mesh``)."""
     return group.mesh
+
+
+def group_placements(group: FsdpParameterGroup) -> tuple[Any, Any, Any]:
+    """The (compute weight, gradient, main weight) placements ``group`` was built with.
+
+    The gradient's is ``None`` for a group without gradients. Read from what each version
+    keeps: 0.7 parameter_group.py ``_model_weight_placements``/``_main_grad_placements``
+    (``model_weight`` changes placement within a step there), 0.6.1 ``model_weight``'s
+    placements and ``_accumulation_placements``; ``main_weight``'s on both.
+    """
+    parameter = getattr(group, "_model_weight_placements", None)
+    if parameter is None:
+        parameter = group.model_weight.placements
+    gradient = getattr(group, "_main_grad_placements", None)
+    if gradient is None:
+        gradient = getattr(group, "_accumulation_placements", None)
+    if group.main_grad is None:
+        gradient = None
+    return (
+        tuple(parameter),
+        None if gradient is None else tuple(gradient),
+        tuple(group.main_weight.placements),
+    )
 
 
 def sync_group_compute_weights(group: FsdpParameterGroup) -> None:

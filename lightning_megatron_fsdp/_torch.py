@@ -32,6 +32,7 @@ from typing_extensions import override
 __all__ = [
     "SYNC_WITHOUT_FD_CALLS_OS_SYNC",
     "OwnWriteLoopWriter",
+    "caching_save_planner",
     "create_file_view",
     "dtensor_with_local",
     "fake_tensor_mode",
@@ -42,6 +43,9 @@ __all__ = [
     "metadata_path",
     "narrow_tensor_by_index",
     "obj_state",
+    "own_buffers",
+    "own_parameters",
+    "random_sampler_num_samples",
     "serialization_skips_data",
     "storage_alignment",
     "storage_info",
@@ -75,6 +79,26 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta:
         if isinstance(timeout, timedelta):
             return timeout
     return dist.default_pg_timeout
+
+
+# ------------------------------------------------------------------------------ modules
+
+
+def own_parameters(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own parameter slots (not its children's), the live dict: assigning
+    into it replaces a parameter without ``register_parameter``'s checks."""
+    return cast(dict[str, Any], module._parameters)
+
+
+def own_buffers(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own buffer slots (not its children's), the live dict."""
+    return cast(dict[str, Any], module._buffers)
+
+
+def random_sampler_num_samples(sampler: Any) -> int | None:
+    """The ``num_samples`` a torchdata ``RandomSampler`` was built with (``None``: the
+    whole dataset)."""
+    return cast("int | None", sampler._num_samples)
 
 
 # -------------------------------------------------------------------------- state dicts
@@ -122,6 +146,21 @@ def fake_tensor_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode()
+
+
+# ------------------------------------------------------------------------ DCP planning
+
+
+def caching_save_planner(key: str) -> Any:
+    """DCP's default save planner with its plan caching on, under ``key``: a save whose
+    local plans equal the last successful save's under the same key sends empty plans, and
+    the coordinator reuses its global plan and metadata instead of planning again. ``key``
+    must name the layout (DCP's own key is the planner's class name, one for the process)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    planner._cached_plans_key = key
+    return planner
 
 
 # ------------------------------------------------------------------------- DCP storage

@@ -147,12 +147,10 @@ class Problem:
     Attributes:
         kind: How fundamental it is; the lowest kind found picks the error class.
         text: One line naming the file, key or FQN, what was found and what was expected.
-        category: Short label counted in the summary line (``"shape"``, ``"missing"``).
     """
 
     kind: int
     text: str
-    category: str = "problem"
 
     def __post_init__(self) -> None:
         if not isinstance(self.text, str) or not self.text:

@@ -74,23 +74,26 @@ Alternatives rejected:
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-from lightning.pytorch.loops.loop import _Loop
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DistributedSampler
+
+from lightning_megatron_fsdp import _lightning, _torch
 
 __all__ = [
     "RNG_STATES_KEY",
     "ExactResume",
     "align_sampler_epoch",
     "capture_rng_states",
+    "continue_progress_bar",
     "restore_rng_states",
     "rng_states_of",
     "shuffle_by_epoch",
@@ -194,7 +197,11 @@ def shuffle_by_epoch(dataloader: object) -> None:
     except ImportError:
         return
     inner = getattr(wrapper.dataset, "_sampler", None)
-    if type(inner) is not RandomSampler or inner.replacement or inner._num_samples is not None:
+    if (
+        type(inner) is not RandomSampler
+        or inner.replacement
+        or _torch.random_sampler_num_samples(inner) is not None
+    ):
         return
     batch_sampler.sampler = DistributedSampler(  # type: ignore[union-attr]
         inner.data_source,
@@ -213,7 +220,31 @@ def align_sampler_epoch(dataloader: object, epoch: int) -> None:
     iterator, with the epoch Lightning will pass to ``set_epoch`` right after; a sampler
     without ``set_epoch`` is left alone.
     """
-    _set_sampler_epoch(dataloader, epoch)
+    _lightning.set_sampler_epoch(dataloader, epoch)
+
+
+def continue_progress_bar(trainer: pl.Trainer) -> None:
+    """Label a mid-epoch resume's progress bar with its epoch and total, as an epoch start does.
+
+    Lightning (2.6) calls ``on_train_epoch_start`` when an epoch starts, not when a resume
+    continues one, so the bar Lightning's ``TQDMProgressBar`` created in ``on_train_start``
+    would keep the label "Training" and no total. The bar then counts batches of the epoch
+    (``batch_idx + 1``), so its total is where this run will stop in the epoch: the end of
+    the epoch, or ``max_steps`` steps on from the batches already run. Other progress bars
+    are left as Lightning leaves them.
+    """
+    fit_loop = trainer.fit_loop
+    bar = trainer.progress_bar_callback
+    if not (fit_loop.restarted_mid_epoch and isinstance(bar, TQDMProgressBar)):
+        return
+    if not bar.is_enabled or bar.train_progress_bar is None:
+        return
+    done = fit_loop.epoch_loop.batch_progress.current.processed
+    total = min(trainer.num_training_batches, done + bar.total_train_batches)
+    tqdm = bar.train_progress_bar
+    tqdm.reset(total=None if math.isinf(total) else int(total))
+    tqdm.initial = tqdm.n = done  # the rate and the estimate count this run's batches
+    tqdm.set_description(f"Epoch {trainer.current_epoch}")  # as on_train_epoch_start; refreshes
 
 
 def rng_states_of(states: list[Any]) -> dict[str, Any]:
@@ -298,7 +329,7 @@ class ExactResume:
             if progress.processed == progress.ready:
                 # Saved at or after on_train_epoch_end: nothing of that epoch is left to
                 # restart. FitLoop's own setter forces restarting under max_steps.
-                _Loop.restarting.fset(fit_loop, False)  # type: ignore[attr-defined]
+                _lightning.Loop.restarting.fset(fit_loop, False)  # type: ignore[attr-defined]
             self.train_starting(device)
         shuffle_by_epoch(dataloader)
         align_sampler_epoch(dataloader, epoch)
@@ -326,6 +357,11 @@ class ExactResume:
         snapshot, self._validation_snapshot = self._validation_snapshot, None
         if snapshot is not None:
             restore_rng_states(snapshot, device)
+
+    @staticmethod
+    def continue_progress_bar(trainer: pl.Trainer) -> None:
+        """:func:`continue_progress_bar`, for the strategy's ``on_train_start``."""
+        continue_progress_bar(trainer)
 
     def reset(self) -> None:
         """Forget anything a stage left (called at teardown)."""

@@ -89,7 +89,7 @@ def full_tensor(tensor: Tensor) -> Tensor:
         identical on every rank. It is not part of autograd.
 
     Raises:
-        ValueError: If ``tensor`` is ``Partial`` (an HSDP gradient between micro-batches)
+        ValueError: If ``tensor`` is ``Partial`` (a deferred gradient between micro-batches)
             or sharded other than on dim 0 of one mesh dimension.
         AssertionError: If the shards do not tile the tensor's rows exactly once.
     """
@@ -98,9 +98,10 @@ def full_tensor(tensor: Tensor) -> Tensor:
     placements = tensor.placements
     if any(placement.is_partial() for placement in placements):
         raise ValueError(
-            f"full_tensor: got a Partial DTensor ({placements}), an HSDP gradient still "
-            "unreduced across replicas. Read it after the last micro-batch's backward (in "
-            "on_before_optimizer_step), when Megatron-FSDP has reduced it."
+            f"full_tensor: got a Partial DTensor ({placements}), a gradient still unreduced "
+            "(HSDP, SHARD_OPTIMIZER and NO_SHARD reduce at the last micro-batch). Read it "
+            "after the last micro-batch's backward (in on_before_optimizer_step), when "
+            "Megatron-FSDP has reduced it."
         )
     sharded = [dim for dim, placement in enumerate(placements) if placement.is_shard()]
     local = _torch.local_tensor(tensor).detach()
@@ -249,11 +250,11 @@ def grad_reduce_groups(parameter: Tensor) -> tuple[DeviceMesh, tuple[int, ...]] 
         return None
     if any(placement.is_partial() for placement in spec_source.placements):
         raise RuntimeError(
-            "Sharded gradient norm or clipping: a gradient is still Partial (unreduced across "
-            "replicas); read norms or clip only after the last micro-batch's backward, when "
-            "Megatron-FSDP has finalised the gradients. Run accumulation through the "
-            "strategy (it wraps the earlier micro-batches in "
-            "megatron_fsdp.experimental.microbatch)."
+            "Sharded gradient norm or clipping: a gradient is still Partial (unreduced: HSDP, "
+            "SHARD_OPTIMIZER and NO_SHARD reduce at the last micro-batch); read norms or clip "
+            "only after the last micro-batch's backward, when Megatron-FSDP has finalised the "
+            "gradients. Run accumulation through the strategy (it wraps the earlier "
+            "micro-batches in megatron_fsdp.experimental.microbatch)."
         )
     dims = tuple(i for i, p in enumerate(spec_source.placements) if p.is_shard())
     return spec_source.device_mesh, dims

@@ -35,6 +35,8 @@ from lightning_megatron_fsdp.checkpoint.format import (
     FORMAT_NAME,
     MANIFEST_FILE,
     META_FILE,
+    MODEL_PREFIX,
+    OPTIMIZER_PREFIX,
     Manifest,
     TensorSpec,
     check_files,
@@ -54,12 +56,6 @@ __all__ = [
     "inspect_checkpoint",
     "verify_checkpoint",
 ]
-
-MODEL_PREFIX = "state_dict."
-
-
-OPTIMIZER_PREFIX = "optimizer_states."
-
 
 # Problems of one kind in one file are summarised after this many, so a truncated shard
 # of a large model yields a readable report rather than one line per chunk.

@@ -80,10 +80,10 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
+from lightning_megatron_fsdp import _lightning
 from lightning_megatron_fsdp.agreement import Ranks, describe, peer_failures_explained
 
 __all__ = ["UnevenBatchJoin", "join_uneven_batches", "refuse_uneven_batches"]
@@ -200,7 +200,7 @@ def _install(trainer: pl.Trainer, join: UnevenBatchJoin) -> str | None:
             f"this Lightning version's {type(loop).__name__} keeps no data fetcher where "
             "lightning_megatron_fsdp joins uneven ranks (loop._data_fetcher)"
         )
-    if isinstance(fetcher, _DataLoaderIterDataFetcher):
+    if isinstance(fetcher, _lightning.DataLoaderIterDataFetcher):
         return "a step that takes `dataloader_iter` pulls its own batches and cannot be joined"
     loop._data_fetcher = _JoiningFetcher(fetcher, join)
     return None
@@ -364,7 +364,9 @@ class _MetricState:
     @classmethod
     def of(cls, metric: Any) -> _MetricState:
         states = {}
-        for name in metric._defaults:  # torchmetrics' registry of state names (add_state)
+        for name in _lightning.metric_state_names(
+            metric
+        ):  # torchmetrics' registry of state names (add_state)
             value = getattr(metric, name)
             if isinstance(value, Tensor):
                 states[name] = (value, value.detach().clone())

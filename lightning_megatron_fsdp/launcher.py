@@ -33,13 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_megatron_fsdp import _lightning
 from lightning_megatron_fsdp.checkpoint.commit import (
     latest_complete_checkpoint,
     matching_checkpoints,
@@ -51,7 +49,7 @@ from lightning_megatron_fsdp.checkpoint.object_store import is_url, open_store
 __all__ = ["resolving_last_launcher"]
 
 
-def resolving_last_launcher(inner: _Launcher | None) -> _Launcher | None:
+def resolving_last_launcher(inner: _lightning.Launcher | None) -> _lightning.Launcher | None:
     """Wrap Lightning's launcher so ``ckpt_path="last"`` means a complete checkpoint.
 
     Args:
@@ -63,7 +61,7 @@ def resolving_last_launcher(inner: _Launcher | None) -> _Launcher | None:
     """
     if inner is None:
         return _ResolvingLastLauncher()
-    if type(inner) is _SubprocessScriptLauncher:
+    if type(inner) is _lightning.SubprocessScriptLauncher:
         return _ResolvingLastSubprocessScriptLauncher(
             inner.cluster_environment, inner.num_processes, inner.num_nodes
         )
@@ -136,7 +134,7 @@ def _latest_complete_last_checkpoint(trainer: pl.Trainer) -> Path | str | None:
     return url
 
 
-def _checkpoint_dir(callback: ModelCheckpoint, trainer: pl.Trainer) -> _PATH | None:
+def _checkpoint_dir(callback: ModelCheckpoint, trainer: pl.Trainer) -> _lightning.PATH | None:
     """The directory ``callback`` saves to, resolved exactly as its ``"last"`` lookup does.
 
     Before ``setup`` a ``ModelCheckpoint`` without ``dirpath`` has not resolved it yet;
@@ -150,7 +148,7 @@ def _checkpoint_dir(callback: ModelCheckpoint, trainer: pl.Trainer) -> _PATH | N
     return callback.dirpath
 
 
-class _ResolvingLastLauncher(_Launcher):
+class _ResolvingLastLauncher(_lightning.Launcher):
     """For processes created externally: run the stage here, ``ckpt_path="last"`` resolved."""
 
     @property
@@ -174,7 +172,7 @@ class _ResolvingLastLauncher(_Launcher):
         """Nothing to kill: this launcher started no process."""
 
 
-class _ResolvingLastSubprocessScriptLauncher(_SubprocessScriptLauncher):
+class _ResolvingLastSubprocessScriptLauncher(_lightning.SubprocessScriptLauncher):
     """Lightning's script launcher, with ``ckpt_path="last"`` resolved before it spawns."""
 
     @override

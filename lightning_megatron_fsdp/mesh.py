@@ -35,6 +35,7 @@ __all__ = [
     "MeshRequest",
     "build_device_mesh",
     "check_mesh_fits_world",
+    "mesh_ndim",
     "validate_device_mesh",
 ]
 
@@ -73,6 +74,13 @@ def validate_device_mesh(device_mesh: object, where: str) -> MeshRequest:
     if min(device_mesh) < 1:
         raise ValueError(f"{where}: device_mesh sizes must be >= 1, got {tuple(device_mesh)!r}.")
     return (device_mesh[0], device_mesh[1])
+
+
+def mesh_ndim(request: MeshRequest) -> int:
+    """The rank of the mesh a validated request builds: 1 for ``None``, 2 for a pair."""
+    if isinstance(request, DeviceMesh):
+        return request.ndim
+    return 1 if request is None else 2
 
 
 def check_mesh_fits_world(request: MeshRequest, world_size: int, detail: str, where: str) -> None:

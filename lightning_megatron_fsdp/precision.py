@@ -54,7 +54,6 @@ from typing import Any, Literal, cast
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
 from lightning.fabric.utilities.types import Steppable
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -63,7 +62,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp import _lightning, _megatron
 from lightning_megatron_fsdp._megatron import MixedPrecisionPolicy
 from lightning_megatron_fsdp.gather import (
     bind_full_tensor,
@@ -177,7 +176,7 @@ class MegatronFSDPPrecision(Precision):
         if not self.casts_parameters:
             return data
         return apply_to_collection(
-            data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.compute_dtype
+            data, function=_lightning.convert_fp_tensor, dtype=Tensor, dst_type=self.compute_dtype
         )
 
     def optimizer_step(  # type: ignore[override]
@@ -202,7 +201,7 @@ class MegatronFSDPPrecision(Precision):
         """
         reject_closure_optimizer(optimizer)
         with lightning_grad_norm_explained():  # in the closure and its hooks
-            closure_result = self._wrap_closure(model, optimizer, closure)
+            closure_result = _lightning.wrap_closure(self, model, optimizer, closure)
         step_output = optimizer.step(**kwargs)
         return closure_result if step_output is None else step_output
 

@@ -72,13 +72,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_megatron_fsdp import _megatron, _torch
+from lightning_megatron_fsdp.checkpoint.format import OPTIMIZER_PREFIX, listed
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
 from lightning_megatron_fsdp.uneven_dtensor import (
     attach_uneven_dtensor_metadata,
     chunk_metadata_by_fqn,
 )
 from lightning_megatron_fsdp.weight_sources import (
-    _OPTIMIZER_PREFIX,
     _UNREADABLE,
     _Comm,
     _Copy,
@@ -97,7 +97,6 @@ __all__ = [
     "load_full_weights",
 ]
 
-_MAX_LISTED = 20
 # Attribute set on a model once initial weights were applied, so a second Trainer run
 # with the same model (fit, then test) does not overwrite trained weights.
 _APPLIED_ATTR = "_lmf_pretrained_applied"
@@ -361,12 +360,6 @@ def load_full_weights(
 # ---------------------------------------------------------------------- targets and plan
 
 
-def _listed(keys: Sequence[str]) -> str:
-    shown = ", ".join(repr(k) for k in keys[:_MAX_LISTED])
-    more = len(keys) - _MAX_LISTED
-    return f"[{shown}{f', ... and {more} more' if more > 0 else ''}]"
-
-
 def _tie_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Map every FQN of a tied parameter to all its FQNs (state-dict naming, in order)."""
     names_by_param: dict[int, list[str]] = {}
@@ -448,7 +441,7 @@ def _plan(
     if options.strict and plan.missing:
         missing = sorted(plan.missing)
         plan.mismatch(
-            f"{len(missing)} model FQN(s) are missing from the source: {_listed(missing)}. "
+            f"{len(missing)} model FQN(s) are missing from the source: {listed(list(missing))}. "
             "Check strip_prefix/add_prefix, or pass strict=False to keep their values"
         )
     if options.strict and plan.unexpected:
@@ -456,7 +449,7 @@ def _plan(
         plan.mismatch(
             f"{len(unexpected)} source key(s) match no model FQN (after strip_prefix="
             f"{options.strip_prefix!r}, add_prefix={options.add_prefix!r}): "
-            f"{_listed(unexpected)}. Pass strict=False to ignore them"
+            f"{listed(list(unexpected))}. Pass strict=False to ignore them"
         )
 
     # Optimizers: by parameter FQN and state name.
@@ -496,7 +489,7 @@ def _plan_optimizers(
         )
         return
     for index, state in enumerate(optimizer_states):
-        prefix = f"{_OPTIMIZER_PREFIX}{index}."
+        prefix = f"{OPTIMIZER_PREFIX}{index}."
         wanted: set[str] = set()
         missing: list[str] = []
         for fqn, entries in state["state"].items():
@@ -533,14 +526,14 @@ def _plan_optimizers(
         if strict and missing:
             plan.mismatch(
                 f"optimizer {index}: {len(missing)} entr(y/ies) are missing from the source "
-                f"(parameter/state, or hyper-parameter): {_listed(missing)}. A different "
+                f"(parameter/state, or hyper-parameter): {listed(list(missing))}. A different "
                 "optimizer class or parameters that never stepped? Pass strict=False to keep "
                 "those values"
             )
         if strict and extra:
             plan.mismatch(
                 f"optimizer {index}: {len(extra)} source state entr(y/ies) match no parameter "
-                f"of the optimizer: {_listed(extra)}"
+                f"of the optimizer: {listed(list(extra))}"
             )
 
 

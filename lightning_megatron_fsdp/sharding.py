@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp import _megatron, _torch
 from lightning_megatron_fsdp._megatron import (
     FsdpModule,
     MixedPrecisionPolicy,
@@ -57,6 +57,7 @@ __all__ = [
     "check_fully_sharded",
     "check_no_foreign_sharding",
     "check_optimizer_parameters",
+    "check_placements",
     "fsdp_placements",
     "hsdp_placements",
     "plan_units",
@@ -338,7 +339,7 @@ def _materialize(modules: list[tuple[str, nn.Module]], device: torch.device, whe
     """
     pending: list[tuple[str, nn.Module]] = []
     for prefix, module in modules:
-        tensors = [*module._parameters.values(), *module._buffers.values()]
+        tensors = [*_torch.own_parameters(module).values(), *_torch.own_buffers(module).values()]
         if any(t is not None and t.is_meta for t in tensors):
             if not callable(getattr(module, "reset_parameters", None)):
                 raise TypeError(
@@ -351,7 +352,7 @@ def _materialize(modules: list[tuple[str, nn.Module]], device: torch.device, whe
             pending.append((prefix, module))
     replacements: dict[int, nn.Parameter] = {}
     for _, module in pending:
-        for name, parameter in module._parameters.items():
+        for name, parameter in _torch.own_parameters(module).items():
             if parameter is None or not parameter.is_meta:
                 continue
             new = replacements.get(id(parameter))
@@ -361,10 +362,10 @@ def _materialize(modules: list[tuple[str, nn.Module]], device: torch.device, whe
                     requires_grad=parameter.requires_grad,
                 )
                 replacements[id(parameter)] = new
-            module._parameters[name] = new
-        for name, buffer in module._buffers.items():
+            _torch.own_parameters(module)[name] = new
+        for name, buffer in _torch.own_buffers(module).items():
             if buffer is not None and buffer.is_meta:
-                module._buffers[name] = torch.empty_like(buffer, device=device)
+                _torch.own_buffers(module)[name] = torch.empty_like(buffer, device=device)
     with torch.no_grad():
         for _, module in pending:
             module.reset_parameters()
@@ -404,15 +405,15 @@ def shard_unit(
     _materialize(modules, device, where)
     originals: dict[int, Tensor] = {}
     for _, owner in modules:
-        for name, buffer in owner._buffers.items():
+        for name, buffer in _torch.own_buffers(owner).items():
             if buffer is not None:
                 moved = buffer.to(device)
                 if compute_dtype is not None and moved.is_floating_point():
                     moved = moved.to(compute_dtype)
-                owner._buffers[name] = moved
+                _torch.own_buffers(owner)[name] = moved
         if compute_dtype is None:
             continue
-        for parameter in owner._parameters.values():
+        for parameter in _torch.own_parameters(owner).values():
             if parameter is None or not parameter.is_floating_point():
                 continue
             if parameter.dtype != compute_dtype:
@@ -488,6 +489,41 @@ def check_fully_sharded(model: nn.Module, where: str) -> None:
                 f"{where}: parameter {name!r} is not a Megatron-FSDP sharded parameter "
                 "after setup (it would be trained without gradient reduction). Expected a "
                 "unit to own it; was it added after sharding?"
+            )
+
+
+def check_placements(model: nn.Module, placements: Placements, where: str) -> None:
+    """Every unit of ``model`` must be sharded with ``placements`` (the strategy's mode).
+
+    A unit sharded by hand with other placements (or a model sharded by an earlier run
+    in another mode) would train with the wrong gradient accumulation (the strategy marks
+    micro-batches by its mode) and contradict the mode the user chose.
+
+    Raises:
+        ValueError: Naming the first unit that differs, both placements and the fix.
+    """
+    expected = (
+        tuple(placements.parameter),
+        tuple(placements.gradient),
+        tuple(placements.optimizer),
+    )
+    for name, module in model.named_modules():
+        if not isinstance(module, FsdpModule):
+            continue
+        for group in _megatron.unit_parameter_groups(module):
+            parameter, gradient, optimizer = _megatron.group_placements(group)
+            if (parameter, optimizer) == (expected[0], expected[2]) and gradient in (
+                None,
+                expected[1],
+            ):
+                continue
+            raise ValueError(
+                f"{where}: unit {name or '<root>'!r} is sharded with parameter/gradient/"
+                f"optimizer placements {list(parameter)}/{list(gradient or [])}/"
+                f"{list(optimizer)}, but sharding_strategy asks for {list(expected[0])}/"
+                f"{list(expected[1])}/{list(expected[2])}. Shard units in configure_model with "
+                "self.trainer.strategy.shard(module), or pass the sharding_strategy the model "
+                "was sharded with."
             )
 
 

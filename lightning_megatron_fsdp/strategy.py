@@ -58,23 +58,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.device_dtype_mixin import _update_properties
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -86,7 +75,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp import _lightning, _megatron, _torch
 from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointError, CheckpointSaveError
@@ -107,6 +96,7 @@ from lightning_megatron_fsdp.mesh import (
     MeshRequest,
     build_device_mesh,
     check_mesh_fits_world,
+    mesh_ndim,
     validate_device_mesh,
 )
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
@@ -125,6 +115,7 @@ from lightning_megatron_fsdp.sharding import (
     check_fully_sharded,
     check_no_foreign_sharding,
     check_optimizer_parameters,
+    check_placements,
     fsdp_placements,
     hsdp_placements,
     plan_units,
@@ -132,6 +123,7 @@ from lightning_megatron_fsdp.sharding import (
     sharding_scope,
     validate_auto_wrap_policy,
 )
+from lightning_megatron_fsdp.sharding_modes import ShardingMode, resolve_sharding_mode
 from lightning_megatron_fsdp.uneven_dtensor import attach_uneven_dtensor_metadata
 
 if TYPE_CHECKING:
@@ -158,6 +150,14 @@ class MegatronFSDPStrategy(ParallelStrategy):
         device_mesh: ``None`` for plain FSDP over all processes; ``(replicate, shard)``
             with ``replicate * shard == world size`` for HSDP; or a ``DeviceMesh`` of 1 or
             2 dims spanning the world.
+        sharding_strategy: What is sharded: ``"FULL_SHARD"`` (ZeRO-3, the default on a 1-D
+            mesh), ``"SHARD_GRAD_OP"`` (ZeRO-2), ``"SHARD_OPTIMIZER"`` (ZeRO-1),
+            ``"NO_SHARD"`` (DDP-like), and on a 2-D mesh ``"HYBRID_SHARD"`` (the default
+            there) and ``"HYBRID_SHARD_GRAD_OP"``; torch's ``ShardingStrategy``,
+            Megatron-LM's names (``"optim"``, ...), or raw
+            ``megatron_fsdp.experimental.Placements`` for anything else (see
+            :mod:`~lightning_megatron_fsdp.sharding_modes`). Checkpoints of every mode load
+            into every other, at any world size.
         mixed_precision_policy: Megatron-FSDP main weight/gradient dtypes; derived from
             the Trainer's ``precision`` when ``None`` (see
             :class:`~lightning_megatron_fsdp.precision.MegatronFSDPPrecision`).
@@ -186,7 +186,8 @@ class MegatronFSDPStrategy(ParallelStrategy):
         TypeError: If ``auto_wrap_policy``, ``device_mesh``, ``timeout``,
             ``mixed_precision_policy``, ``allow_weights_only_resume`` or
             ``init_weights_from`` has the wrong type.
-        ValueError: If ``device_mesh`` has a non-positive size.
+        ValueError: If ``device_mesh`` has a non-positive size, or ``sharding_strategy`` is
+            unknown, does not fit ``device_mesh``, or needs another megatron-fsdp version.
     """
 
     strategy_name = "megatron_fsdp"
@@ -196,10 +197,11 @@ class MegatronFSDPStrategy(ParallelStrategy):
         *,
         auto_wrap_policy: AutoWrapPolicy | None = None,
         device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        sharding_strategy: str | Placements | ShardingMode | None = None,
         mixed_precision_policy: MixedPrecisionPolicy | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        init_weights_from: _PATH | PretrainedWeights | None = None,
+        init_weights_from: _lightning.PATH | PretrainedWeights | None = None,
         allow_weights_only_resume: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -217,6 +219,9 @@ class MegatronFSDPStrategy(ParallelStrategy):
         self.checkpoint_io = checkpoint_io  # through the setter, which validates it
         self._auto_wrap_policy = validate_auto_wrap_policy(auto_wrap_policy, _STRATEGY)
         self._mesh_request: MeshRequest = validate_device_mesh(device_mesh, _STRATEGY)
+        self._sharding_mode = resolve_sharding_mode(
+            sharding_strategy, mesh_ndim(self._mesh_request), _STRATEGY
+        )
         if mixed_precision_policy is not None and not isinstance(
             mixed_precision_policy, MixedPrecisionPolicy
         ):
@@ -287,9 +292,14 @@ class MegatronFSDPStrategy(ParallelStrategy):
         return self._device_mesh
 
     @property
+    def sharding_mode(self) -> ShardingMode:
+        """The validated ``sharding_strategy``."""
+        return self._sharding_mode
+
+    @property
     def placements(self) -> Placements:
-        """Megatron-FSDP placements matching :attr:`device_mesh` (FSDP or HSDP)."""
-        return hsdp_placements() if self.device_mesh.ndim == 2 else fsdp_placements()
+        """Megatron-FSDP placements of :attr:`sharding_mode` for :attr:`device_mesh`."""
+        return self._sharding_mode.placements
 
     @property
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
@@ -316,7 +326,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         if self._checkpoint_io is None:
             self._checkpoint_io = _default_checkpoint_io()
         elif (
-            isinstance(self._checkpoint_io, _WrappingCheckpointIO)
+            isinstance(self._checkpoint_io, _lightning.WrappingCheckpointIO)
             and self._checkpoint_io.checkpoint_io is None
         ):
             self._checkpoint_io.checkpoint_io = _default_checkpoint_io()
@@ -351,13 +361,13 @@ class MegatronFSDPStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
+            self._launcher = _lightning.SubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
 
     @property
     @override
-    def launcher(self) -> _Launcher | None:
+    def launcher(self) -> _lightning.Launcher | None:
         """Lightning's launcher, wrapped so ``ckpt_path="last"`` means a complete checkpoint.
 
         See :mod:`~lightning_megatron_fsdp.launcher`: the launch is the one strategy hook
@@ -391,8 +401,10 @@ class MegatronFSDPStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        if not _distributed_is_initialized():
-            _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if not _lightning.distributed_is_initialized():
+            _lightning.init_dist_connection(
+                self.cluster_environment, self._process_group_backend, **kwargs
+            )
         register_exit_hook()  # also for a group the user created: the race is the same
         if self.root_device.type != "cuda":
             enable_cpu_execution()
@@ -419,7 +431,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or _get_default_process_group_backend_for_device(
+        return self._process_group_backend or _lightning.default_process_group_backend(
             self.root_device
         )
 
@@ -429,7 +441,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if self._layer_sync is not None:
+        if _lightning.layer_sync(self) is not None:
             raise ValueError(
                 f"{_STRATEGY} does not support Trainer(sync_batchnorm=True): its buffers are "
                 "not sharded and SyncBatchNorm's conversion would replace sharded modules. "
@@ -449,7 +461,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         # Re-create optimizers on every fit: an earlier stage's optimizers may hold other
         # parameter objects.
-        self._reset_optimizers_and_schedulers()
+        _lightning.reset_optimizers_and_schedulers(self)
         super().setup_optimizers(trainer)
         assert self.lightning_module is not None
         for index, optimizer in enumerate(self.optimizers):
@@ -520,6 +532,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         self._close_sharding(None)
         _move_unsharded_state(model, self.root_device)
         check_fully_sharded(model, _STRATEGY)
+        check_placements(model, self.placements, _STRATEGY)
 
     def _close_sharding(self, error: BaseException | None) -> None:
         """Finalise the sharding context (or abandon it after ``error``)."""
@@ -628,14 +641,14 @@ class MegatronFSDPStrategy(ParallelStrategy):
     @contextlib.contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Mark the non-final micro-batches of gradient accumulation for HSDP.
+        """Mark the non-final micro-batches of gradient accumulation.
 
         Lightning enters this around every accumulating micro-batch except the last. Plain
-        FSDP finalises gradients on every backward and needs nothing; HSDP defers the
-        all-reduce across replicas to the last micro-batch (``microbatch``).
+        FSDP finalises gradients on every backward and needs nothing; HSDP, ZeRO-1 and
+        no-shard defer a reduction to the last micro-batch (``microbatch``).
         """
         model = self.lightning_module
-        if model is not None and self.device_mesh.ndim > 1:
+        if model is not None and self._sharding_mode.defers_gradient_reduction:
             with _megatron.microbatch(model, is_last=False):
                 yield
         else:
@@ -647,6 +660,13 @@ class MegatronFSDPStrategy(ParallelStrategy):
         refuse_uneven_batches("training", [trainer.num_training_batches], where=_STRATEGY)
         # Last of the on_train_start hooks, right before the first batch: see exact_resume.
         self._exact_resume.train_starting(self.root_device)
+        self._exact_resume.continue_progress_bar(trainer)  # a mid-epoch resume's bar
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # A failed background save raises at each rank's next step (no collective).
+        if isinstance(self.checkpoint_io, MegatronFSDPCheckpointIO):
+            self.checkpoint_io.poll()
 
     @override
     def on_validation_end(self) -> None:
@@ -703,7 +723,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
+        if not _lightning.distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
@@ -712,7 +732,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
+        if not _lightning.distributed_is_initialized():
             return obj
         container = [obj]
         dist.broadcast_object_list(container, src, group=_group.WORLD)
@@ -726,7 +746,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         reduce_op: ReduceOp | str | None = "mean",
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return _lightning.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
@@ -765,7 +785,10 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self,
+        checkpoint: dict[str, Any],
+        filepath: _lightning.PATH,
+        storage_options: Any | None = None,
     ) -> None:
         """Save on every rank (a collective): each rank writes only its own shards.
 
@@ -833,7 +856,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(
-        self, checkpoint_path: _PATH, weights_only: bool | None = None
+        self, checkpoint_path: _lightning.PATH, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Load a checkpoint in place into the sharded model (and optimizers when fitting).
 
@@ -885,7 +908,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         return checkpoint
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: _lightning.PATH) -> None:
         """Remove a checkpoint directory: rank 0 deletes, every rank learns the outcome.
 
         ``ModelCheckpoint`` calls this on every rank (``save_top_k``, a replaced
@@ -950,7 +973,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: _lightning.StrategyRegistry) -> None:
         if cls.strategy_name in strategy_registry:
             return
         strategy_registry.register(
@@ -975,10 +998,11 @@ def _move_unsharded_state(model: nn.Module, device: torch.device) -> None:
         if isinstance(module, Metric):
             module.to(device)
             continue
-        for name, buffer in module._buffers.items():
+        buffers = _torch.own_buffers(module)
+        for name, buffer in buffers.items():
             if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
-    _update_properties(model, device=device)
+                buffers[name] = buffer.to(device)
+    _lightning.update_properties(model, device=device)
 
 
 def _loss_of(output: Any) -> Tensor | None:

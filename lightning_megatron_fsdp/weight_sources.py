@@ -36,6 +36,8 @@ from lightning_megatron_fsdp.checkpoint.errors import (
 from lightning_megatron_fsdp.checkpoint.format import (
     DCP_METADATA_FILE,
     MANIFEST_FILE,
+    MODEL_PREFIX,
+    OPTIMIZER_PREFIX,
     check_files,
     read_manifest,
 )
@@ -45,14 +47,6 @@ _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 _SAFETENSORS_SUFFIX = ".safetensors"
-
-
-# Internal (and consolidated-export, and our DCP) key convention for optimizer entries:
-# ``optimizer_states.<i>.state.<fqn>.<name>`` and ``optimizer_states.<i>.param_groups.<g>.<key>``.
-_OPTIMIZER_PREFIX = "optimizer_states."
-
-
-_LIGHTNING_MODEL_PREFIX = "state_dict."
 
 
 # safetensors dtype code -> torch dtype name. Codes torch has no dtype for (F6_*), or whose
@@ -183,7 +177,7 @@ def _like(current: Any, loaded: Any) -> Any:
 
 
 class _Source(abc.ABC):
-    """A readable source of full tensors under internal keys (see ``_OPTIMIZER_PREFIX``).
+    """A readable source of full tensors under internal keys (see ``OPTIMIZER_PREFIX``).
 
     Phase 1 asks only for keys, shapes and dtypes (:meth:`spec`, :meth:`has`); phase 2
     (:meth:`execute`) reads. Flat files read rows rank-locally; DCP reads collectively.
@@ -245,7 +239,7 @@ class _FlatSource(_Source):
 
     def _index_optimizer_keys(self, keys: Iterator[str]) -> int:
         for key in keys:
-            index, _, _ = key[len(_OPTIMIZER_PREFIX) :].partition(".")
+            index, _, _ = key[len(OPTIMIZER_PREFIX) :].partition(".")
             if index.isdigit():
                 self._optimizer_keys.setdefault(int(index), []).append(key)
         return len(self._optimizer_keys)
@@ -310,7 +304,7 @@ class _TorchSource(_FlatSource):
         self.model_keys = [
             k
             for k, v in self._flat.items()
-            if isinstance(v, torch.Tensor) and not k.startswith(_OPTIMIZER_PREFIX)
+            if isinstance(v, torch.Tensor) and not k.startswith(OPTIMIZER_PREFIX)
         ]
 
     def spec(self, key: str) -> _Spec:
@@ -325,7 +319,7 @@ class _TorchSource(_FlatSource):
             for index, state in enumerate(self._lightning_optimizers):
                 if index < len(group_fqns):
                     self._flatten_positional(index, state, group_fqns[index])
-        keys = (k for k in self._flat if k.startswith(_OPTIMIZER_PREFIX))
+        keys = (k for k in self._flat if k.startswith(OPTIMIZER_PREFIX))
         count = self._index_optimizer_keys(keys)
         if self._lightning_optimizers is not None:
             return len(self._lightning_optimizers)
@@ -337,7 +331,7 @@ class _TorchSource(_FlatSource):
         Saved parameter groups that do not line up with the live ones are recorded in
         :attr:`optimizer_problems`: position is all that links them to FQNs.
         """
-        prefix = f"{_OPTIMIZER_PREFIX}{index}."
+        prefix = f"{OPTIMIZER_PREFIX}{index}."
         groups = state.get("param_groups") if isinstance(state, Mapping) else None
         entries = state.get("state") if isinstance(state, Mapping) else None
         if not isinstance(groups, list) or not isinstance(entries, Mapping):
@@ -408,7 +402,7 @@ class _SafetensorsSource(_FlatSource):
         # so a tensor the model does not load never stops the load.
         self._codes = {key: self._file.get_slice(key).get_dtype() for key in self._keys}
         self._specs: dict[str, _Spec] = {}
-        self.model_keys = [k for k in self._keys if not k.startswith(_OPTIMIZER_PREFIX)]
+        self.model_keys = [k for k in self._keys if not k.startswith(OPTIMIZER_PREFIX)]
 
     def spec(self, key: str) -> _Spec:
         """Shape and dtype of ``key``, which the load needs.
@@ -450,7 +444,7 @@ class _SafetensorsSource(_FlatSource):
         return key in self._keys or key in self._metadata
 
     def optimizer_count(self, group_fqns: list[list[list[str]]]) -> int:
-        keys = [k for k in (*self._keys, *self._metadata) if k.startswith(_OPTIMIZER_PREFIX)]
+        keys = [k for k in (*self._keys, *self._metadata) if k.startswith(OPTIMIZER_PREFIX)]
         return self._index_optimizer_keys(iter(keys))
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
@@ -506,8 +500,8 @@ class _DcpSource(_Source):
         saved = metadata.state_dict_metadata
         # Internal key -> DCP key.
         self._dcp_key: dict[str, str] = {}
-        lightning = any(k.startswith(_LIGHTNING_MODEL_PREFIX) for k in saved)
-        model_prefix = _LIGHTNING_MODEL_PREFIX if lightning else ""
+        lightning = any(k.startswith(MODEL_PREFIX) for k in saved)
+        model_prefix = MODEL_PREFIX if lightning else ""
         for key in saved:
             internal = _dcp_optimizer_key(key)
             if internal is not None:
@@ -522,13 +516,13 @@ class _DcpSource(_Source):
             if isinstance(entry, TensorStorageMetadata):
                 self._specs[internal] = _Spec(tuple(entry.size), entry.properties.dtype)
         self.model_keys = [
-            k for k in self._dcp_key if not k.startswith(_OPTIMIZER_PREFIX) and k in self._specs
+            k for k in self._dcp_key if not k.startswith(OPTIMIZER_PREFIX) and k in self._specs
         ]
         self._optimizer_indices = sorted(
             {
-                int(k[len(_OPTIMIZER_PREFIX) :].partition(".")[0])
+                int(k[len(OPTIMIZER_PREFIX) :].partition(".")[0])
                 for k in self._dcp_key
-                if k.startswith(_OPTIMIZER_PREFIX)
+                if k.startswith(OPTIMIZER_PREFIX)
             }
         )
 
@@ -545,7 +539,7 @@ class _DcpSource(_Source):
         return len(self._optimizer_indices)
 
     def optimizer_keys(self, index: int) -> list[str]:
-        prefix = f"{_OPTIMIZER_PREFIX}{index}."
+        prefix = f"{OPTIMIZER_PREFIX}{index}."
         return [k for k in self._dcp_key if k.startswith(prefix)]
 
     def execute(self, plan: _Plan, comm: _Comm) -> None:
@@ -573,11 +567,11 @@ class _DcpSource(_Source):
 
 def _dcp_optimizer_key(key: str) -> str | None:
     """Internal key of a DCP optimizer entry (ours or Lightning's), else ``None``."""
-    if key.startswith(_OPTIMIZER_PREFIX):
+    if key.startswith(OPTIMIZER_PREFIX):
         return key
     head, dot, rest = key.partition(".")
     if dot and head.startswith("optimizer_") and head[len("optimizer_") :].isdigit():
-        return f"{_OPTIMIZER_PREFIX}{head[len('optimizer_') :]}.{rest}"
+        return f"{OPTIMIZER_PREFIX}{head[len('optimizer_') :]}.{rest}"
     return None
 
 

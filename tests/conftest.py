@@ -28,7 +28,7 @@ def other_side(tmp_path_factory: pytest.TempPathFactory) -> OtherSide:
     """The other megatron-fsdp interpreter's side of every cross-version test, run once.
 
     One interpreter start (imports and forkserver) serves all of them; skips without
-    ``LMF_OTHER_PYTHON``, fails without it under ``CI=true`` (``tests/cross_version.py``).
+    ``LMF_OTHER_PYTHON``, fails without it when ``CI`` is truthy (``tests/cross_version.py``).
     """
     return run_other_side(tmp_path_factory.mktemp("other_side"))
 

@@ -5,8 +5,9 @@ snapshot, and runs the suite in each with ``LMF_OTHER_PYTHON`` naming the other 
 Python (see ``.ci/run``). A cross-version test runs one side of a round trip in the
 pytest process and the other side through :func:`run_other`.
 
-Without ``LMF_OTHER_PYTHON`` the tests skip with the reason, except under ``CI=true``,
-where a missing or unusable interpreter fails them: CI must never pass by skipping.
+Without ``LMF_OTHER_PYTHON`` the tests skip with the reason, except when ``CI`` is
+truthy (``1``, ``true``, ``yes``, any case), where a missing or unusable interpreter
+fails them: CI must never pass by skipping.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "ENV_VAR",
     "OtherSide",
     "assert_same_state",
+    "in_ci",
     "other_python",
     "run_other",
     "run_other_side",
@@ -43,11 +45,20 @@ TIMEOUT_S = 600
 STATES = ("exp_avg", "exp_avg_sq", "step")
 
 
+TRUTHY = frozenset({"1", "true", "yes", "on", "y"})
+
+
+def in_ci() -> bool:
+    """Whether ``CI`` is set to a truthy value (``1``, ``true``, ``yes``, ``on``, ``y``, any
+    case), as CI services set it: cross-version tests must then run, not skip."""
+    return os.environ.get("CI", "").strip().lower() in TRUTHY
+
+
 def _unavailable(reason: str) -> None:
-    if os.environ.get("CI", "").lower() == "true":
+    if in_ci():
         pytest.fail(
-            f"CI=true but {reason}; .ci/run must set {ENV_VAR} (a cross-version test "
-            "may not skip in CI)."
+            f"CI={os.environ['CI']} but {reason}; .ci/run must set {ENV_VAR} (a cross-version "
+            "test may not skip in CI)."
         )
     pytest.skip(reason)
 
@@ -64,7 +75,7 @@ def _env() -> dict[str, str]:
 def other_python() -> tuple[str, str]:
     """The other interpreter and its megatron-fsdp version (which must differ from ours).
 
-    Skips (or fails under ``CI=true``) if ``LMF_OTHER_PYTHON`` is unset or unusable.
+    Skips (or fails when ``CI`` is truthy) if ``LMF_OTHER_PYTHON`` is unset or unusable.
     """
     python = os.environ.get(ENV_VAR)
     if not python:

@@ -12,15 +12,16 @@ the loaded model's logits equal the saved model's (the compute weights were refr
 
 The other version runs in another virtual environment (``LMF_OTHER_PYTHON``, set by
 ``.ci/run``; see ``tests/cross_version.py``); without it these tests skip locally and
-fail under ``CI=true``.
+fail when ``CI`` is truthy (``1``, ``true``, ``yes``, any case).
 """
 
 from __future__ import annotations
 
 import megatron_fsdp
+import pytest
 
 from lightning_megatron_fsdp import read_manifest
-from tests.cross_version import OtherSide, assert_same_state
+from tests.cross_version import ENV_VAR, OtherSide, assert_same_state, other_python
 from tests.scripts.cross_version import run_job
 
 
@@ -38,3 +39,36 @@ def test_checkpoint_saved_under_the_other_version_resumes_here(other_side: Other
     assert read_manifest(path).versions["megatron_fsdp"] == other_side.version
     loaded = run_job("load-ours", str(path), 2)
     assert_same_state(loaded, saved, cross_version=True)
+
+
+@pytest.mark.parametrize("value", ["1", "true", "True", "TRUE", "yes", "Yes", " on "])
+def test_a_truthy_ci_fails_instead_of_skipping(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """CI services set ``CI=true`` or ``CI=1``; either must make a missing other interpreter
+    fail the run, never skip (``CI=1`` used to skip silently)."""
+    monkeypatch.setenv("CI", value)
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    other_python.cache_clear()
+    try:
+        with pytest.raises(BaseException, match=f"{ENV_VAR} is not set") as outcome:
+            other_python()
+        assert outcome.type is pytest.fail.Exception, outcome  # not a skip
+    finally:
+        other_python.cache_clear()
+
+
+@pytest.mark.parametrize("value", [None, "", "0", "false", "no"])
+def test_outside_ci_a_missing_interpreter_skips(
+    monkeypatch: pytest.MonkeyPatch, value: str | None
+) -> None:
+    if value is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", value)
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    other_python.cache_clear()
+    try:
+        with pytest.raises(BaseException, match=f"{ENV_VAR} is not set") as outcome:
+            other_python()
+        assert outcome.type is pytest.skip.Exception, outcome
+    finally:
+        other_python.cache_clear()

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_megatron_fsdp.checkpoint_io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.dcp_storage import ChecksummingFileSystemWriter
-from lightning_megatron_fsdp.manifest import MANIFEST_FILE
+from lightning_megatron_fsdp.checkpoint.format import MANIFEST_FILE
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
 
 
 def _state() -> dict[str, Any]:

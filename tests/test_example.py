@@ -8,6 +8,7 @@ import contextlib
 import csv
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -18,12 +19,13 @@ from tests.harness import free_port, spawned
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 
 
-def _runs(*runs: tuple[Path, tuple[str, ...]]) -> None:
+def _runs(*runs: tuple[Path, tuple[str, ...]]) -> list[str]:
     """Run the example once per ``(out, args)``, as the README does, all at the same time.
 
     Lightning's own launcher starts rank 1 only once rank 0 has imported everything, so a
     run leaves a core idle for a while; two runs side by side fill it. Each run gets its
-    own rendezvous port. Lightning's rank 1 is killed too, whatever happens.
+    own rendezvous port. Lightning's rank 1 is killed too, whatever happens. Returns each
+    run's standard output (where Lightning's progress bar writes).
     """
     with contextlib.ExitStack() as stack:
         started = []
@@ -34,21 +36,24 @@ def _runs(*runs: tuple[Path, tuple[str, ...]]) -> None:
             ]  # fmt: skip
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
             started.append((command, stack.enter_context(spawned(command, env=env))))
+        outputs = []
         for command, process in started:
-            _, stderr = process.communicate(timeout=240)
+            stdout, stderr = process.communicate(timeout=240)
+            outputs.append(stdout)
             assert process.returncode == 0, (
                 f"{command} exited {process.returncode}:\n{stderr[-4000:]}"
             )
             assert "terminate called" not in stderr
+    return outputs
 
 
 def test_example_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     # The first half, and beside it the uninterrupted run the resume is compared with.
     straight = tmp_path / "uninterrupted"
-    _runs((tmp_path, ("--max-steps", "6")), (straight, ("--max-steps", "9")))
+    first, _ = _runs((tmp_path, ("--max-steps", "6")), (straight, ("--max-steps", "9")))
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert inspect_checkpoint(last).global_step == 6
-    _runs((tmp_path, ("--max-steps", "9", "--ckpt-path", "last")))
+    (second,) = _runs((tmp_path, ("--max-steps", "9", "--ckpt-path", "last")))
 
     assert inspect_checkpoint(last).global_step == 9
     assert inspect_checkpoint(last).world_size == 2
@@ -60,6 +65,12 @@ def test_example_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
         losses = _losses(run)
         assert losses and all(loss == loss for loss in losses.values())  # logged, not NaN
     assert (tmp_path / "loss.png").stat().st_size > 10_000
+
+    # Both runs' progress bars name the epoch and count to where the run stops in it: the
+    # resumed one continues the epoch's count (7-9 of 9), not "Training: 9/?".
+    assert _bars(first) == {("Epoch 0", "6")}, first[-2000:]
+    assert _bars(second) == {("Epoch 0", "9")}, second[-2000:]
+    assert re.search(r"Epoch 0: 100%\|[^|]*\| 9/9", second), second[-2000:]
 
     # The resume is exact: mid-epoch (step 6 of a 625-step epoch), with a resumable loader
     # and the checkpointed RNG states, steps 7-9 equal an uninterrupted run's, to the bit.
@@ -82,6 +93,12 @@ def _example() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _bars(stdout: str) -> set[tuple[str, str]]:
+    """(label, total) of every state of the training bar that had counted a batch."""
+    states = re.findall(r"(Epoch \d+|Training): *(?:\d+%)?\|[^|]*\| (\d+)/(\d+|\?)", stdout)
+    return {(label, total) for label, count, total in states if count != "0"}
 
 
 def _losses(run: Path) -> dict[int, float]:

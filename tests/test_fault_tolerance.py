@@ -191,7 +191,7 @@ def _resume(rank: int, world_size: int, roots: list[str], expected_steps: list[i
     crashed run took after it, save again. Returns facts for the pytest process."""
     init_group(rank, world_size)
     records = _Records()
-    logging.getLogger("lightning_megatron_fsdp.checkpoint.io").addHandler(records)
+    logging.getLogger("lightning_megatron_fsdp.checkpoint").addHandler(records)
     out = []
     for root, saved_step in zip(roots, expected_steps, strict=True):
         path = Path(root) / "ckpt" / "last.ckpt"
@@ -307,12 +307,15 @@ def test_sigkill_during_save_keeps_last_complete_checkpoint_and_resumes_bit_exac
             assert hidden == [], (name, hidden)
 
     # What the survivors were told, phase by phase.
-    for name, survivor in (
-        ("before-any-shard", 0),
-        ("while-planning", 1),
-        ("before-own-shards", 0),
+    before, after = "before this rank's shard files were all written", "after this rank wrote"
+    for name, survivor, where in (
+        ("before-any-shard", 0, before),
+        ("while-planning", 1, before),
+        ("before-own-shards", 0, after),  # the survivor wrote its own, then waited
     ):
-        assert f"failed on rank {survivor}: RuntimeError" in messages[name], name
+        said = messages[name]
+        assert f"failed on rank {survivor} during DCP's save, {where}" in said, (name, said)
+        assert ": RuntimeError" in said, (name, said)
         assert "another rank probably crashed" in messages[name], name
     assert "failed before the commit" in messages["while-hashing"]
     for name in ("before-manifest", "before-rename", "after-rename", "between-renames-fallback"):

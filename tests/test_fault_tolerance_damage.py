@@ -18,8 +18,9 @@ and pass the good checkpoint. ``verify_checksums=False`` must let the flipped bi
 
 Soak: 20 save/load cycles in one 2-rank run, sync and async alternating, each loaded
 bit-exactly into zeroed targets; open file descriptors, Python threads and the process's
-native threads (``/proc/self/task``) must not grow between cycle 2 and 20, nor RSS beyond
-noise.
+native threads (``/proc/self/task``) must not grow between cycle 2 and 20, nor RSS by more
+than a few times the state a rank saves (an 8 MiB replicated tensor beside the model, so
+the bound is far below what one leaked copy per cycle would add).
 """
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ from tests.shard_facts import differing, facts
 
 TIMEOUT = 90.0
 SOAK_CYCLES = 20
-# Generous: allocator noise on a 2-core CI runner, far below what a leaked copy of the
-# state per cycle (or a leaked thread stack per cycle) would add up to over 18 cycles.
-RSS_NOISE_KB = 48 * 1024
+# The soak saves, beside the tiny model, a replicated "ballast" tensor large enough that
+# the state dwarfs allocator noise: RSS may grow by at most RSS_BOUND_STATES times the
+# bytes a rank saves over 18 cycles, so keeping one copy of the saved state per cycle
+# (18 copies) fails, as would keeping a staging buffer per async save.
+BALLAST_ELEMENTS = 2 * 1024 * 1024  # 8 MiB of fp32
+RSS_BOUND_STATES = 3
 FLIP_KEY = "state_dict/blocks.0.mix"
 
 
@@ -325,23 +329,45 @@ def _zero(state: Any) -> None:
             _zero(value)
 
 
+def _state_bytes(state: Any) -> int:
+    """Bytes of every tensor a rank holds in ``state`` (a DTensor: its local shard)."""
+    values = state.values() if isinstance(state, dict) else state
+    total = 0
+    for value in values:
+        if isinstance(value, DTensor):
+            value = value._local_tensor
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        elif isinstance(value, (dict, list)):
+            total += _state_bytes(value)
+    return total
+
+
 def _soak(rank: int, world_size: int, root: str, cycles: int) -> dict[str, Any]:
     init_group(rank, world_size)
     path = Path(root) / "last.ckpt"
     model, adam = trained(world_size, steps=1)
     _, _, target = target_state(world_size)
+    ballast = torch.randn(BALLAST_ELEMENTS, generator=torch.Generator().manual_seed(0))
+    target["state_dict"]["ballast"] = torch.zeros_like(ballast)
     sync, background = MegatronFSDPCheckpointIO(), MegatronFSDPCheckpointIO(async_save=True)
-    usage, compared = {}, 0
+    usage, compared, saved_bytes = {}, 0, 0
     with torch.no_grad():
         for cycle in range(1, cycles + 1):
             with torch.enable_grad():
                 step(model, adam, cycle)
+            ballast.add_(1.0)  # each cycle saves other bytes
             plugin = background if cycle % 2 else sync
-            plugin.save_checkpoint(checkpoint_dict(model, adam, cycle), path)
+            checkpoint = checkpoint_dict(model, adam, cycle)
+            checkpoint["state_dict"]["ballast"] = ballast
+            saved_bytes = _state_bytes(checkpoint)
+            plugin.save_checkpoint(checkpoint, path)
             plugin.wait()
+            del checkpoint
             _zero(target)
             loaded = sync.load_checkpoint(path, state=target)
             want = facts(live_state(model, adam))
+            want["state_dict/ballast"] = ("tensor", ballast.clone())
             bad = differing(facts(target), want)
             if bad or loaded["global_step"] != cycle:
                 raise AssertionError(f"cycle {cycle}: not bit-exact: {bad[:5]}")
@@ -349,7 +375,12 @@ def _soak(rank: int, world_size: int, root: str, cycles: int) -> dict[str, Any]:
             if cycle in (2, cycles):
                 usage[cycle] = _usage()
     background.teardown()
-    return {"usage": usage, "compared": compared, "raw_thread_seen": _raw_thread_seen()}
+    return {
+        "usage": usage,
+        "compared": compared,
+        "saved_bytes": saved_bytes,
+        "raw_thread_seen": _raw_thread_seen(),
+    }
 
 
 def test_twenty_save_load_cycles_leak_no_files_threads_or_memory(tmp_path: Path) -> None:
@@ -364,6 +395,11 @@ def test_twenty_save_load_cycles_leak_no_files_threads_or_memory(tmp_path: Path)
         assert late["native_threads"] <= early["native_threads"], (rank, early, late)
         # The native count sees a thread threading.active_count() does not.
         assert result["raw_thread_seen"] == {"threads": 0, "native_threads": 1}, result
-        assert late["rss_kb"] - early["rss_kb"] < RSS_NOISE_KB, (rank, early, late)
-    print(f"soak usage (cycle 2 -> {SOAK_CYCLES}):", [r["usage"] for r in results])
+        bound_kb = RSS_BOUND_STATES * result["saved_bytes"] // 1024
+        assert result["saved_bytes"] > BALLAST_ELEMENTS * 4, result["saved_bytes"]
+        assert late["rss_kb"] - early["rss_kb"] < bound_kb, (rank, bound_kb, early, late)
+    print(
+        f"soak usage (cycle 2 -> {SOAK_CYCLES}):",
+        [(r["usage"], r["saved_bytes"]) for r in results],
+    )
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]

@@ -12,21 +12,28 @@ was killed (recorded by ``on_save_checkpoint``, before the save began).
 
 Epoch-boundary checkpoints make the resumed data order the uninterrupted one
 (``DistributedSampler`` reshuffles by epoch), so bit-exact is the right bar.
+
+And an async save whose background write fails (the kernel refuses a file's size on
+rank 1) raises out of ``fit`` at the next training step, leaving ``last.ckpt`` as it was.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import resource
+import signal
+import traceback
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_megatron_fsdp import MegatronFSDPStrategy
+from lightning_megatron_fsdp import CheckpointSaveError, MegatronFSDPStrategy
 from lightning_megatron_fsdp.checkpoint.format import parse_hidden_name, read_manifest
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.inspection import verify_checkpoint
@@ -170,3 +177,97 @@ def test_trainer_resumes_bit_exactly_after_a_rank_is_killed_mid_save(tmp_path: P
     assert not [p for p in ckpt.iterdir() if parse_hidden_name(p.name)]
     assert read_manifest(ckpt / "last.ckpt").global_step == final_step
     assert verify_checkpoint(ckpt / "last.ckpt") == []
+
+
+# ---------------------------------------------------------------------------------------
+# A background save that fails inside fit
+# ---------------------------------------------------------------------------------------
+
+ASYNC_STEPS = 6  # saves of last.ckpt after steps 2 (A), 4 (B, fails) and 6
+
+
+class _FailSecondAsyncSave(Callback):
+    """After save A is committed, lets rank 1 write no file larger than half its shard of
+    A (the kernel's ``RLIMIT_FSIZE``: save B's background write fails with ``EFBIG``),
+    and records ``last.ckpt``'s bytes. Before step 5 it waits until save B's background
+    thread has ended on this rank, so the strategy's next poll sees the outcome."""
+
+    def __init__(self, last: Path) -> None:
+        self.last = last
+        self.committed: dict[str, bytes] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        checkpoint_io = trainer.strategy.checkpoint_io
+        assert isinstance(checkpoint_io, MegatronFSDPCheckpointIO)
+        if trainer.global_step == 3:
+            checkpoint_io.wait()  # save A, committed without error
+            self.committed = {p.name: p.read_bytes() for p in self.last.iterdir()}
+            if trainer.global_rank == 1:
+                limit = len(self.committed["__1_0.distcp"]) // 2
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+        elif trainer.global_step == 4:
+            in_flight = checkpoint_io._in_flight  # save B's future (only observed here)
+            assert in_flight is not None, "save B is not in flight"
+            concurrent.futures.wait([in_flight], timeout=PG_TIMEOUT.total_seconds())
+
+
+def _fit_with_failing_async_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    last = Path(root) / "ckpt" / "last.ckpt"
+    watcher = _FailSecondAsyncSave(last)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MegatronFSDPStrategy(
+            auto_wrap_policy={PackedBlock},
+            timeout=PG_TIMEOUT,
+            checkpoint_io=MegatronFSDPCheckpointIO(async_save=True),
+        ),
+        max_steps=ASYNC_STEPS,
+        callbacks=[
+            ModelCheckpoint(
+                dirpath=last.parent, save_last=True, save_top_k=0, every_n_train_steps=2
+            ),
+            watcher,
+        ],
+        enable_progress_bar=False,
+        logger=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    try:
+        trainer.fit(_LM(str(Path(root) / "facts")), _data())
+    except CheckpointSaveError as err:
+        frames = [(Path(f.filename).name, f.name) for f in traceback.extract_tb(err.__traceback__)]
+        return {
+            "error": str(err),
+            "global_step": trainer.global_step,
+            "frames": frames,
+            "committed": watcher.committed,
+        }
+    return {"error": None, "global_step": trainer.global_step}
+
+
+def test_a_failed_async_save_raises_at_the_next_training_step(tmp_path: Path) -> None:
+    """A background write that fails for real (the kernel refuses the file's size) raises
+    ``CheckpointSaveError`` out of ``fit`` on every rank at the first training step after
+    the save ended, from the strategy's per-step poll, not at the next save or teardown;
+    ``last.ckpt`` stays the previous save's, byte for byte."""
+    results = run_distributed(
+        _fit_with_failing_async_save, 2, str(tmp_path), timeout=TIMEOUT, init_process_group=False
+    )
+    last = tmp_path / "ckpt" / "last.ckpt"
+    for rank, result in enumerate(results):
+        assert result["error"] is not None, (rank, result)
+        assert f"{last}" in result["error"] and "rank 1" in result["error"], result["error"]
+        assert "File too large" in result["error"], result["error"]
+        # Raised before step 5 ran (save B followed step 4), by the strategy's poll.
+        assert result["global_step"] == 4, result
+        assert ("strategy.py", "on_train_batch_start") in result["frames"], result["frames"]
+        assert not any(name == "save_checkpoint" for _, name in result["frames"]), result
+        # last.ckpt is save A's, every file byte-identical; no hidden directory left.
+        assert {p.name: p.read_bytes() for p in last.iterdir()} == result["committed"]
+    assert read_manifest(last).global_step == 2
+    assert verify_checkpoint(last) == []
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]

@@ -190,6 +190,47 @@ def test_placements_dataclass_fields() -> None:
         experimental.Placements(dp_axes=[0], parameter=[], gradient=[], optimizer=[])
 
 
+def test_replicated_parameters_flag_matches_the_parameter_group_api() -> None:
+    """0.7 builds each buffer from its own placements; 0.6.1 refuses replicated weights."""
+    shim = "_megatron.REPLICATED_PARAMETERS / placements_problem (sharding_modes)"
+    names = list(_parameters(parameter_group_py.FsdpParameterGroup.__init__))
+    split = "model_weight_placements" in names
+    assert split == _megatron.REPLICATED_PARAMETERS, _broken(shim, "flag out of date")
+    if split:
+        assert {"main_grad_placements", "main_weight_placements"} <= set(names), _broken(
+            shim, f"FsdpParameterGroup.__init__ parameters are {names}"
+        )
+        # 0.7 unshard_parameters computes with a replicated model weight as it is.
+        source = inspect.getsource(parameter_group_py.FsdpParameterGroup.unshard_parameters)
+        assert "self._unsharded_model_weight.placements" in source, _broken(
+            shim, "unshard_parameters no longer keeps a replicated model weight"
+        )
+    else:  # 0.6.1 parameter_group.py ``unshard_parameters``: the refusal we pre-empt
+        source = inspect.getsource(parameter_group_py.FsdpParameterGroup.unshard_parameters)
+        assert "requires a changed placement axis" in source, _broken(
+            shim, "0.6.1's unshard no longer needs a sharded model weight: lift the refusal"
+        )
+
+
+def test_buffers_redistribute_one_mesh_axis_at_a_time() -> None:
+    """placements_problem uses upstream's rule; HSDP ZeRO-1 is refused while it holds.
+
+    Exit condition for that refusal: once ``changed_mesh_axis`` accepts two changed axes
+    (a DBuffer redistributing across both), lift it and test HYBRID_SHARD_OPTIMIZER.
+    """
+    shim = "_megatron.placements_problem"
+    changed = getattr(placement_py, "changed_mesh_axis", None)
+    assert changed is not None, _broken(shim, "placement.py changed_mesh_axis is gone")
+    hsdp = _megatron.hsdp_placements()
+    assert changed(hsdp.gradient, hsdp.optimizer) == 0
+    zero1 = _megatron.sharding_placements(
+        parameters=False, gradients=False, optimizer=True, hybrid=True
+    )
+    with pytest.raises(NotImplementedError):
+        changed(zero1.gradient, zero1.optimizer)
+    assert "more than one mesh axis" in (_megatron.placements_problem(zero1) or "")
+
+
 def test_fully_shard_signature() -> None:
     shim = "_megatron.fully_shard"
     names = list(_parameters(experimental.fully_shard))

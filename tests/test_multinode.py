@@ -11,7 +11,8 @@ rank before the process group exists. Two launchers are simulated:
 
 Then the run resumes from ``ckpt_path="last"``, after its ``last`` was renamed aside as a
 crash between the two renames of an overwrite would leave it, and must continue from the
-saved weights bit-exactly: the torchrun run on one node with two processes (torchrun
+saved weights bit-exactly and end where an uninterrupted 6-step run of the same script
+ends, bit for bit: the torchrun run on one node with two processes (torchrun
 ``--standalone``), the SLURM run on its two nodes again, so the recovery and the resumed
 run's commits also happen where node 1's local rank 0 is global rank 1.
 """
@@ -116,6 +117,24 @@ def _resume_one_node(out: Path) -> None:
     )  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The same script trained 6 steps in one go (one node, two processes)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    _wait(
+        [
+            _popen(
+                [
+                    sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "2", str(SCRIPT), str(out), "1", "2", "6",
+                ],
+                _env(),
+            )
+        ]
+    )  # fmt: skip
+    return _reports(out, "fit")
+
+
 def _reports(out: Path, tag: str) -> list[dict]:
     return [json.loads((out / f"{tag}-rank{r}.json").read_text()) for r in range(2)]
 
@@ -124,7 +143,9 @@ def _reports(out: Path, tag: str) -> list[dict]:
     ("launcher", "environment"),
     [("torchrun", "TorchElasticEnvironment"), ("slurm", "SLURMEnvironment")],
 )
-def test_two_nodes_then_resume(launcher: str, environment: str, tmp_path: Path) -> None:
+def test_two_nodes_then_resume(
+    launcher: str, environment: str, tmp_path: Path, uninterrupted: list[dict]
+) -> None:
     """Rank-0-only commit and removal, and every-rank recovery of a renamed-aside ``last``,
     are right when local rank 0 != rank 0, under both launchers."""
     (_fit_torchrun_two_nodes if launcher == "torchrun" else _fit_slurm_two_nodes)(tmp_path)
@@ -158,6 +179,10 @@ def test_two_nodes_then_resume(launcher: str, environment: str, tmp_path: Path) 
             assert (after["local_rank"], after["node_rank"]) == (0, after["global_rank"])
         assert after["probes"]["start"] == before["probes"]["end"]  # bit-exact weights
         assert after["global_step"] == 6
+    # The resumed run ends where the uninterrupted one does, bit for bit (every rank).
+    for after, reference in zip(resumed, uninterrupted, strict=True):
+        assert reference["global_step"] == 6
+        assert after["probes"]["end"] == reference["probes"]["end"], (after, reference)
     # The resumed run committed its saves over the restored ``last`` and removed the older
     # top-1 checkpoint (both rank 0's filesystem work), leaving nothing hidden behind.
     names = sorted(p.name for p in checkpoints.iterdir())

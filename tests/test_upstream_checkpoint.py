@@ -14,7 +14,7 @@ steps) saves with it, on CPU through our adapter and sharding context, and:
 
 Under megatron-fsdp 0.6.1, which has no ``save_checkpoint``, the 0.7 interpreter of
 ``LMF_OTHER_PYTHON`` writes the directory, so the reading side is tested on 0.6.1 too
-(see ``tests/cross_version.py``: skipped locally without it, failed under ``CI=true``).
+(see ``tests/cross_version.py``: skipped locally without it, failed when ``CI`` is truthy).
 """
 
 from __future__ import annotations

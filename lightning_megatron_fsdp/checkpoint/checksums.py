@@ -1,28 +1,10 @@
 """Integrity checksums of checkpoint files: CRC32C, and sha256 for format-1 checkpoints.
 
-Problem: a checkpoint must be checkable for bit rot, truncation and files swapped in from
-another run, but hashing costs a pass over every byte. Format 1 used sha256, a hash made
-for adversaries and several times slower than a CRC, computed in a second read after
-writing and a third before loading; at tens of GB per node that is minutes.
-
-How: CRC32C (the Castagnoli CRC of iSCSI, ext4, Google Cloud Storage and S3 checksums, and
-zarr's and TensorStore's chunk checksums) through the ``crc32c`` package, which uses the
-CPU's CRC instruction (SSE4.2 on x86-64, the ARMv8 CRC extension on aarch64) and releases
-the GIL for buffers of 32 KiB and more. The writer hashes each record as its bytes go to
-the file and :func:`crc32c_combine` derives the whole file's CRC from its records' CRCs
-without touching the bytes again, so a save reads nothing back.
-
-Alternatives rejected:
-    * xxh3 (``xxhash``): as fast, 64 or 128 bits, but no combine: the whole-file value
-      would need a second pass, and storage systems do not report it.
-    * ``google-crc32c``: same algorithm, but accepts only ``bytes`` (no writable
-      ``memoryview``), so hashing a tensor's memory would need a copy.
-    * sha256: made for adversaries, not for bit rot, and several times slower.
-      Format-1 checkpoints keep their sha256 digests and are still verified with it.
-
-A CRC32C is 32 bits: a random corruption of a record escapes with probability 2^-32.
-It does not protect against someone forging a file; nothing in a checkpoint does (DCP's
-``.metadata`` is a pickle).
+A checkpoint must be checkable for bit rot, truncation and files swapped in from another
+run without extra passes over its bytes: CRC32C is computed as records are written, and
+:func:`crc32c_combine` derives a file's CRC from its records' without reading it back.
+Checksums guard against accidents, not forgery (docs/DESIGN.md, "On-disk format": why
+CRC32C and the ``crc32c`` package, and the alternatives).
 """
 
 from __future__ import annotations

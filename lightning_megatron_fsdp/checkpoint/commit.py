@@ -88,8 +88,9 @@ def reach(point: str) -> None:
 class CheckpointStore(Protocol):
     """Where checkpoints live and how a staged one becomes visible: the commit's backend.
 
-    A save calls :meth:`stage` (rank 0), lets every rank write into the returned location,
-    then :meth:`publish` (rank 0) or, on failure, :meth:`discard`. A load calls
+    A save calls :meth:`check_target` (rank 0, before the ranks agree), :meth:`stage` (rank
+    0, after), lets every rank write into :meth:`staging_path`, then :meth:`publish` (rank
+    0) or, on failure, :meth:`discard`. A load calls
     :meth:`recover` (rank 0) before any rank looks at the checkpoint. A backend without an
     atomic rename commits by writing the manifest last in :meth:`publish`.
 
@@ -107,10 +108,14 @@ class CheckpointStore(Protocol):
         """Where the save ``token`` of ``final`` writes (pure naming: the same on every rank)."""
         ...
 
-    def stage(self, final: Path, token: str) -> str:
-        """Create the staging location of a save of ``final``; refuse to replace anything
-        that is not a checkpoint. Returns the token every rank uses (``token``, or one
-        the backend chose)."""
+    def check_target(self, final: Path, token: str) -> str:
+        """Refuse (raise) if ``final`` holds something a save must not replace; rank 0,
+        before the ranks agree. Returns the token of the save: ``token``, or one the
+        backend chose (an object store's next version)."""
+        ...
+
+    def stage(self, final: Path, token: str) -> Path:
+        """Create the staging location of a save of ``final``."""
         ...
 
     def write_file(self, staging: Path, name: str, data: bytes) -> None:
@@ -418,15 +423,20 @@ class LocalDirectories:
         """``.<name>.tmp-<token>`` beside ``final``."""
         return hidden_path(final, STAGING, token)
 
-    def stage(self, final: Path, token: str) -> str:
-        """Create ``.<name>.tmp-<token>`` beside ``final``; returns ``token``.
+    def check_target(self, final: Path, token: str) -> str:
+        """:func:`check_replaceable`; returns ``token``.
 
         Raises:
             CheckpointSaveError: If ``final`` is a directory that is not a checkpoint.
         """
         check_replaceable(final)
-        self.staging_path(final, token).mkdir(parents=True)
         return token
+
+    def stage(self, final: Path, token: str) -> Path:
+        """Create ``.<name>.tmp-<token>`` beside ``final``."""
+        staging = self.staging_path(final, token)
+        staging.mkdir(parents=True, exist_ok=True)  # a peer's writer may be first
+        return staging
 
     def write_file(self, staging: Path, name: str, data: bytes) -> None:
         """Write ``staging/name``, fsync'd."""

@@ -26,17 +26,16 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from typing_extensions import override
 
-from lightning_megatron_fsdp.agreement import describe
 from lightning_megatron_fsdp.checkpoint.checksums import stream_digest
 from lightning_megatron_fsdp.checkpoint.errors import NotACheckpointError
 from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, Manifest
 from lightning_megatron_fsdp.checkpoint.object_store import ObjectStore
 from lightning_megatron_fsdp.checkpoint.storage import (
     ChecksummingFileSystemWriter,
+    Record,
+    RecordStream,
     VerifyingFileSystemReader,
     WrittenFile,
-    _Record,
-    _RecordStream,
 )
 
 __all__ = ["ChecksummingFsspecWriter", "VerifyingFsspecReader"]
@@ -57,7 +56,7 @@ class _FsspecFileSystem(FileSystemBase):
         self.fs = fs
         self.checksum = checksum
         self.files: dict[str, WrittenFile] = {}
-        self.records: dict[str, dict[int, _Record]] = {}
+        self.records: dict[str, dict[int, Record]] = {}
 
     @override
     @contextlib.contextmanager
@@ -68,7 +67,7 @@ class _FsspecFileSystem(FileSystemBase):
                 yield stream
             return
         file = self.fs.open(path, "wb")
-        stream = _RecordStream(file, self.checksum)
+        stream = RecordStream(file, self.checksum)
         try:
             yield stream
         except BaseException:
@@ -149,7 +148,7 @@ class ChecksummingFsspecWriter(ChecksummingFileSystemWriter):
         except Exception as err:
             raise OSError(
                 f"uploading this rank's shard objects to {self.store.url(self.path)} failed: "
-                f"{describe(err)}"
+                f"{type(err).__name__}: {err}"
             ) from err
 
     @override
@@ -159,7 +158,7 @@ class ChecksummingFsspecWriter(ChecksummingFileSystemWriter):
         except Exception as err:
             raise OSError(
                 f"uploading {DCP_METADATA_FILE} to {self.store.url(self.path)} failed: "
-                f"{describe(err)}"
+                f"{type(err).__name__}: {err}"
             ) from err
 
 

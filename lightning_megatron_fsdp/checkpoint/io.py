@@ -108,7 +108,8 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             memory, into the previous async save's copy (held until :meth:`teardown`:
             one CPU copy of the rank's state). At most one save is in flight; its error
             surfaces at the next ``save_checkpoint``, ``load_checkpoint``, :meth:`wait`,
-            :meth:`poll` or :meth:`teardown`.
+            :meth:`poll` (``MegatronFSDPStrategy`` polls before every training batch) or
+            :meth:`teardown`.
         verify_checksums: On load, check ``meta.pt`` and ``.metadata`` against their
             CRC32C before DCP plans, and every record against its CRC32C as it is read
             (records no rank reads are not checked; ``inspect --verify`` checks every

@@ -201,7 +201,7 @@ def read_checkpoint(
         problems.append(
             (
                 kind[CheckpointError],
-                f"rank {ranks.rank}: building the load targets: {describe(error)}",
+                f"building the load targets failed on rank(s) [{ranks.rank}]: {describe(error)}",
             )
         )
     elif opened.manifest is None:

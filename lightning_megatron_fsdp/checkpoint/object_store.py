@@ -564,15 +564,22 @@ class ObjectStores:
             return StoreCheckpoint(final.store, final.file(token))
         return self.local.staging_path(final, token)
 
-    def stage(self, final: Any, token: str) -> str:
-        """On a store: pick the next version (rank 0 lists); its name is the token.
+    def check_target(self, final: Any, token: str) -> str:
+        """On a store: refuse a prefix holding objects that are not ours, and pick the
+        next version (rank 0 lists); its name is the save's token.
 
         Raises:
-            CheckpointSaveError: If the prefix holds objects that are not ours.
+            CheckpointSaveError: If the target holds something a save must not replace.
         """
         if isinstance(final, StoreCheckpoint):
             return final.store.new_version(final.path).name
-        return str(self.local.stage(final, token))
+        return str(self.local.check_target(final, token))
+
+    def stage(self, final: Any, token: str) -> Any:
+        """On a store nothing: a prefix appears with its first object."""
+        if isinstance(final, StoreCheckpoint):
+            return self.staging_path(final, token)
+        return self.local.stage(final, token)
 
     def discard(self, final: Any, token: str) -> None:
         if isinstance(final, StoreCheckpoint):

@@ -1,55 +1,12 @@
 """Byte-exact ``torch.save`` records of one tensor, without a ``torch.save`` per tensor.
 
-Problem: DCP's writer stores every tensor of a rank as one record, a complete
-``torch.save`` zip of that tensor. Each ``torch.save`` pays a fixed Python cost (a
-Pickler class built per call, pickling, the zip writer's ~40 callbacks into Python's
-``write`` per record) that a single ``torch.save`` of a whole state dict pays once: for the
-98 M GPT of ``benchmarks/bench_save_load.py`` (592 records per rank) that overhead was most
-of the gap to the per-rank ``torch.save`` baseline, and on an async save it is Python
-running on the background thread, holding the GIL that training needs.
-
-How: the record of a tensor depends on its bytes only through the zip's CRC-32 of the
-payload (and values derived from it); everything else is a function of the tensor's
-metadata. So the first record of each kind of tensor (dtype, shape, strides,
-``requires_grad``) is written by ``torch.save`` itself, through a stream that keeps a copy
-of every byte but the payload; :func:`_parse` turns that copy into a :class:`_Template`
-(the bytes before the payload, the bytes after it, and where the CRC-dependent fields sit:
-the payload's data descriptor, the central-directory CRCs, and ``.data/serialization_id``,
-whose second half combines every entry's CRC-32). Later tensors of that kind are written as
-``prefix + payload + template.render(crc32(payload))``, with the payload's CRC-32
-computed block by block as the payload goes out, each 1 MiB block CRC-32'd, CRC32C'd by
-the stream and written while it is still in cache. The CRC-32 is ISA-L's (the ``isal``
-package, python-isal, which also backs ``xopen`` and ``cutadapt``): carry-less-multiply
-CRC-32, 9.5 GB/s here against 2.9 GB/s for ``zlib.crc32``, the same values, GIL released;
-``zlib.crc32`` where ``isal`` is not installed. (torch's own ``torch.save`` computes the
-same CRC with miniz's table-driven code.)
-
-Why it is safe:
-
-* A template is only kept if rendering it with the CRC of the tensor it came from
-  reproduces torch's own bytes exactly, and only once a process-wide calibration passed:
-  two small tensors of one kind with different values, where the second's record rendered
-  from the first's template must equal ``torch.save``'s output for the second byte for
-  byte. A torch version whose format depends on the payload in any other way fails the
-  calibration, and every record is then written by ``torch.save``.
-* Anything unusual is written by ``torch.save``: a tensor subclass or one with Python
-  attributes or hooks, conjugate or negative bits, a non-CPU, non-strided, quantized or
-  empty tensor, a storage that is not exactly the tensor's bytes, payloads of 2 GiB or more
-  (zip64 fields), non-default serialization settings (``compute_crc32`` off,
-  ``skip_data``), and every tensor while the template cache is full.
-* ``tests/test_checkpoint_io.py`` compares the records with ``torch.save``'s output over
-  dtypes and shapes (bf16, ints, bool, 0-d, non-contiguous sources, views into packed
-  buffers), and the readers (torch's ``FileSystemReader`` and ``torch.load``) read them.
-
-Alternatives rejected:
-    * Writing the zip from scratch (own pickle of ``_rebuild_tensor_v2``, own zip headers):
-      byte-identity with torch would rest on reimplementing its pickler and miniz's
-      layout; the template is torch's own output.
-    * One template per dtype and rank of the shape, with the pickle patched: the pickle's
-      length varies with the shape's values (``BININT1`` / ``BININT2`` / ``BININT``), so
-      every offset after it would move too.
-    * A template per kind built from ``torch.save`` of a scratch tensor: a second pass
-      over (and an allocation of) a tensor of that size; the first real record serves.
+DCP stores every tensor of a rank as one record, a complete ``torch.save`` zip, and each
+``torch.save`` pays a fixed Python cost that, over hundreds of records, dominates a save
+and holds the GIL an async save's training thread needs. A record depends on the tensor's
+bytes only through the zip's CRC-32, so the first record of each kind of tensor is
+``torch.save``'s own output, kept as a template, and later ones are that template with the
+payload and its CRC-32 patched in; anything unusual still goes to ``torch.save``
+(docs/DESIGN.md, "Tensor records": the mechanism, why it is safe, the alternatives).
 """
 
 from __future__ import annotations

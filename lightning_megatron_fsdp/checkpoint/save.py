@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.storage import StorageWriter
 
+from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.agreement import (
     LOST_PEER_HINT,
     PeerLostError,
@@ -134,6 +135,8 @@ class PendingSave:
     """Rank 0: ``meta.pt``'s bytes."""
     problem: str | None = None
     """A failure of this rank after the agreement, reported in the commit round."""
+    plan_key: str | None = None
+    """Names the agreed layout: DCP reuses its plans across saves of one layout."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +273,7 @@ def begin_save(
         if ranks.rank == 0:
             fields = _manifest_fields(checkpoint, tensors, ranks.world_size)
             _pickled({k: v for k, v in meta.items() if k not in own})  # fails here, not later
-            token = options.store.stage(final, token)
+            token = options.store.check_target(final, token)
         if copies is not None:
             tensors = copies.stage(tensors)
     except Exception as err:
@@ -288,16 +291,22 @@ def begin_save(
     if errors:
         if ranks.rank == 0:
             options.store.discard(final, token)
+        failed = [rank for rank, p in enumerate(gathered) if p.error is not None]
+        where = f" on rank(s) {failed}" if failed else ""
         raise CheckpointSaveError(
-            f"Saving checkpoint {gathered[0].path} failed before any tensor was written; the "
-            "previous checkpoint there, if any, is untouched:\n  " + "\n  ".join(errors)
+            f"Saving checkpoint {gathered[0].path} failed{where} before any tensor was written; "
+            "the previous checkpoint there, if any, is untouched:\n  " + "\n  ".join(errors)
         )
     final, token = options.store.location(gathered[0].path), gathered[0].token
     staging = options.store.staging_path(final, token)
     pending = PendingSave(final, staging, token, options, tensors, _FailedWriter(None))
+    pending.plan_key = f"lightning_megatron_fsdp:{ranks.world_size}:{gathered[0].digest}"
     if ranks.rank == 0:
         pending.manifest_fields = fields
         try:
+            # Created only now that every rank is in this save: no hidden directory appears
+            # while a peer may still be looking at the parent after the previous save.
+            options.store.stage(final, token)
             for key in own:
                 meta[key] = meta[key].combine([p.per_rank[key] for p in gathered])
             pending.meta = _pickled(meta)
@@ -319,17 +328,32 @@ def write_save(pending: PendingSave, ranks: Ranks) -> Metadata:
             rank's writes have stopped, so rank 0 removes the staging location safely).
     """
     try:
-        return dcp.save(pending.tensors, storage_writer=pending.writer, process_group=ranks.group)
+        return dcp.save(
+            pending.tensors,
+            storage_writer=pending.writer,
+            planner=_torch.caching_save_planner(pending.plan_key or "lightning_megatron_fsdp"),
+            process_group=ranks.group,
+        )
     except (CheckpointException, Exception) as err:
         if ranks.rank == 0:
             pending.options.store.discard(pending.final, pending.token)
-        message = (
-            dcp_failure_message("Saving", pending.final, err)
-            if isinstance(err, CheckpointException)
-            else f"Saving checkpoint {pending.final} failed on rank {ranks.rank}: "
-            f"{describe(err)}\nDCP reports each rank's own errors as one CheckpointException, "
-            f"so this error most likely means {LOST_PEER_HINT}."
-        )
+        if isinstance(err, CheckpointException):
+            message = dcp_failure_message("Saving", pending.final, err)
+        else:  # a failed collective (a lost or hung peer): say how far this rank got
+            writer = pending.writer
+            wrote = isinstance(writer, ChecksummingFileSystemWriter) and any(
+                name != DCP_METADATA_FILE for name in writer.written_files()
+            )
+            where = (
+                "after this rank wrote its shard files"
+                if wrote
+                else "before this rank's shard files were all written"
+            )
+            message = (
+                f"Saving checkpoint {pending.final} failed on rank {ranks.rank} during DCP's "
+                f"save, {where}: {describe(err)}\nDCP reports each rank's own errors as one "
+                f"CheckpointException, so this error most likely means {LOST_PEER_HINT}."
+            )
         raise CheckpointSaveError(
             message + "\nThe previous checkpoint there, if any, is untouched."
         ) from err

@@ -1,48 +1,12 @@
 """DCP storage that checksums records as it writes them and verifies them as it reads them.
 
-Problem: checking a checkpoint's integrity used to cost two extra passes over every byte
-(hash the files after writing; hash them again before loading), and DCP's own reader
-pays a full ``torch.load`` per tensor record (zip parsing and the weights-only
-unpickler, far more than reading a small tensor's bytes) plus a fresh allocation and a
-copy per record.
-
-How: torch's ``FileSystemWriter`` writes each item of a rank's plan as one record of a
-shard file (a ``torch.save`` zip for a tensor, raw bytes for an object); every record
-starts and ends with a ``stream.tell()``.
-
-* :class:`ChecksummingFileSystemWriter` hands DCP a file system whose output streams
-  CRC32C every write as it passes, cut at each ``tell()`` into records, and note where
-  each record's one tensor payload starts (from the zip local header of its
-  ``data/<n>`` entry). The writer puts each record's CRC32C and payload offset on DCP's
-  own storage entry (an extra attribute of ``_StorageInfo``, pickled into ``.metadata``;
-  torch's readers ignore it) and combines the records' CRCs into each file's CRC, which
-  the manifest lists. It also saves a view into a packed buffer through a storage of
-  exactly its size, so DCP does not clone it first. Nothing is read back. Its write loop
-  is torch's (same files, order, threads and fsyncs), except that each tensor record is
-  written by :class:`~lightning_megatron_fsdp.checkpoint.records.TensorRecords`: the bytes
-  ``torch.save`` would write, from a template of its output, without a ``torch.save``
-  per tensor (the per-call cost that made the 98 M GPT's 592 records per rank save at
-  1.4x a single per-rank ``torch.save``; see that module).
-* :class:`VerifyingFileSystemReader` checks ``.metadata`` against the manifest as it
-  reads it; then, for a tensor record with a known payload offset, reads the record with
-  one ``preadv`` straight into the target's memory (or into a buffer of the stored chunk
-  when the target is another shard, dtype or device) and checks its CRC32C over exactly
-  the bytes it read: no ``torch.load``, no extra copy, no second pass. Records without an
-  annotation (written by another writer) are read whole and ``torch.load``\\ ed, after
-  their file's digest is checked before any record is read.
-
-What a load guarantees (see docs/DESIGN.md, "Atomic load"): every check that needs no
-tensor bytes passes on every rank before any rank writes into a target; a record that
-fails its CRC raises :class:`~lightning_megatron_fsdp.checkpoint.format.CheckpointCorruptedError`
-naming the file and key, and :attr:`VerifyingFileSystemReader.progress` says how many of
-the rank's records were already written.
-
-Alternatives rejected:
-    * Hashing whole files after writing and before loading: two extra passes.
-    * Per-record checksums in a sidecar file: more files to list, claim and verify, for
-      data DCP's ``.metadata`` indexes record by record anyway.
-    * ``torch.load(map_location="meta")`` per record to find the payload (as the
-      exporter does): the per-record unpickling this module exists to avoid.
+Checking a checkpoint's integrity must not cost extra passes over every byte, and DCP's own
+reader pays a ``torch.load`` and a copy per record. :class:`ChecksummingFileSystemWriter`
+is torch's writer whose streams CRC32C every record as it goes out and note where its
+tensor payload starts, kept on DCP's own storage entries in ``.metadata``;
+:class:`VerifyingFileSystemReader` reads each annotated record with one ``preadv`` straight
+into its target and checks its CRC32C over exactly those bytes (docs/DESIGN.md, "On-disk
+format", "Atomic load" and "Storage": the mechanism, the guarantees, the alternatives).
 """
 
 from __future__ import annotations
@@ -64,9 +28,7 @@ from typing import Any, cast
 import torch
 from crc32c import crc32c as _crc32c_update  # the C function: no Python frame per write
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.filesystem import (
-    FileSystem,
-)
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -98,6 +60,8 @@ __all__ = [
     "RECORD_ATTR",
     "ChecksummingFileSystemWriter",
     "ReadProgress",
+    "Record",
+    "RecordStream",
     "VerifyingFileSystemReader",
     "WrittenFile",
 ]
@@ -123,14 +87,14 @@ class WrittenFile:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Record:
+class Record:
     start: int
     length: int
     crc: int | None
     storages: tuple[tuple[int, int], ...]  # (local header, payload), relative to start
 
 
-class _RecordStream(io.RawIOBase):
+class RecordStream(io.RawIOBase):
     """A binary output file that CRC32Cs bytes as they pass and cuts them into records.
 
     DCP calls ``tell()`` right before and right after writing each item, so the bytes
@@ -147,7 +111,7 @@ class _RecordStream(io.RawIOBase):
         self._crc = 0
         self._storages: list[tuple[int, int]] = []
         self._header: tuple[int, int, int] | None = None
-        self.records: list[_Record] = []
+        self.records: list[Record] = []
 
     @override
     def writable(self) -> bool:
@@ -202,7 +166,7 @@ class _RecordStream(io.RawIOBase):
     def _cut(self) -> None:
         if self._position > self._start:
             self.records.append(
-                _Record(
+                Record(
                     self._start,
                     self._position - self._start,
                     self._crc if self._checksum else None,
@@ -241,38 +205,71 @@ class _RecordStream(io.RawIOBase):
         return WrittenFile(self._position, value)
 
 
-class _RecordingFileSystem(FileSystem):
-    """torch's local ``FileSystem`` whose write streams are :class:`_RecordStream`\\ s."""
+class _RecordingFileSystem(FileSystemBase):
+    """A DCP file system (torch's local one, or whichever the user put in ``writer.fs``)
+    whose write streams are wrapped in :class:`RecordStream`\\ s, so records and files
+    are checksummed whatever the file system underneath."""
 
-    def __init__(self, checksum: bool) -> None:
-        super().__init__()
+    def __init__(self, inner: FileSystemBase, checksum: bool) -> None:
+        self.inner = inner
         self.checksum = checksum
         self.files: dict[str, WrittenFile] = {}
-        self.records: dict[str, dict[int, _Record]] = {}
+        self.records: dict[str, dict[int, Record]] = {}
 
     @override
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
-        if mode != "wb":
-            with super().create_stream(path, mode) as stream:
+        with self.inner.create_stream(path, mode) as inner:
+            if mode != "wb":
+                yield inner
+                return
+            stream = RecordStream(inner, self.checksum)
+            try:
                 yield stream
-            return
-        path = Path(path)
-        stream = _RecordStream(open(path, "wb"), self.checksum)  # noqa: SIM115 (closed below)
-        try:
-            yield stream
-        finally:
-            stream.close()
-            self.files[path.name] = stream.written()
-            self.records[path.name] = {r.start: r for r in stream.records}
+            finally:
+                stream.close()
+                name = Path(path).name
+                self.files[name] = stream.written()
+                self.records[name] = {r.start: r for r in stream.records}
 
     @override
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        super().rename(path, new_path)
+        self.inner.rename(path, new_path)
         old, new = Path(path).name, Path(new_path).name
         if old in self.files:
             self.files[new] = self.files.pop(old)
             self.records[new] = self.records.pop(old)
+
+    @override
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str | os.PathLike[str]:
+        return self.inner.concat_path(path, suffix)
+
+    @override
+    def init_path(self, path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+        return self.inner.init_path(path)
+
+    @override
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        self.inner.mkdir(path)
+
+    @override
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return FileSystem.validate_checkpoint_id(checkpoint_id)
+
+    @override
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return self.inner.exists(path)
+
+    @override
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        self.inner.rm_file(path)
+
+    def ls(self, path: str | os.PathLike[str]) -> list[str]:
+        return cast(list[str], self.inner.ls(path))
+
+    def __getattr__(self, name: str) -> Any:  # a file system's own extras
+        return getattr(self.__dict__["inner"], name)
 
 
 def _exact(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -324,20 +321,34 @@ class ChecksummingFileSystemWriter(_torch.OwnWriteLoopWriter):
         records: Writes the tensor records; the process's shared
             :class:`~lightning_megatron_fsdp.checkpoint.records.TensorRecords` (whose
             templates outlive one save) when ``None``.
-        **kwargs: ``FileSystemWriter``'s options (``thread_count``, ...).
+        *args, **kwargs: ``FileSystemWriter``'s options, positional or by name
+            (``single_file_per_rank``, ``sync_files``, ``thread_count``, ...,
+            ``_extensions``).
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
-        *,
+        *args: Any,
         checksum: bool = True,
         records: TensorRecords | None = None,
         **kwargs: Any,
     ):
-        super().__init__(path, **kwargs)
-        self.fs = _RecordingFileSystem(checksum)
+        self._checksum = checksum  # before torch's __init__ assigns ``self.fs``
+        super().__init__(path, *args, **kwargs)
         self.records = shared_records() if records is None else records
+
+    @property
+    def fs(self) -> _RecordingFileSystem:
+        """The file system the writer writes through. Assign any DCP ``FileSystemBase``
+        (as with torch's writer): it is wrapped, so its files are still checksummed."""
+        return self._fs
+
+    @fs.setter
+    def fs(self, fs: FileSystemBase) -> None:
+        if not isinstance(fs, _RecordingFileSystem):
+            fs = _RecordingFileSystem(fs, self._checksum)
+        self._fs = fs
 
     @override
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -354,7 +365,7 @@ class ChecksummingFileSystemWriter(_torch.OwnWriteLoopWriter):
         offset = stream.tell()
         if item.type == WriteItemType.BYTE_IO:
             stream.write(data.getbuffer())
-        elif isinstance(stream, _RecordStream):
+        elif isinstance(stream, RecordStream):
             self.records.write(data, stream.write, raw=stream.write_raw, storage=stream.add_storage)
         else:
             self.records.write(data, stream.write)
@@ -450,13 +461,21 @@ class VerifyingFileSystemReader(FileSystemReader):
 
     Args:
         path: The checkpoint directory.
+        _extension_registry: torch's stream extensions, to read records written with
+            ``_extensions`` (as for torch's ``FileSystemReader``; experimental there).
         verify: Check ``.metadata``'s digest and every record's CRC32C (records without
             one: their file's digest, before any record is read). ``False`` still reads
             records directly into their targets.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
-        super().__init__(path)
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        _extension_registry: Any = None,
+        *,
+        verify: bool = True,
+    ) -> None:
+        super().__init__(path, _extension_registry)
         self.verify = verify
         self.progress = ReadProgress()
         self._manifest: Manifest | None = None

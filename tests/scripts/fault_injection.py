@@ -100,7 +100,7 @@ LR = 0.05
 # Peers of a dead rank see gloo's "connection closed" at once; this bounds real hangs.
 PG_TIMEOUT = timedelta(seconds=30)
 
-Action = Literal["raise", "kill"]
+Action = Literal["raise", "kill", "stop"]
 
 
 def init_group(rank: int, world_size: int) -> None:
@@ -116,15 +116,18 @@ def die() -> NoReturn:
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """Fail (``"raise"``) or die (``"kill"``) on ``rank`` when ``phase`` is reached."""
+    """Fail (``"raise"``), die (``"kill"``) or hang (``"stop"``: SIGSTOP, as a process
+    that stops answering without dying) on ``rank`` when ``phase`` is reached."""
 
     phase: str
     rank: int
     action: Action = "raise"
 
     def __post_init__(self) -> None:
-        if self.action not in ("raise", "kill"):
-            raise ValueError(f"Fault: action must be 'raise' or 'kill', got {self.action!r}.")
+        if self.action not in ("raise", "kill", "stop"):
+            raise ValueError(
+                f"Fault: action must be 'raise', 'kill' or 'stop', got {self.action!r}."
+            )
 
     def reached(self, phase: str) -> None:
         """Inject this fault if ``phase`` is its phase and this process is its rank.
@@ -136,6 +139,9 @@ class Fault:
             return
         if self.action == "kill":
             die()
+        if self.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # until SIGCONT or SIGKILL
+            return
         raise OSError(errno.ENOSPC, f"injected failure at {phase} on rank {self.rank}")
 
 

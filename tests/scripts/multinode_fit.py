@@ -8,7 +8,8 @@ the same two nodes (SLURM)::
     python tests/scripts/multinode_fit.py OUT_DIR NUM_NODES DEVICES MAX_STEPS [last]
 
 Each rank writes ``OUT_DIR/<tag>-rank<r>.json``: the ranks Lightning saw, the probe output
-at the start and end of training, and the global step.
+at the start and end of training, and the global step. The same script, run for all the
+steps at once, is the uninterrupted run a resume is compared with.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
 
@@ -69,7 +71,8 @@ def main(out: Path, num_nodes: int, devices: int, max_steps: int, ckpt_path: str
         enable_model_summary=False,
     )
     model = Model()
-    trainer.fit(model, DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
+    # Resumable: a resume continues mid-epoch, as the uninterrupted run does.
+    trainer.fit(model, StatefulDataLoader(data, batch_size=4), ckpt_path=ckpt_path)
     strategy = trainer.strategy
     tag = "resume" if ckpt_path else "fit"
     report = {

@@ -1,0 +1,195 @@
+"""DCP's coordinator work per save at 64 to 8,192 ranks, from synthetic local plans.
+
+At thousands of ranks the save's planning (every rank's local plan gathered to the
+coordinator, deduplicated, turned into the global plan and ``.metadata``, and scattered
+back) is what times out. This builds the local plans every rank of a 7B-parameter
+Llama-shaped model would send (Megatron-FSDP layout: each unit's parameters packed into one
+buffer split evenly across the ranks, so each rank holds row ranges of the few parameters
+its slice crosses; fp32 main weights plus Adam's ``exp_avg`` and ``exp_avg_sq``) and runs
+the coordinator's part of DCP's planner on them, in one process (no process group):
+
+- ``plans MB``: the local plans pickled, what the coordinator gathers;
+- ``plan s``: ``DefaultSavePlanner.create_global_plan`` on them (dedup, global plan,
+  metadata, validation), the first save of a run;
+- ``cached s`` / ``cached MB``: the same on a later save of the same layout with DCP's plan
+  caching (what ``checkpoint.save.write_save`` uses): every rank sends an empty plan;
+- ``.metadata MB``: the pickled ``Metadata`` with one storage entry per record (with our
+  ``lmf_record`` annotation), what rank 0 writes and every loader reads.
+
+    python -m benchmarks.bench_planning [--ranks 64 256 1024 4096 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import pickle
+import time
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
+from lightning_megatron_fsdp import _torch
+
+VOCAB, HIDDEN, FFN, LAYERS = 32000, 4096, 11008, 32
+STATES = ("", ".exp_avg", ".exp_avg_sq")
+
+
+def units() -> list[list[tuple[str, tuple[int, ...]]]]:
+    """The FSDP units of a Llama-2-7B shape: (FQN, shape) per parameter."""
+    layers = [
+        [
+            (f"layers.{i}.input_norm.weight", (HIDDEN,)),
+            (f"layers.{i}.attn.q.weight", (HIDDEN, HIDDEN)),
+            (f"layers.{i}.attn.k.weight", (HIDDEN, HIDDEN)),
+            (f"layers.{i}.attn.v.weight", (HIDDEN, HIDDEN)),
+            (f"layers.{i}.attn.o.weight", (HIDDEN, HIDDEN)),
+            (f"layers.{i}.post_norm.weight", (HIDDEN,)),
+            (f"layers.{i}.mlp.gate.weight", (FFN, HIDDEN)),
+            (f"layers.{i}.mlp.up.weight", (FFN, HIDDEN)),
+            (f"layers.{i}.mlp.down.weight", (HIDDEN, FFN)),
+        ]
+        for i in range(LAYERS)
+    ]
+    return [
+        [("embed.weight", (VOCAB, HIDDEN))],
+        *layers,
+        [("norm.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))],
+    ]
+
+
+def local_plans(world: int) -> list[SavePlan]:
+    """Every rank's local save plan (what DCP's ``create_local_plan`` returns)."""
+    properties = TensorProperties(dtype=torch.float32)
+    items: list[list[WriteItem]] = [[] for _ in range(world)]
+    for unit in units():
+        total = sum(math.prod(shape) for _, shape in unit)
+        per_rank = -(-total // world)
+        start = 0
+        for fqn, shape in unit:
+            row = math.prod(shape[1:])
+            rows = shape[0]
+            first, last = start // per_rank, (start + rows * row - 1) // per_rank
+            for rank in range(first, last + 1):
+                lo = max(0, -(-(rank * per_rank - start) // row))
+                hi = min(rows, -(-((rank + 1) * per_rank - start) // row))
+                if hi <= lo:
+                    continue
+                offsets = torch.Size((lo, *([0] * (len(shape) - 1))))
+                sizes = torch.Size((hi - lo, *shape[1:]))
+                for suffix in STATES:
+                    key = (
+                        f"state_dict.{fqn}"
+                        if not suffix
+                        else f"optimizer_states.0.state.{fqn}{suffix}"
+                    )
+                    items[rank].append(
+                        WriteItem(
+                            index=MetadataIndex(key, offsets),
+                            type=WriteItemType.SHARD,
+                            tensor_data=TensorWriteData(
+                                chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                properties=properties,
+                                size=torch.Size(shape),
+                            ),
+                        )
+                    )
+            start += rows * row
+    plans = []
+    for rank_items in items:
+        mapping = {item.index.fqn: (item.index.fqn,) for item in rank_items}
+        plans.append(SavePlan(rank_items, planner_data=mapping))
+    return plans
+
+
+def metadata_bytes(metadata: Any, global_plan: list[SavePlan]) -> int:
+    """The pickled ``.metadata``: one storage entry per record, each with our annotation."""
+    storage = {}
+    for rank, plan in enumerate(global_plan):
+        offset = 0
+        for item in plan.items:
+            info = _torch.storage_info(f"__{rank}_0.distcp", offset, 1 << 20)
+            info.lmf_record = {"crc32c": 0x12345678, "payload": [0, 512], "byteorder": "little"}
+            storage[item.index] = info
+            offset += 1 << 20
+    metadata.storage_data = storage
+    return len(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def measure(world: int) -> dict[str, float]:
+    key = f"bench:{world}"
+    for cache in (
+        SavePlanner._cached_save_plan,
+        SavePlanner._cached_all_plans,
+        SavePlanner._cached_global_plan,
+        SavePlanner._cached_metadata,
+        SavePlanner._cached_final_save_plan,
+    ):
+        cache.clear()
+    plans = local_plans(world)
+    items = sum(len(p.items) for p in plans)
+    gathered = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in plans)
+    planner = _torch.caching_save_planner(key)
+    gc.collect()
+    began = time.perf_counter()
+    global_plan, metadata = planner.create_global_plan(plans)
+    planned = time.perf_counter() - began
+    scattered = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in global_plan)
+    for rank_plan in global_plan:  # every rank's finish_plan fills the caches
+        planner._pending_local_plan = rank_plan  # (each rank caches its own in DCP)
+        planner.finish_plan(rank_plan)
+    empty = [SavePlan([], usable=False) for _ in range(world)]
+    cached_gathered = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in empty)
+    later = _torch.caching_save_planner(key)
+    began = time.perf_counter()
+    delta, _ = later.create_global_plan(empty)
+    cached = time.perf_counter() - began
+    cached_scattered = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in delta)
+    size = metadata_bytes(metadata, global_plan)
+    return {
+        "ranks": world,
+        "items": items,
+        "plans_mb": gathered / 1e6,
+        "scatter_mb": scattered / 1e6,
+        "plan_s": planned,
+        "cached_s": cached,
+        "cached_mb": (cached_gathered + cached_scattered) / 1e6,
+        "metadata_mb": size / 1e6,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096, 8192])
+    args = parser.parse_args()
+    print(
+        "| ranks | records | plans gathered MB | plans scattered MB | plan s (first save) "
+        "| cached s (later saves) | cached MB moved | .metadata MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for world in args.ranks:
+        r = measure(world)
+        print(
+            f"| {r['ranks']} | {r['items']} | {r['plans_mb']:.1f} | {r['scatter_mb']:.1f} "
+            f"| {r['plan_s']:.2f} | {r['cached_s']:.4f} | {r['cached_mb']:.2f} "
+            f"| {r['metadata_mb']:.1f} |",
+            flush=True,
+        )
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()
