@@ -16,9 +16,17 @@ import pytest
 import torch
 
 from lightning_megatron_fsdp import inspect_checkpoint, verify_checkpoint
+from tests.cross_version import in_ci
 from tests.harness import free_port, spawned
 
-litgpt = pytest.importorskip("litgpt", reason="litgpt is in the test extra")
+try:
+    import litgpt
+except ImportError:  # installed beside the extras (README's test command)
+    if in_ci():
+        raise  # CI must never pass by skipping
+    pytest.skip(
+        "litgpt is not installed: pip install --no-deps litgpt==0.5.13", allow_module_level=True
+    )
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "litgpt_pretrain.py"
 
