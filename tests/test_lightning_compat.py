@@ -183,6 +183,53 @@ def test_metric_state_names() -> None:
     )
 
 
+def test_fabric_backward_sync_control() -> None:
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl
+
+    assert _lightning.BackwardSyncControl is _BackwardSyncControl
+    assert _parameters(_BackwardSyncControl.no_backward_sync) == [
+        "self",
+        "module",
+        "enabled",
+    ], _broken(
+        "BackwardSyncControl",
+        "_BackwardSyncControl.no_backward_sync no longer takes (module, enabled)",
+    )
+
+
+def test_fabric_stateful_protocol() -> None:
+    from lightning.fabric.utilities.types import _Stateful
+
+    class Counter:
+        def state_dict(self) -> dict[str, int]:
+            return {"n": 1}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            pass
+
+    assert _lightning.Stateful is _Stateful
+    assert isinstance(Counter(), _lightning.Stateful), _broken(
+        "Stateful", "_Stateful no longer recognises an object with state_dict/load_state_dict"
+    )
+    assert not isinstance(object(), _lightning.Stateful)
+
+
+def test_fabric_strict_key_check() -> None:
+    _lightning.validate_keys_for_strict_loading(["a"], {"a": 1, "b": 2}, strict=True)
+    _lightning.validate_keys_for_strict_loading(["a", "c"], {"a": 1}, strict=False)
+    try:
+        _lightning.validate_keys_for_strict_loading(["a", "c"], {"a": 1}, strict=True)
+    except KeyError as err:
+        assert "c" in str(err)
+    else:
+        raise AssertionError(
+            _broken(
+                "validate_keys_for_strict_loading",
+                "_validate_keys_for_strict_loading no longer raises KeyError for a missing key",
+            )
+        )
+
+
 def test_this_module_covers_every_private_name_of_the_adapter() -> None:
     """Every private Lightning name ``_lightning.py`` uses has a test above."""
     tree = ast.parse(inspect.getsource(_lightning))
@@ -200,6 +247,9 @@ def test_this_module_covers_every_private_name_of_the_adapter() -> None:
         and not node.value.startswith("__")
     }
     covered = {
+        "_BackwardSyncControl",
+        "_Stateful",
+        "_validate_keys_for_strict_loading",
         "_PATH",
         "_Launcher",
         "_SubprocessScriptLauncher",
