@@ -180,7 +180,7 @@ def _training_entry_points(
             strategy = MegatronFSDPStrategy(
                 auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT, **options
             )
-            trainer = make_trainer(world_size, strategy, max_steps=3)
+            trainer = make_trainer(world_size, strategy, max_steps=3, enable_checkpointing=False)
             error: BaseException | None = None
             try:
                 trainer.fit(
