@@ -13,7 +13,7 @@ checks that metadata against the manifest (read and size/checksum-checked by
 disk, and that every tensor's chunks tile it exactly once; then, for one tensor at
 a time, allocates only that full tensor and has ``dcp.load(..., no_dist=True)`` (no
 process group) plan its reads: only that tensor's chunks, each read straight into place
-(:class:`_StreamingReader`). It then appends the tensor's bytes to the output, casting in
+(:class:`StreamingReader`). It then appends the tensor's bytes to the output, casting in
 small blocks if asked. Peak memory is the largest tensor plus a few MiB, not the model
 (``benchmarks/bench_consolidate_memory.py``: 1.2x the largest tensor, 1.5x with a cast)::
 
@@ -100,16 +100,29 @@ from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, MANIFES
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import check_tensor_record
 from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
 from lightning_megatron_fsdp.inspection import (
-    _MAX_EXAMPLES,
+    MAX_EXAMPLES,
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
-    _check,
-    _Checked,
-    _ordered_keys,
-    _summarise,
+    CheckedCheckpoint,
+    check_directory,
+    ordered_keys,
+    summarise,
 )
 
-__all__ = ["consolidate_checkpoint"]
+__all__ = [
+    "ExportEntry",
+    "StreamingReader",
+    "TreePlace",
+    "check_output",
+    "checkpoints_inside",
+    "consolidate_checkpoint",
+    "load_object",
+    "parse_dtype",
+    "refuse_problems",
+    "select_entries",
+    "write_atomically",
+    "write_torch",
+]
 
 """DCP key prefix of model tensors; stripped in consolidated output."""
 
@@ -160,7 +173,7 @@ _WRITE_BLOCK = 8 << 20
 
 
 @dataclasses.dataclass(frozen=True)
-class _Entry:
+class ExportEntry:
     """One output entry: the DCP key it comes from and the name and dtype it gets."""
 
     key: str
@@ -170,7 +183,9 @@ class _Entry:
 
     def __post_init__(self) -> None:
         if (self.dtype is None) != isinstance(self.metadata, BytesStorageMetadata):
-            raise AssertionError(f"_Entry {self.key!r}: dtype must be set exactly for tensors.")
+            raise AssertionError(
+                f"ExportEntry {self.key!r}: dtype must be set exactly for tensors."
+            )
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -183,10 +198,10 @@ class _Entry:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-class _StreamingReader(VerifyingFileSystemReader):
+class StreamingReader(VerifyingFileSystemReader):
     """A reader that reuses parsed metadata and reads chunks into place.
 
-    Checksums were compared before (``_check``), so it does not verify again; it opens
+    Checksums were compared before (``check_directory``), so it does not verify again; it opens
     files and bounds records as :class:`VerifyingFileSystemReader` does, and anything it
     does not read itself goes through that reader.
 
@@ -277,9 +292,11 @@ class _StreamingReader(VerifyingFileSystemReader):
         return True
 
 
-def _parse_dtype(
+def parse_dtype(
     dtype: torch.dtype | str | None, who: str = "consolidate_checkpoint"
 ) -> torch.dtype | None:
+    """The output dtype ``dtype`` names (a ``torch.dtype`` or an alias such as ``"bf16"``),
+    or ``None`` to keep the saved dtypes; a ``ValueError`` naming ``who`` otherwise."""
     if dtype is None or dtype in _DTYPE_ALIASES.values():
         return dtype  # type: ignore[return-value]
     if isinstance(dtype, str) and dtype.lower() in _DTYPE_ALIASES:
@@ -303,7 +320,7 @@ def _output_format(output: Path) -> str:
     )
 
 
-def _check_output(
+def check_output(
     output: Path, checkpoint: Path, *, overwrite: bool, who: str = "consolidate_checkpoint"
 ) -> None:
     """Refuse outputs we must not write, before anything is read or written."""
@@ -325,8 +342,8 @@ def _check_output(
         )
 
 
-def _refuse_problems(checked: _Checked, checkpoint: Path, who: str) -> None:
-    """Raise one error listing every problem :func:`_check` found, if any.
+def refuse_problems(checked: CheckedCheckpoint, checkpoint: Path, who: str) -> None:
+    """Raise one error listing every problem :func:`check_directory` found, if any.
 
     Raises:
         NotACheckpointError: Without a readable manifest.
@@ -335,9 +352,9 @@ def _refuse_problems(checked: _Checked, checkpoint: Path, who: str) -> None:
     if not checked.problems:
         return
     listing = "\n".join(f"  - {problem}" for problem in checked.problems)
-    inside = _checkpoints_inside(checkpoint)
+    inside = checkpoints_inside(checkpoint)
     hint = (
-        f"{checkpoint} is a directory of checkpoints ({_summarise('pass one of them', inside)})"
+        f"{checkpoint} is a directory of checkpoints ({summarise('pass one of them', inside)})"
         if inside and checked.manifest is None
         else f"Point at a complete checkpoint directory (one that has {MANIFEST_FILE}), or "
         f"run `lightning-megatron-fsdp inspect --verify {checkpoint}` for details"
@@ -350,7 +367,7 @@ def _refuse_problems(checked: _Checked, checkpoint: Path, who: str) -> None:
     )
 
 
-def _checkpoints_inside(path: Path) -> list[str]:
+def checkpoints_inside(path: Path) -> list[str]:
     """Complete checkpoints directly inside ``path`` (by name), if ``path`` is not one.
 
     A user who points at ``ModelCheckpoint``'s ``dirpath`` instead of one checkpoint in
@@ -363,7 +380,7 @@ def _checkpoints_inside(path: Path) -> list[str]:
     return sorted(name for name in names if (path / name / MANIFEST_FILE).is_file())
 
 
-def _write_atomically(
+def write_atomically(
     output: Path, write: Callable[[IO[bytes]], None], *, overwrite: bool, who: str
 ) -> None:
     """Run ``write(stream)`` on a new hidden file next to ``output``, fsync it, rename it
@@ -403,15 +420,15 @@ def _write_atomically(
             temporary.unlink()
 
 
-def _select_entries(
-    checked: _Checked,
+def select_entries(
+    checked: CheckedCheckpoint,
     dtype: torch.dtype | None,
     *,
     include_optimizer: bool,
     path: Path,
     strip_prefix: str | None = None,
     who: str = "consolidate_checkpoint",
-) -> list[_Entry]:
+) -> list[ExportEntry]:
     """The entries to export, in state-dict order, with their output names and dtypes.
 
     With ``strip_prefix``, only model entries under it are exported, renamed without it;
@@ -419,10 +436,10 @@ def _select_entries(
     """
     metadata = checked.metadata
     if metadata is None:
-        raise AssertionError("_select_entries: a checked checkpoint has parsed metadata.")
+        raise AssertionError("select_entries: a checked checkpoint has parsed metadata.")
     entries = []
     outside: list[str] = []
-    for key in _ordered_keys(metadata, checked.manifest):
+    for key in ordered_keys(metadata, checked.manifest):
         md = metadata.state_dict_metadata[key]
         if key.startswith(MODEL_PREFIX):
             name = key[len(MODEL_PREFIX) :]
@@ -441,9 +458,9 @@ def _select_entries(
         if isinstance(md, TensorStorageMetadata):
             saved = md.properties.dtype
             out = cast if cast is not None and saved.is_floating_point else saved
-            entries.append(_Entry(key, name, md, out))
+            entries.append(ExportEntry(key, name, md, out))
         else:
-            entries.append(_Entry(key, name, md, None))
+            entries.append(ExportEntry(key, name, md, None))
     if strip_prefix is not None and not any(e.key.startswith(MODEL_PREFIX) for e in entries):
         heads = sorted({name.partition(".")[0] + "." for name in outside})
         raise ValueError(
@@ -452,8 +469,8 @@ def _select_entries(
             f"{heads[0] if heads else 'model.'!r}."
         )
     if outside:
-        shown = ", ".join(repr(name) for name in outside[:_MAX_EXAMPLES])
-        more = f" and {len(outside) - _MAX_EXAMPLES} more" if len(outside) > _MAX_EXAMPLES else ""
+        shown = ", ".join(repr(name) for name in outside[:MAX_EXAMPLES])
+        more = f" and {len(outside) - MAX_EXAMPLES} more" if len(outside) > MAX_EXAMPLES else ""
         warnings.warn(
             f"{who}: {len(outside)} model entries of {path} lie outside strip_prefix="
             f"{strip_prefix!r} and are left out: {shown}{more}.",
@@ -498,10 +515,10 @@ def _quiet_no_dist() -> Iterator[None]:
             raise CheckpointCorruptedError(f"reading the checkpoint failed: {err}") from err
 
 
-def _load_tensor(reader: _StreamingReader, entry: _Entry) -> torch.Tensor:
+def _load_tensor(reader: StreamingReader, entry: ExportEntry) -> torch.Tensor:
     """Read one full tensor, in its saved dtype, from its chunks: the only full copy.
 
-    Every chunk is read straight into place (:class:`_StreamingReader`), so this costs
+    Every chunk is read straight into place (:class:`StreamingReader`), so this costs
     the tensor's size and no transient copy.
     """
     assert isinstance(entry.metadata, TensorStorageMetadata)
@@ -528,7 +545,8 @@ def _write_tensor(stream: IO[bytes], tensor: torch.Tensor, dtype: torch.dtype) -
     return crc
 
 
-def _load_object(reader: _StreamingReader, entry: _Entry) -> Any:
+def load_object(reader: StreamingReader, entry: ExportEntry) -> Any:
+    """The non-tensor object saved under ``entry.key``, read alone through ``reader``."""
     holder: dict[str, Any] = {entry.key: None}
     with _quiet_no_dist():
         dcp.load(holder, storage_reader=reader, no_dist=True)
@@ -542,7 +560,7 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def _write_safetensors(
-    stream: IO[bytes], entries: list[_Entry], reader: _StreamingReader, objects: dict[str, Any]
+    stream: IO[bytes], entries: list[ExportEntry], reader: StreamingReader, objects: dict[str, Any]
 ) -> None:
     """Stream ``entries`` into ``stream`` in the safetensors format.
 
@@ -591,22 +609,22 @@ def _write_safetensors(
         _write_tensor(stream, _load_tensor(reader, entry), entry.dtype)
 
 
-_Place = tuple[Any, ...]
+TreePlace = tuple[Any, ...]
 """Where a tensor sits in a nested checkpoint tree: the keys (dict) and indices (list)
 from the root, e.g. ``("state_dict", "embed.weight")``."""
 
 
-def _at(tree: Any, place: _Place) -> Any:
+def _at(tree: Any, place: TreePlace) -> Any:
     for key in place:
         tree = tree[key]
     return tree
 
 
-def _write_torch(
+def write_torch(
     stream: IO[bytes],
     tree: dict[str, Any],
-    places: list[tuple[_Entry, _Place]],
-    reader: _StreamingReader,
+    places: list[tuple[ExportEntry, TreePlace]],
+    reader: StreamingReader,
 ) -> None:
     """Write ``tree`` to the new, empty file ``stream`` as a ``torch.save`` file, one
     tensor in memory at a time.
@@ -760,22 +778,22 @@ def consolidate_checkpoint(
     who = "consolidate_checkpoint"
     checkpoint = Path(checkpoint_dir)
     output = Path(output_path)
-    out_dtype = _parse_dtype(dtype)
+    out_dtype = parse_dtype(dtype)
     output_format = _output_format(output)
     _check_strip_prefix(strip_prefix, include_optimizer=include_optimizer)
-    _check_output(output, checkpoint, overwrite=overwrite)
-    checked = _check(checkpoint, checksums=verify_checksums, trust=trust_checkpoint)
-    _refuse_problems(checked, checkpoint, who)
-    entries = _select_entries(
+    check_output(output, checkpoint, overwrite=overwrite)
+    checked = check_directory(checkpoint, checksums=verify_checksums, trust=trust_checkpoint)
+    refuse_problems(checked, checkpoint, who)
+    entries = select_entries(
         checked,
         out_dtype,
         include_optimizer=include_optimizer,
         path=checkpoint,
         strip_prefix=strip_prefix,
     )
-    assert checked.metadata is not None  # _select_entries checked it
-    reader = _StreamingReader(checkpoint, checked.metadata, trust=trust_checkpoint)
-    objects = {e.name: _load_object(reader, e) for e in entries if e.dtype is None}
+    assert checked.metadata is not None  # select_entries checked it
+    reader = StreamingReader(checkpoint, checked.metadata, trust=trust_checkpoint)
+    objects = {e.name: load_object(reader, e) for e in entries if e.dtype is None}
     if output_format == "safetensors":
         for entry in entries:
             if entry.dtype is None and entry.key.startswith(MODEL_PREFIX):
@@ -791,9 +809,9 @@ def consolidate_checkpoint(
         else:
             tree = {e.name: objects.get(e.name) for e in entries}
             places = [(e, (e.name,)) for e in entries if e.dtype is not None]
-            _write_torch(stream, tree, places, reader)
+            write_torch(stream, tree, places, reader)
 
-    _write_atomically(output, write, overwrite=overwrite, who=who)
+    write_atomically(output, write, overwrite=overwrite, who=who)
     return output
 
 

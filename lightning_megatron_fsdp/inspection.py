@@ -53,17 +53,22 @@ from lightning_megatron_fsdp.upstream_checkpoint import NOTE as UPSTREAM_NOTE
 from lightning_megatron_fsdp.upstream_checkpoint import is_upstream_checkpoint
 
 __all__ = [
+    "MAX_EXAMPLES",
     "MODEL_PREFIX",
     "OPTIMIZER_PREFIX",
+    "CheckedCheckpoint",
     "CheckpointInfo",
     "TensorInfo",
+    "check_directory",
     "inspect_checkpoint",
+    "ordered_keys",
+    "summarise",
     "verify_checkpoint",
 ]
 
 # Problems of one kind in one file are summarised after this many, so a truncated shard
 # of a large model yields a readable report rather than one line per chunk.
-_MAX_EXAMPLES = 3
+MAX_EXAMPLES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,9 +271,11 @@ def _file_sizes(path: Path) -> dict[str, int]:
         }
 
 
-def _summarise(prefix: str, examples: list[str]) -> str:
-    shown = "; ".join(examples[:_MAX_EXAMPLES])
-    more = f" (and {len(examples) - _MAX_EXAMPLES} more)" if len(examples) > _MAX_EXAMPLES else ""
+def summarise(prefix: str, examples: list[str]) -> str:
+    """One report line: ``prefix``, the first :data:`MAX_EXAMPLES` examples, and how many
+    more there are."""
+    shown = "; ".join(examples[:MAX_EXAMPLES])
+    more = f" (and {len(examples) - MAX_EXAMPLES} more)" if len(examples) > MAX_EXAMPLES else ""
     return f"{prefix}: {shown}{more}"
 
 
@@ -291,11 +298,11 @@ def _storage_problems(
                 f"{index.fqn!r} at bytes [{info.offset}, {info.offset + info.length})"
             )
     problems = [
-        _summarise(f"{name}: missing; {DCP_METADATA_FILE} stores {len(keys)} items there", keys)
+        summarise(f"{name}: missing; {DCP_METADATA_FILE} stores {len(keys)} items there", keys)
         for name, keys in sorted(missing.items())
     ]
     problems += [
-        _summarise(
+        summarise(
             f"{name}: {len(items)} items lie past its end ({sizes[name]} bytes; truncated)",
             items,
         )
@@ -346,7 +353,7 @@ def _record_problems(path: Path, metadata: Metadata) -> list[str]:
         finally:
             os.close(fd)
     return [
-        _summarise(f"{name}: {len(lines)} records are not plain torch.save zips", lines)
+        summarise(f"{name}: {len(lines)} records are not plain torch.save zips", lines)
         for name, lines in sorted(bad.items())
     ]
 
@@ -446,7 +453,7 @@ def _compare(
     if not lines:
         return []
     return [
-        _summarise(f"{what} fingerprint disagrees with the saved data ({len(lines)} keys)", lines)
+        summarise(f"{what} fingerprint disagrees with the saved data ({len(lines)} keys)", lines)
     ]
 
 
@@ -462,7 +469,7 @@ def _fingerprint_problems(manifest: Manifest, metadata: Metadata) -> list[str]:
     return problems
 
 
-def _ordered_keys(metadata: Metadata, manifest: Manifest | None) -> list[str]:
+def ordered_keys(metadata: Metadata, manifest: Manifest | None) -> list[str]:
     """``.metadata``'s keys in state-dict order: model entries, then each optimizer's,
     then the rest. DCP's own order depends on which rank wrote what; the manifest's
     fingerprints keep the order of the state dicts that were saved.
@@ -484,7 +491,7 @@ def _ordered_keys(metadata: Metadata, manifest: Manifest | None) -> list[str]:
 
 
 @dataclasses.dataclass
-class _Checked:
+class CheckedCheckpoint:
     """Result of checking a directory: the problems, and whatever parsed along the way."""
 
     problems: list[str]
@@ -492,13 +499,13 @@ class _Checked:
     manifest: Manifest | None = None
 
 
-def _check(path: Path, *, checksums: bool, trust: bool = False) -> _Checked:
+def check_directory(path: Path, *, checksums: bool, trust: bool = False) -> CheckedCheckpoint:
     """Collect every problem of ``path`` as a checkpoint (see :func:`verify_checkpoint`)."""
     try:
         manifest: Manifest | None = read_manifest(path)
     except NotACheckpointError as err:
         if not path.is_dir():
-            return _Checked([str(err)])
+            return CheckedCheckpoint([str(err)])
         manifest, problems = None, [str(err)]
     else:
         problems = []
@@ -528,10 +535,10 @@ def _check(path: Path, *, checksums: bool, trust: bool = False) -> _Checked:
     if manifest is None and metadata is not None and is_upstream_checkpoint(metadata):
         # megatron-fsdp's own save_checkpoint writes no manifest or meta.pt by design: keep
         # the checks .metadata allows (storage, tiling), drop "manifest missing".
-        return _Checked(problems[1:], metadata, None)
+        return CheckedCheckpoint(problems[1:], metadata, None)
     if manifest is None and META_FILE not in sizes:
         problems.append(f"{META_FILE}: missing; every complete checkpoint has one.")
-    return _Checked(problems, metadata, manifest)
+    return CheckedCheckpoint(problems, metadata, manifest)
 
 
 def verify_checkpoint(
@@ -560,7 +567,9 @@ def verify_checkpoint(
         One line per problem, each naming the file (relative to ``checkpoint_dir``) and
         key concerned; empty if the checkpoint is complete and intact.
     """
-    return _check(Path(checkpoint_dir), checksums=checksums, trust=trust_checkpoint).problems
+    return check_directory(
+        Path(checkpoint_dir), checksums=checksums, trust=trust_checkpoint
+    ).problems
 
 
 def inspect_checkpoint(
@@ -607,7 +616,7 @@ def inspect_checkpoint(
         source_format, notes = UPSTREAM_FORMAT_NAME, [UPSTREAM_NOTE]
     tensors = []
     objects = []
-    for key in _ordered_keys(metadata, manifest):
+    for key in ordered_keys(metadata, manifest):
         md = metadata.state_dict_metadata[key]
         if isinstance(md, TensorStorageMetadata):
             tensors.append(TensorInfo(key, tuple(md.size), md.properties.dtype, len(md.chunks)))

@@ -62,18 +62,18 @@ from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, 
 from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, META_FILE, Manifest
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
 from lightning_megatron_fsdp.export import (
-    _check_output,
-    _Entry,
-    _load_object,
-    _parse_dtype,
-    _Place,
-    _refuse_problems,
-    _select_entries,
-    _StreamingReader,
-    _write_atomically,
-    _write_torch,
+    ExportEntry,
+    StreamingReader,
+    TreePlace,
+    check_output,
+    load_object,
+    parse_dtype,
+    refuse_problems,
+    select_entries,
+    write_atomically,
+    write_torch,
 )
-from lightning_megatron_fsdp.inspection import MODEL_PREFIX, _check, read_checked
+from lightning_megatron_fsdp.inspection import MODEL_PREFIX, check_directory, read_checked
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -224,7 +224,7 @@ def _export(
     who: str,
     trust_checkpoint: bool = False,
 ) -> Path:
-    out_dtype = _parse_dtype(dtype, who)
+    out_dtype = parse_dtype(dtype, who)
     if output.suffix.lower() == _SAFETENSORS_SUFFIX:
         raise ValueError(
             f"{who}: output {output} is .safetensors, which holds tensors only, not the "
@@ -237,14 +237,14 @@ def _export(
             "MegatronFSDPStrategy. A single-file Lightning checkpoint needs no export: load "
             "it with Model.load_from_checkpoint(path)."
         )
-    _check_output(output, checkpoint, overwrite=overwrite, who=who)
-    checked = _check(checkpoint, checksums=verify_checksums, trust=trust_checkpoint)
-    _refuse_problems(checked, checkpoint, who)
-    entries = _select_entries(
+    check_output(output, checkpoint, overwrite=overwrite, who=who)
+    checked = check_directory(checkpoint, checksums=verify_checksums, trust=trust_checkpoint)
+    refuse_problems(checked, checkpoint, who)
+    entries = select_entries(
         checked, out_dtype, include_optimizer=optimizer, path=checkpoint, who=who
     )
     assert checked.metadata is not None and checked.manifest is not None  # checked above
-    reader = _StreamingReader(checkpoint, checked.metadata, trust=trust_checkpoint)
+    reader = StreamingReader(checkpoint, checked.metadata, trust=trust_checkpoint)
     tree, places = _lightning_tree(
         _read_meta_in_full(checkpoint, who, checked.manifest, trust_checkpoint, verify_checksums),
         entries,
@@ -253,9 +253,9 @@ def _export(
         checked.manifest,
         who,
     )
-    _write_atomically(
+    write_atomically(
         output,
-        lambda stream: _write_torch(stream, tree, places, reader),
+        lambda stream: write_torch(stream, tree, places, reader),
         overwrite=overwrite,
         who=who,
     )
@@ -292,7 +292,7 @@ def _read_meta_in_full(
     return meta
 
 
-def _put(root: Any, place: _Place, value: Any) -> None:
+def _put(root: Any, place: TreePlace, value: Any) -> None:
     """Set ``root[place[0]][place[1]]... = value``, creating dicts (str keys) and lists
     (int keys) on the way, as DCP's flattening paths describe nested state."""
     node = root
@@ -319,12 +319,12 @@ def _assign(node: Any, key: Any, value: Any) -> None:
 
 def _lightning_tree(
     meta: dict[str, Any],
-    entries: list[_Entry],
+    entries: list[ExportEntry],
     paths: Mapping[str, Any],
-    reader: _StreamingReader,
+    reader: StreamingReader,
     manifest: Manifest,
     who: str,
-) -> tuple[dict[str, Any], list[tuple[_Entry, _Place]]]:
+) -> tuple[dict[str, Any], list[tuple[ExportEntry, TreePlace]]]:
     """Lightning's checkpoint dict, with a place for each tensor the writer fills in.
 
     ``paths`` is DCP's ``planner_data``: each flat key's path in the saved dict.
@@ -339,12 +339,12 @@ def _lightning_tree(
         "format_version": manifest.format_version,
     }
     tree["state_dict"] = {}
-    places: list[tuple[_Entry, _Place]] = []
-    optimizer_state: dict[int, list[tuple[str, _Place, _Entry, Any]]] = {}
+    places: list[tuple[ExportEntry, TreePlace]] = []
+    optimizer_state: dict[int, list[tuple[str, TreePlace, ExportEntry, Any]]] = {}
     optimizer_groups: dict[int, dict[int, Any]] = {}
     for entry in entries:
         path = tuple(paths.get(entry.key, ()))
-        value = None if entry.dtype is not None else _load_object(reader, entry)
+        value = None if entry.dtype is not None else load_object(reader, entry)
         if entry.key.startswith(MODEL_PREFIX):
             place = (
                 path if len(path) >= 2 and path[0] == "state_dict" else ("state_dict", entry.name)
@@ -389,8 +389,8 @@ def _lightning_tree(
 def _positional_optimizer(
     index: int,
     groups_by_number: dict[int, Any],
-    state: list[tuple[str, _Place, _Entry, Any]],
-    places: list[tuple[_Entry, _Place]],
+    state: list[tuple[str, TreePlace, ExportEntry, Any]],
+    places: list[tuple[ExportEntry, TreePlace]],
     who: str,
 ) -> dict[str, Any]:
     """Optimizer ``index``'s FQN-keyed state as torch's positional ``state_dict``; appends

@@ -80,14 +80,14 @@ from lightning_megatron_fsdp.uneven_dtensor import (
     chunk_metadata_by_fqn,
 )
 from lightning_megatron_fsdp.weight_sources import (
-    _UNREADABLE,
-    _Copy,
-    _open_source,
-    _Plan,
-    _Source,
-    _SourceError,
-    _Spec,
+    UNREADABLE,
+    SourceError,
+    SourceTensorSpec,
+    TensorCopy,
+    WeightSource,
+    WeightsPlan,
     agree_on_problems,
+    open_source,
 )
 
 __all__ = [
@@ -312,16 +312,16 @@ def load_full_weights(
 
     # Phase 1 (rank-local, then agreed on): open the source and plan every copy.
     problems: list[tuple[int, str]] = []
-    reader: _Source | None = None
-    plan: _Plan | None = None
+    reader: WeightSource | None = None
+    plan: WeightsPlan | None = None
     try:
-        reader = _open_source(path, weights_only)
+        reader = open_source(path, weights_only)
         plan = _plan(model, optimizers, reader, options)
         problems = plan.problems
-    except _SourceError as err:
-        problems = [(_UNREADABLE, str(err))]
+    except SourceError as err:
+        problems = [(UNREADABLE, str(err))]
     except Exception as err:  # anything else must still reach the agreement below
-        problems = [(_UNREADABLE, f"rank {comm.rank}: {type(err).__name__}: {err}")]
+        problems = [(UNREADABLE, f"rank {comm.rank}: {type(err).__name__}: {err}")]
     try:
         agree_on_problems(comm, path, problems, "Nothing was loaded; the model is unchanged.")
         assert reader is not None and plan is not None
@@ -330,10 +330,10 @@ def load_full_weights(
         failure: list[tuple[int, str]] = []
         try:
             reader.execute(plan, comm)
-        except _SourceError as err:
-            failure = [(_UNREADABLE, str(err))]
+        except SourceError as err:
+            failure = [(UNREADABLE, str(err))]
         except Exception as err:
-            failure = [(_UNREADABLE, f"rank {comm.rank}: {type(err).__name__}: {err}")]
+            failure = [(UNREADABLE, f"rank {comm.rank}: {type(err).__name__}: {err}")]
         agree_on_problems(
             comm,
             path,
@@ -377,7 +377,12 @@ def _tie_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
 
 
 def _check_spec(
-    plan: _Plan, what: str, key: str, have: _Spec, shape: tuple[int, ...], dtype: torch.dtype
+    plan: WeightsPlan,
+    what: str,
+    key: str,
+    have: SourceTensorSpec,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
 ) -> bool:
     """Record a problem unless a source tensor ``have`` can fill a target; return OK."""
     ok = True
@@ -393,18 +398,23 @@ def _check_spec(
     return ok
 
 
-def _copy_of(key: str, entry: torch.Tensor, chunk: Any) -> _Copy:
+def _copy_of(key: str, entry: torch.Tensor, chunk: Any) -> TensorCopy:
     if isinstance(entry, DTensor):
         start = int(chunk.offsets[0])
-        return _Copy(key, _torch.local_tensor(entry), (start, start + int(chunk.sizes[0])), entry)
-    return _Copy(key, entry, None, entry)
+        return TensorCopy(
+            key, _torch.local_tensor(entry), (start, start + int(chunk.sizes[0])), entry
+        )
+    return TensorCopy(key, entry, None, entry)
 
 
 def _plan(
-    model: nn.Module, optimizers: Sequence[Optimizer], reader: _Source, options: PretrainedWeights
-) -> _Plan:
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    reader: WeightSource,
+    options: PretrainedWeights,
+) -> WeightsPlan:
     """Match the source against the model (and optimizers) and list every copy."""
-    plan = _Plan()
+    plan = WeightsPlan()
     state = get_model_state_dict(model)
     optimizer_states = [get_optimizer_state_dict(model, o) for o in optimizers]
     # The chunk hooks make DCP read exactly this rank's rows; harmless for other sources.
@@ -462,9 +472,9 @@ def _plan(
 
 
 def _plan_optimizers(
-    plan: _Plan,
+    plan: WeightsPlan,
     optimizer_states: list[dict[str, Any]],
-    reader: _Source,
+    reader: WeightSource,
     chunks: Mapping[str, Any],
     strict: bool,
 ) -> None:

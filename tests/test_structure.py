@@ -102,44 +102,11 @@ def test_import_graph_is_one_way_in_design_order() -> None:
     assert not upward, upward
 
 
-# Private names the offline tools still share (export <- inspection, lightning_checkpoint
-# <- export/inspection, pretrained <- weight_sources, weight_sources <- export). TODO: make
-# them public once the untrusted-checkpoint branch, which edits these modules now, has
-# merged; this set may only shrink.
-PENDING_OFFLINE = {
-    "export": {"_MAX_EXAMPLES", "_check", "_Checked", "_ordered_keys", "_summarise"},
-    "lightning_checkpoint": {
-        "_check",
-        "_check_output",
-        "_Entry",
-        "_load_object",
-        "_parse_dtype",
-        "_Place",
-        "_refuse_problems",
-        "_select_entries",
-        "_StreamingReader",
-        "_write_atomically",
-        "_write_torch",
-    },
-    "pretrained": {
-        "_UNREADABLE",
-        "_Copy",
-        "_open_source",
-        "_Plan",
-        "_Source",
-        "_SourceError",
-        "_Spec",
-    },
-    "weight_sources": {"_checkpoints_inside"},
-}
-
-
 def test_no_private_name_crosses_a_module_boundary() -> None:
     """A name with a leading underscore is its module's own: no other module imports it.
     The adapters themselves (``from lightning_megatron_fsdp import _torch``) are modules
     meant to be imported."""
     offenders = []
-    pending_seen: dict[str, set[str]] = {}
     for name, tree in _modules().items():
         for target, names in _imports(tree):
             if target != "lightning_megatron_fsdp" and _package_module(target) is None:
@@ -147,13 +114,8 @@ def test_no_private_name_crosses_a_module_boundary() -> None:
             for imported in names:
                 if not _private(imported) or imported in ADAPTERS:
                     continue
-                if imported in PENDING_OFFLINE.get(name, set()):
-                    pending_seen.setdefault(name, set()).add(imported)
-                    continue
                 offenders.append(f"{name}: from {target} import {imported}")
     assert not offenders, offenders
-    # The pending list shrinks with the code: a name no longer imported must leave it.
-    assert pending_seen == PENDING_OFFLINE, (PENDING_OFFLINE, pending_seen)
 
 
 def _names_we_define() -> set[str]:
