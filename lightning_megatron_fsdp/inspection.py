@@ -127,7 +127,7 @@ class CheckpointInfo:
         notes: Human-readable remarks (a missing manifest, an unreadable ``meta.pt``).
         source_format: The format of a directory without a manifest that was recognised
             anyway (megatron-fsdp's own ``save_checkpoint``,
-            :data:`~lightning_megatron_fsdp.upstream_checkpoint.FORMAT_NAME`), else ``None``.
+            ``upstream_checkpoint.FORMAT_NAME``), else ``None``.
     """
 
     path: Path

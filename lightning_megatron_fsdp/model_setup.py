@@ -123,7 +123,7 @@ class ModelSharder:
         device: torch.device,
         placements: Placements,
     ) -> None:
-        """Shard ``model`` bottom-up (:func:`~lightning_megatron_fsdp.sharding.plan_units`).
+        """Shard ``model`` bottom-up (``sharding.plan_units``).
 
         ``shard`` shards one unit (the strategy's, which knows mesh and precision); units
         the user already sharded are left alone (they must have ``placements``). The

@@ -213,7 +213,7 @@ class MegatronFSDPPrecision(Precision):
         an unconsumed prefetch left gathered (:func:`~lightning_megatron_fsdp._megatron.
         release_prefetched`), and makes
         ``.full_tensor()`` on the fresh sharded gradients safe
-        (:func:`~lightning_megatron_fsdp.gather.bind_full_tensor`) before the hooks read them.
+        (``gather.bind_full_tensor``) before the hooks read them.
         """
         _megatron.join_gradient_reduction(module)
         _megatron.release_prefetched(module)  # a prefetched unit whose backward never ran

@@ -444,7 +444,7 @@ def _restore_main_weights(module: nn.Module, originals: Mapping[int, Tensor]) ->
 
     ``originals`` maps ``id`` of the unsharded parameter objects (their storage was
     swapped, their identity kept) to their values before the cast. Copies only this rank's
-    rows: a rank owns whole dim-0 rows (:func:`~lightning_megatron_fsdp._megatron.owned_range`),
+    rows: a rank owns whole dim-0 rows (``_megatron.owned_range``),
     so no collective is needed.
     """
     for group in _megatron.unit_parameter_groups(module):

@@ -505,7 +505,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         )
 
     def _shard_model(self, model: pl.LightningModule) -> None:
-        """Shard ``model`` bottom-up (see :func:`~lightning_megatron_fsdp.sharding.plan_units`)."""
+        """Shard ``model`` bottom-up (see ``sharding.plan_units``)."""
         self._sharder.shard_model(
             model, self._auto_wrap_policy, self.shard, self.root_device, self.placements
         )

@@ -32,7 +32,7 @@ __all__ = ["MegatronFSDPFabricPrecision", "to_fabric_precision"]
 
 
 class MegatronFSDPFabricPrecision(MegatronFSDPPrecision):
-    """:class:`~lightning_megatron_fsdp.precision.MegatronFSDPPrecision` for Fabric loops.
+    """The Trainer strategy's ``MegatronFSDPPrecision``, for Fabric loops.
 
     Same flags, same meaning (README, "Precision flags"); the strategy finishes gradients
     after each backward (it knows the set-up models, Fabric passes none).
