@@ -1,64 +1,8 @@
-"""Offline export of lightning-megatron-fsdp checkpoints (inspection: ``inspection.py``).
-
-Problem: a checkpoint is a directory of DCP shard files whose chunks follow
-Megatron-FSDP's packed layout (a rank may hold all rows of one parameter and none of the
-next), plus ``meta.pt`` and ``manifest.json`` (see docs/DESIGN.md, "On-disk format").
-Deploying the weights, or looking at what a run saved, should need neither the training
-job's world size, nor a process group, nor a GPU, nor memory for the whole model.
-
-How: DCP's ``.metadata`` records every tensor's global shape and where each saved chunk
-lies (file, byte range, offsets in the global tensor). :func:`consolidate_checkpoint`
-checks that metadata against the manifest (read and size/checksum-checked by
-:mod:`lightning_megatron_fsdp.checkpoint.format`, as the loader does) and against the files on
-disk, and that every tensor's chunks tile it exactly once; then, for one tensor at
-a time, allocates only that full tensor and has ``dcp.load(..., no_dist=True)`` (no
-process group) plan its reads: only that tensor's chunks, each read straight into place
-(:class:`StreamingReader`). It then appends the tensor's bytes to the output, casting in
-small blocks if asked. Peak memory is the largest tensor plus a few MiB, not the model
-(``benchmarks/bench_consolidate_memory.py``: 1.2x the largest tensor, 1.5x with a cast)::
-
-    checkpoint dir                         output file (written to a temp file, renamed)
-    .metadata ----------- shapes, dtypes ->  header: every key, shape, dtype, offset
-    __0_0.distcp  [emb rows 0-10][fc r0-1]   then, tensor by tensor:
-    __1_0.distcp  [fc rows 2-3][out ...]       emb  = chunks from __0_0      -> bytes
-                                               fc   = chunks from __0_0, __1_0 -> bytes
-                                               ...  (one full tensor in memory at a time)
-
-Output formats, chosen by the output suffix:
-
-* ``.safetensors``: written here, streaming: the header (8-byte little-endian length,
-  JSON with dtype, shape and byte range per tensor) is known from ``.metadata`` before any
-  data is read, so tensors are appended one by one. Largest element size first, so every
-  tensor is aligned to its element size.
-* ``.pt`` / ``.pth`` / ``.bin``: a regular ``torch.save`` zip file. The skeleton (pickle of
-  every key, shape and dtype, and a reserved record per tensor) is written by
-  ``torch.save`` itself under ``torch.serialization.skip_data`` from fake tensors; each
-  record is then filled in place, and the zip CRC-32 fields ``skip_data`` leaves at zero
-  are patched, so ``unzip -t`` and ``zipfile`` accept the file, not only ``torch.load``.
-
-Output keys are the model's FQNs (the ``state_dict.`` DCP prefix stripped), so
-``model.load_state_dict(torch.load(path))`` works on the unsharded ``LightningModule``;
-with ``strip_prefix="model."`` they are those of the module it holds as ``self.model``
-(for its own ``load_state_dict`` or Hugging Face ``from_pretrained``), the other entries
-left out. A single-file Lightning checkpoint for ``load_from_checkpoint`` is written by
-:mod:`lightning_megatron_fsdp.lightning_checkpoint` through the same ``torch.save``
-writer.
-A tied parameter appears under each of its FQNs, as in a plain ``state_dict()``, as
-separate copies of equal value. Optimizer state is exported only on request, under its
-DCP key (``optimizer_states.<i>.state.<fqn>.<name>``; see :data:`OPTIMIZER_PREFIX`);
-non-tensor optimizer entries (``optimizer_states.<i>.param_groups.<j>.<name>``) are plain
-Python values in a ``.pt`` file and JSON strings in the safetensors ``__metadata__``.
-
-Alternatives rejected:
-    * ``dcp.format_utils.dcp_to_torch_save``: loads the whole checkpoint into memory.
-    * ``safetensors.torch.save_file``: needs every tensor in memory at once.
-    * ``torch.save`` of tensors backed by ``torch.from_file`` memory maps: every mapped
-      page touched stays resident, so peak RSS grows to the model size again.
-    * Writing the ``torch.save`` zip and pickle by hand: a second copy of torch's format
-      that would drift; ``skip_data`` lets torch write its own format.
-
-Only open checkpoints you trust: DCP's ``.metadata`` and its non-tensor entries are
-pickles. ``meta.pt`` is read with ``weights_only=True`` only.
+"""Offline export of a checkpoint to one file (safetensors or ``torch.save``, chosen by the
+suffix), at any world size, without a process group, a GPU or memory for the whole model:
+:func:`consolidate_checkpoint` checks the checkpoint, then streams one full tensor at a time
+into the output, which appears by an atomic rename. The writers and checks here are shared
+with :mod:`lightning_checkpoint`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Inspect and verify a checkpoint offline: what it holds, and whether it is whole.
-
-Problem: before a checkpoint is trusted (loaded, consolidated, shipped), a user and our own
-tools need to see what it holds (every tensor's global shape, dtype and chunks, the epoch
-and step, the versions that wrote it) and to know it is complete and intact, without a GPU
-or a process group, on any machine that can read the files.
-
-How: DCP's ``.metadata`` says which chunks each tensor has; the manifest says which
-files, sizes and checksums the save recorded and the fingerprint of every key. The checks
-compare the two and the files on disk (chunks must tile each tensor exactly once), and
-``verify_checkpoint`` also recomputes every checksum. Pure file reading.
+"""Inspect and verify a checkpoint offline, without a GPU or a process group: what it holds
+(every tensor's global shape, dtype and chunks, epoch, step, versions) and whether it is
+whole (chunks tile each tensor exactly once, files and sizes match the manifest, checksums
+recomputed), before anyone trusts it.
 """
 
 from __future__ import annotations

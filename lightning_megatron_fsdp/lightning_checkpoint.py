@@ -1,50 +1,8 @@
-"""Single-file Lightning checkpoints from our checkpoint directories, for inference.
-
-Problem: the standard Lightning inference path is ``Model.load_from_checkpoint(path)``,
-which ``torch.load``s one file and expects Lightning's checkpoint dict in it
-(``state_dict``, ``hyper_parameters``, ``pytorch-lightning_version``, ...). Our
-checkpoints are directories (DCP shard files plus ``meta.pt`` and ``manifest.json``, see
-docs/DESIGN.md, "On-disk format"), so Lightning raises ``IsADirectoryError``; and the
-consolidated export is a bare state dict, which it refuses for lack of those keys.
-
-How: :func:`export_lightning_checkpoint` writes the dict a single-device Lightning run
-would have saved: every non-tensor entry of ``meta.pt`` as it is (epoch, global step,
-versions, hyper-parameters and their name, datamodule hyper-parameters, loops,
-callbacks, schedulers), ``"state_dict"`` with the LightningModule's FQNs and full
-tensors and, on request, ``"optimizer_states"``. It streams through the consolidating
-writer of :mod:`lightning_megatron_fsdp.export` (one full tensor in memory at a time;
-the ``torch.save`` zip is written by torch itself from a skeleton), after the same
-completeness, size, checksum (CRC32C) and chunk-tiling checks::
-
-    checkpoint dir/                       model.ckpt (torch.save zip)
-      meta.pt   epoch, hyper_parameters ->  epoch, global_step, hyper_parameters, ...
-      .metadata + __*_*.distcp          ->  state_dict: {fqn: full tensor}
-      optimizer_states.0.state.<fqn>.*  ->  optimizer_states: [{state: {0: ...},
-      optimizer_states.0.param_groups.*        param_groups: [{params: [0, 1, ...]}]}]
-
-Optimizer state is saved keyed by parameter FQN (torch's distributed ``state_dict``
-format). A plain optimizer's ``load_state_dict`` (single device, DDP) wants torch's
-positional format instead, so it is converted: the parameters of each group get
-consecutive numbers in group order, as ``Optimizer.state_dict`` numbers them, so a
-single-device or DDP run over the same ``configure_optimizers`` resumes from the file.
-
-:func:`load_lightning_module` is ``load_from_checkpoint`` for either kind of path: a
-file goes to Lightning as is; one of our directories is exported to a temporary file
-first.
-
-Alternatives rejected:
-    * A mixin that overrides ``LightningModule.load_from_checkpoint``: only helps classes
-      the user can change, and shadows a Lightning classmethod whose semantics
-      (``_restricted_classmethod``, hparams handling) we would then have to track.
-    * Patching Lightning's loader so it accepts directories: changes Lightning for every
-      caller in the process.
-    * Building the checkpoint dict in memory and calling Lightning's private
-      ``_load_state``: a private API, and a copy of ``_load_from_checkpoint``'s logic
-      (hparams files, overrides, device moves, migrations) that would drift.
-
-Nothing from the checkpoint runs: ``meta.pt`` is read with ``weights_only=True``, so
-hyper-parameters that are arbitrary objects need ``trust_checkpoint=True`` (named in the
-refusal), which unpickles it in full.
+"""A single-file Lightning checkpoint from one of our checkpoint directories, for
+``LightningModule.load_from_checkpoint`` in single-device or DDP code:
+:func:`export_lightning_checkpoint` streams the dict a single-device run would have saved
+(``meta.pt``'s entries, full tensors by FQN, optimizer state by position) through the
+consolidating writer, and :func:`load_lightning_module` loads either kind of path.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""Where full weights come from: torch files, safetensors, and DCP checkpoint directories.
-
-Problem: ``load_full_weights`` fills a sharded model from weights saved in many layouts
-(a ``torch.save`` state dict or Lightning ``.ckpt``, a safetensors file, our DCP
-directories at any world size, Lightning ``ModelParallelStrategy``'s, megatron-fsdp's own),
-and each rank must read only the rows it owns, without loading whole files where the format
-allows it.
-
-How: one small interface, :class:`WeightSource` (keys, specs, optimizer entries, and
-``execute(plan)`` reading every planned row range into its target); flat files read rows
-rank-locally (safetensors by memory-mapped slices), DCP directories through DCP itself with
-each target's true chunk attached, collectively. The ranks agree on problems through
-:func:`agree_on_problems` so every rank raises the same error.
+"""Where full weights come from (``torch.save`` files and Lightning ``.ckpt``, safetensors, DCP
+directories: ours, FSDP2's, megatron-fsdp's), behind one small interface,
+:class:`WeightSource`, that reads each rank's planned rows into its targets; the ranks agree
+on problems so a bad source raises the same error on every rank.
 """
 
 from __future__ import annotations
