@@ -36,6 +36,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
     check_files,
     read_manifest,
 )
+from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint, is_url, open_store
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import (
     check_tensor_record,
     load_dcp_metadata,
@@ -181,7 +182,29 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def read_checked(path: Path, name: str, manifest: Manifest | None, *, digest: bool = True) -> bytes:
+def _open(checkpoint_dir: Any, storage_options: Mapping[str, Any] | None) -> tuple[Any, list[str]]:
+    """The location to inspect and notes on it: a local directory, or on an object store
+    the newest complete version of the checkpoint (the one a load takes), with one note
+    per version, complete or not."""
+    if not is_url(checkpoint_dir):
+        return Path(checkpoint_dir), []
+    store, inside = open_store(os.fspath(checkpoint_dir), storage_options)
+    version = store.locate(inside)
+    notes = [f"version {line}" for line in store.describe(inside)]
+    return StoreCheckpoint(store, inside if version is None else version), notes
+
+
+def _is_dir(path: Any) -> bool:
+    if isinstance(path, StoreCheckpoint):
+        return bool(path.store.sizes(path.path)) or bool(path.store.versions(path.path))
+    return bool(path.is_dir())
+
+
+def _manifest_of(path: Any) -> Manifest:
+    return path.read_manifest() if isinstance(path, StoreCheckpoint) else read_manifest(path)
+
+
+def read_checked(path: Any, name: str, manifest: Manifest | None, *, digest: bool = True) -> bytes:
     """The bytes of ``path/name``, read confined to ``path``; with a manifest, only if
     it lists the file with this size and (``digest``) checksum: nothing that fails them
     is ever unpickled.
@@ -196,7 +219,18 @@ def read_checked(path: Path, name: str, manifest: Manifest | None, *, digest: bo
         raise CheckpointCorruptedError(
             f"{name}: not listed in {MANIFEST_FILE}; it cannot be checked, so it is not read."
         )
-    data = read_regular(path, name, size=None if record is None else record.size)
+    size = None if record is None else record.size
+    if isinstance(path, StoreCheckpoint):
+        stored = path.store.sizes(path.path).get(name)
+        if stored is None:
+            raise FileNotFoundError(f"{name}: no such object under {path}")
+        if size is not None and stored != size:
+            raise CheckpointCorruptedError(
+                f"{name}: {stored} bytes stored, {size} in the manifest; it was not read."
+            )
+        data = path.read_bytes(name)
+    else:
+        data = read_regular(path, name, size=size)
     expected = None if record is None or not digest else record.digest()
     if expected is not None and (found := bytes_digest(data, expected[0])) != expected[1]:
         raise CheckpointCorruptedError(
@@ -207,7 +241,7 @@ def read_checked(path: Path, name: str, manifest: Manifest | None, *, digest: bo
 
 
 def _read_metadata(
-    path: Path, manifest: Manifest | None = None, *, digest: bool = True, trust: bool = False
+    path: Any, manifest: Manifest | None = None, *, digest: bool = True, trust: bool = False
 ) -> Metadata:
     """Parse ``<path>/.metadata`` safely, after its size and checksum (see
     :func:`read_checked`).
@@ -229,7 +263,7 @@ def _read_metadata(
 
 
 def _read_meta(
-    path: Path, manifest: Manifest | None = None
+    path: Any, manifest: Manifest | None = None
 ) -> tuple[dict[str, Any] | None, str | None]:
     """The plain-value top-level entries of ``meta.pt``, or ``None`` and why not.
 
@@ -254,8 +288,10 @@ def _read_meta(
     return {str(key): value for key, value in meta.items() if isinstance(value, plain)}, None
 
 
-def _file_sizes(path: Path) -> dict[str, int]:
-    """Size of every regular file directly inside ``path``."""
+def _file_sizes(path: Any) -> dict[str, int]:
+    """Size of every regular file directly inside ``path`` (every object under it)."""
+    if isinstance(path, StoreCheckpoint):
+        return path.store.sizes(path.path)
     with os.scandir(path) as entries:
         return {
             entry.name: entry.stat().st_size
@@ -311,7 +347,7 @@ def _storage_problems(
     return problems
 
 
-def _record_problems(path: Path, metadata: Metadata) -> list[str]:
+def _record_problems(path: Any, metadata: Metadata) -> list[str]:
     """Every tensor record is a ``torch.save`` zip whose entries are stored uncompressed and
     whose data holds exactly its chunk's bytes (reads each record's zip directory only).
 
@@ -331,6 +367,16 @@ def _record_problems(path: Path, metadata: Metadata) -> list[str]:
         if nbytes is not None and not getattr(info, "transform_descriptors", None):
             by_file.setdefault(info.relative_path, []).append((index, info, nbytes))
     for name, records in sorted(by_file.items()):
+        if isinstance(path, StoreCheckpoint):
+            for index, info, nbytes in records:
+                data = path.store.fs.cat_file(
+                    path.file(name), start=info.offset, end=info.offset + info.length
+                )
+                try:
+                    check_tensor_record(io.BytesIO(data), nbytes, source=f"{index.fqn!r}")
+                except CheckpointCorruptedError as err:
+                    bad.setdefault(name, []).append(str(err))
+            continue
         try:
             fd = open_regular(path, name)
         except OSError as err:
@@ -492,12 +538,12 @@ class CheckedCheckpoint:
     manifest: Manifest | None = None
 
 
-def check_directory(path: Path, *, checksums: bool, trust: bool = False) -> CheckedCheckpoint:
+def check_directory(path: Any, *, checksums: bool, trust: bool = False) -> CheckedCheckpoint:
     """Collect every problem of ``path`` as a checkpoint (see :func:`verify_checkpoint`)."""
     try:
-        manifest: Manifest | None = read_manifest(path)
+        manifest: Manifest | None = _manifest_of(path)
     except NotACheckpointError as err:
-        if not path.is_dir():
+        if not _is_dir(path):
             return CheckedCheckpoint([str(err)])
         manifest, problems = None, [str(err)]
     else:
@@ -507,7 +553,10 @@ def check_directory(path: Path, *, checksums: bool, trust: bool = False) -> Chec
     if manifest is not None:
         hashed = sorted(manifest.files) if checksums else None
         try:
-            problems += check_files(path, manifest, checksum_files=hashed)
+            if isinstance(path, StoreCheckpoint):
+                problems += path.check_files(manifest, checksum_files=hashed)
+            else:
+                problems += check_files(path, manifest, checksum_files=hashed)
         except OSError as err:
             problems.append(f"cannot read a file: {type(err).__name__}: {err}")
         listed_missing = {name for name in manifest.files if name not in sizes}
@@ -539,6 +588,7 @@ def verify_checkpoint(
     *,
     checksums: bool = True,
     trust_checkpoint: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Check a checkpoint's completeness and integrity offline, reading only files.
 
@@ -552,21 +602,26 @@ def verify_checkpoint(
     Needs no process group and no GPU. With ``checksums`` it reads every file once.
 
     Args:
-        checkpoint_dir: The checkpoint directory.
+        checkpoint_dir: The checkpoint directory, or a URL (``s3://...``): then the
+            newest complete version there (saves that did not finish are not problems:
+            they are never loaded; none complete is).
         checksums: Also compare the file digests; sizes are always checked.
         trust_checkpoint: Unpickle ``.metadata`` in full (see :func:`inspect_checkpoint`).
+        storage_options: Options of a URL's fsspec filesystem.
 
     Returns:
         One line per problem, each naming the file (relative to ``checkpoint_dir``) and
         key concerned; empty if the checkpoint is complete and intact.
     """
-    return check_directory(
-        Path(checkpoint_dir), checksums=checksums, trust=trust_checkpoint
-    ).problems
+    path, _ = _open(checkpoint_dir, storage_options)
+    return check_directory(path, checksums=checksums, trust=trust_checkpoint).problems
 
 
 def inspect_checkpoint(
-    checkpoint_dir: str | os.PathLike[str], *, trust_checkpoint: bool = False
+    checkpoint_dir: str | os.PathLike[str],
+    *,
+    trust_checkpoint: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> CheckpointInfo:
     """Describe a checkpoint: every tensor's global shape, dtype and chunk count, and the
     Lightning metadata (epoch, step, versions, world size).
@@ -576,9 +631,12 @@ def inspect_checkpoint(
     ``.metadata``, ``manifest.json`` and ``meta.pt`` only, no tensor data.
 
     Args:
-        checkpoint_dir: The checkpoint directory.
+        checkpoint_dir: The checkpoint directory, or a URL (``s3://...``): then the
+            newest complete version, and a note per version saying whether it is
+            complete (a save that did not finish shows as INCOMPLETE).
         trust_checkpoint: Unpickle ``.metadata`` in full; by default only DCP's metadata
             types are accepted and nothing from the checkpoint runs.
+        storage_options: Options of a URL's fsspec filesystem.
 
     Returns:
         The description.
@@ -590,12 +648,11 @@ def inspect_checkpoint(
             ``.metadata`` or ``meta.pt`` differ from the manifest's size or checksum
             (then neither is unpickled).
     """
-    path = Path(checkpoint_dir)
-    notes = []
+    path, notes = _open(checkpoint_dir, storage_options)
     try:
-        manifest: Manifest | None = read_manifest(path)
+        manifest: Manifest | None = _manifest_of(path)
     except NotACheckpointError as err:
-        if not path.is_dir() or not (path / DCP_METADATA_FILE).exists():
+        if not _is_dir(path) or DCP_METADATA_FILE not in _file_sizes(path):
             raise
         manifest = None
         notes.append(str(err))

@@ -23,6 +23,8 @@ from lightning_megatron_fsdp.checkpoint.commit import (
     matching_checkpoints,
     recover_matching,
 )
+from lightning_megatron_fsdp.checkpoint.format import MANIFEST_FILE
+from lightning_megatron_fsdp.checkpoint.object_store import is_url, open_store
 
 __all__ = ["resolving_last_launcher"]
 
@@ -73,27 +75,43 @@ def _with_last_resolved(
     return bound.args, bound.kwargs
 
 
-def _latest_complete_last_checkpoint(trainer: pl.Trainer) -> Path | None:
+def _latest_complete_last_checkpoint(trainer: pl.Trainer) -> Path | str | None:
     """The most recently written complete checkpoint Lightning's ``"last"`` could mean.
 
     Candidates are Lightning's: the ``last*`` entries of every ``ModelCheckpoint``
-    directory and the ``OnExceptionCheckpoint`` paths.
+    directory (local, or a URL: the newest complete version of each ``last*`` checkpoint
+    there, by when its manifest was written) and the ``OnExceptionCheckpoint`` paths.
     """
     candidates: list[Path] = []
+    remote: list[tuple[float, str]] = []
+    options = getattr(trainer.strategy.checkpoint_io, "storage_options", None)
     for callback in trainer.checkpoint_callbacks:
         if not isinstance(callback, ModelCheckpoint):
             continue
         dirpath = _checkpoint_dir(callback, trainer)
-        if dirpath is None or "://" in str(dirpath):  # remote: left to Lightning
+        if dirpath is None:
             continue
         pattern = f"{callback.CHECKPOINT_NAME_LAST}*{callback.FILE_EXTENSION}"
+        if is_url(str(dirpath)):
+            store, inside = open_store(str(dirpath), options)
+            found = store.latest(inside, pattern, by="written")
+            version = None if found is None else store.locate(found)
+            if found is not None and version is not None:
+                remote.append((store.manifest_time(version), store.url(found)))
+            continue
         for restored in recover_matching(dirpath, pattern):
             rank_zero_warn(f"Restored {restored}, which an interrupted save had renamed aside.")
         candidates.extend(matching_checkpoints(dirpath, pattern))
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, OnExceptionCheckpoint):
             candidates.append(Path(callback.ckpt_path))
-    return latest_complete_checkpoint(candidates, by="written")
+    local = latest_complete_checkpoint(candidates, by="written")
+    if not remote:
+        return local
+    written, url = max(remote)
+    if local is not None and (local / MANIFEST_FILE).stat().st_mtime >= written:
+        return local
+    return url
 
 
 def _checkpoint_dir(callback: ModelCheckpoint, trainer: pl.Trainer) -> _lightning.PATH | None:

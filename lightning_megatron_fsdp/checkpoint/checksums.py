@@ -25,6 +25,7 @@ __all__ = [
     "crc32c_combine",
     "crc32c_hex",
     "file_digest",
+    "stream_digest",
 ]
 
 ALGORITHMS = ("crc32c", "sha256")
@@ -138,17 +139,27 @@ def file_digest(path: str | os.PathLike[str], algorithm: str) -> str:
         ValueError: For another algorithm.
         OSError: If the file cannot be read.
     """
+    path = os.fspath(path)
+    fd = open_regular(os.path.dirname(path) or ".", os.path.basename(path))
+    with open(fd, "rb", buffering=0) as file:
+        return stream_digest(file, algorithm)
+
+
+def stream_digest(file: Any, algorithm: str) -> str:
+    """Hex digest of what remains of a binary file object (one with ``readinto``: a local
+    file, an fsspec file), read once in 8 MiB blocks.
+
+    Raises:
+        ValueError: For another algorithm than ``"crc32c"`` or ``"sha256"``.
+    """
     _check_algorithm(algorithm)
     buffer = bytearray(_BLOCK)
     view = memoryview(buffer)
     value = 0
     digest = hashlib.sha256() if algorithm == "sha256" else None
-    path = os.fspath(path)
-    fd = open_regular(os.path.dirname(path) or ".", os.path.basename(path))
-    with open(fd, "rb", buffering=0) as file:
-        while n := file.readinto(buffer):
-            if digest is None:
-                value = crc32c(view[:n], value)
-            else:
-                digest.update(view[:n])
+    while n := file.readinto(buffer):
+        if digest is None:
+            value = crc32c(view[:n], value)
+        else:
+            digest.update(view[:n])
     return crc32c_hex(value) if digest is None else digest.hexdigest()

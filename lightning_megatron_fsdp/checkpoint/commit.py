@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from lightning_megatron_fsdp.checkpoint.checksums import file_digest
+from lightning_megatron_fsdp.checkpoint.confined_files import read_regular
 from lightning_megatron_fsdp.checkpoint.errors import (
     CheckpointError,
     CheckpointSaveError,
@@ -36,6 +38,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
     MANIFEST_FILE,
     STAGING,
     Manifest,
+    check_files,
     hidden_path,
     is_complete_checkpoint,
     parse_hidden_name,
@@ -91,18 +94,60 @@ class CheckpointStore(Protocol):
     0) or, on failure, :meth:`discard`. A load calls
     :meth:`recover` (rank 0) before any rank looks at the checkpoint. A backend without an
     atomic rename commits by writing the manifest last in :meth:`publish`.
+
+    Locations are the backend's own (a ``Path`` here; an object-store backend has its
+    own type, see :mod:`~lightning_megatron_fsdp.checkpoint.object_store`): every method
+    below that reads or writes files takes one, so the save and load phases never touch a
+    filesystem themselves.
     """
+
+    def location(self, path: str | os.PathLike[str]) -> Any:
+        """The location a user's path names (same on every rank for the same path)."""
+        ...
 
     def staging_path(self, final: Path, token: str) -> Path:
         """Where the save ``token`` of ``final`` writes (pure naming: the same on every rank)."""
         ...
 
-    def check_target(self, final: Path) -> None:
-        """Refuse (raise) if ``final`` holds something a save must not replace."""
+    def check_target(self, final: Path, token: str) -> str:
+        """Refuse (raise) if ``final`` holds something a save must not replace; rank 0,
+        before the ranks agree. Returns the token of the save: ``token``, or one the
+        backend chose (an object store's next version)."""
         ...
 
     def stage(self, final: Path, token: str) -> Path:
         """Create the staging location of a save of ``final``."""
+        ...
+
+    def write_file(self, staging: Path, name: str, data: bytes) -> None:
+        """Write one whole file (durably) into a staging location."""
+        ...
+
+    def sizes(self, location: Path) -> dict[str, int]:
+        """Every file directly in ``location``, by name, with its size."""
+        ...
+
+    def digest(self, location: Path, name: str, algorithm: str) -> str:
+        """A file's digest, read back."""
+        ...
+
+    def resolve(self, final: Path) -> Path:
+        """Where a load of ``final`` reads (after :meth:`recover`; rank 0)."""
+        ...
+
+    def read_manifest(self, location: Path) -> Manifest:
+        """The manifest at ``location``; :class:`NotACheckpointError` if none parses."""
+        ...
+
+    def check_files(
+        self, location: Path, manifest: Manifest, *, checksum_files: list[str] | None = None
+    ) -> list[str]:
+        """One line per listed file that is missing, has another size or (for
+        ``checksum_files``) another digest."""
+        ...
+
+    def read_bytes(self, location: Path, name: str) -> bytes:
+        """A whole file of ``location``."""
         ...
 
     def discard(self, final: Path, token: str) -> None:
@@ -371,23 +416,61 @@ class LocalDirectories:
     """:class:`CheckpointStore` on a local or shared POSIX filesystem: hidden sibling
     directories and renames (one ``renameat2(RENAME_EXCHANGE)`` where supported)."""
 
+    def location(self, path: str | os.PathLike[str]) -> Path:
+        """``path``, absolute."""
+        return Path(os.path.abspath(os.fspath(path)))
+
     def staging_path(self, final: Path, token: str) -> Path:
         """``.<name>.tmp-<token>`` beside ``final``."""
         return hidden_path(final, STAGING, token)
 
-    def check_target(self, final: Path) -> None:
-        """:func:`check_replaceable`.
+    def check_target(self, final: Path, token: str) -> str:
+        """:func:`check_replaceable`; returns ``token``.
 
         Raises:
             CheckpointSaveError: If ``final`` is a directory that is not a checkpoint.
         """
         check_replaceable(final)
+        return token
 
     def stage(self, final: Path, token: str) -> Path:
         """Create ``.<name>.tmp-<token>`` beside ``final``."""
         staging = self.staging_path(final, token)
         staging.mkdir(parents=True, exist_ok=True)  # a peer's writer may be first
         return staging
+
+    def write_file(self, staging: Path, name: str, data: bytes) -> None:
+        """Write ``staging/name``, fsync'd."""
+        with open(staging / name, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+
+    def sizes(self, location: Path) -> dict[str, int]:
+        """Every entry of the directory with its size."""
+        return {p.name: p.stat().st_size for p in location.iterdir()}
+
+    def digest(self, location: Path, name: str, algorithm: str) -> str:
+        """:func:`~lightning_megatron_fsdp.checkpoint.checksums.file_digest`."""
+        return file_digest(location / name, algorithm)
+
+    def resolve(self, final: Path) -> Path:
+        """``final`` itself (:meth:`recover` has put it back if a crash left it aside)."""
+        return final
+
+    def read_manifest(self, location: Path) -> Manifest:
+        """:func:`~lightning_megatron_fsdp.checkpoint.format.read_manifest`."""
+        return read_manifest(location)
+
+    def check_files(
+        self, location: Path, manifest: Manifest, *, checksum_files: list[str] | None = None
+    ) -> list[str]:
+        """:func:`~lightning_megatron_fsdp.checkpoint.format.check_files`."""
+        return check_files(location, manifest, checksum_files=checksum_files)
+
+    def read_bytes(self, location: Path, name: str) -> bytes:
+        """A whole file of ``location``, confined to it (a plain name, a regular file)."""
+        return read_regular(location, name)
 
     def discard(self, final: Path, token: str) -> None:
         """Delete the staging directory of the save ``token``; errors are ignored."""

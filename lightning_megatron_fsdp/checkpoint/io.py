@@ -45,6 +45,7 @@ from lightning_megatron_fsdp.checkpoint.load import (
     open_checkpoint,
     read_checkpoint,
 )
+from lightning_megatron_fsdp.checkpoint.object_store import ObjectStores, StoreCheckpoint
 from lightning_megatron_fsdp.checkpoint.save import (
     PendingSave,
     SaveOptions,
@@ -142,6 +143,12 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             byte records, and ``meta.pt`` unless ``weights_only`` is given. By default
             nothing from a checkpoint runs (an allow-list unpickler and
             ``weights_only=True``) and every file is opened confined to its directory.
+        storage_options: Options of the fsspec filesystem of a URL path (``s3://...``,
+            ``gs://...``), passed to its constructor (for s3fs: ``endpoint_url``, ``key``,
+            ``secret``, ``client_kwargs``, ...). Without them the filesystem's own
+            configuration applies (for S3 the standard ``AWS_*`` variables and files).
+            A URL is never a local directory: one whose filesystem is not installed
+            fails naming what to install (``pip install 'lightning-megatron-fsdp[s3]'``).
 
     Raises:
         TypeError: If an option has the wrong type.
@@ -160,6 +167,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         storage_reader_factory: StorageReaderFactory | None = None,
         atomic_load: bool = False,
         trust_checkpoint: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         for name, value in (
             ("async_save", async_save),
@@ -188,6 +196,11 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             raise ValueError(
                 f"MegatronFSDPCheckpointIO: thread_count must be >= 1, got {thread_count}."
             )
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(
+                "MegatronFSDPCheckpointIO: storage_options must be a mapping of fsspec "
+                f"filesystem options (e.g. {{'endpoint_url': ...}}), got {storage_options!r:.200}."
+            )
         self.async_save = async_save
         self.verify_checksums = verify_checksums
         self.write_checksums = write_checksums
@@ -202,7 +215,8 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         self._committer: concurrent.futures.ThreadPoolExecutor | None = None
         self._background_group: dist.ProcessGroup | None = None
         self._copies = StagingBuffers()  # the async save's CPU copies, reused
-        self.store: CheckpointStore = LocalDirectories()
+        self.storage_options = dict(storage_options or {})
+        self.store: CheckpointStore = ObjectStores(LocalDirectories(), self.storage_options)
 
     @property
     def load_options(self) -> LoadOptions:
@@ -434,6 +448,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
             each rank had already written into them.
         """
         self.wait()
+        self.store.location(path)  # a URL whose filesystem is missing fails on every rank
         ranks = Ranks.of(self.process_group)
         options = self.load_options
         opened = open_checkpoint(path, ranks, options.store)
@@ -454,7 +469,9 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         """Delete a checkpoint directory; a missing path is not an error. Not collective.
 
         The directory is first renamed to a hidden ``.<name>.del-<token>``, so a crash
-        halfway through the deletion never leaves a damaged checkpoint under its name.
+        halfway through the deletion never leaves a damaged checkpoint under its name. On
+        an object store each version's manifest goes first, and the only complete
+        checkpoint under its prefix is kept (with a warning).
         A symbolic link is unlinked, its target kept. Only global rank 0 acts (Lightning
         calls this on rank 0 only).
 
@@ -464,9 +481,12 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         """
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             return
-        target = Path(os.path.abspath(os.fspath(path)))
-        if self._in_flight is not None and self._in_flight_path == target:
+        target = self.store.location(path)
+        remote = isinstance(target, StoreCheckpoint)
+        if self._in_flight is not None and (remote or str(self._in_flight_path) == str(target)):
             # Let the background save commit first, or it would re-create the directory.
-            # Its error stays for wait()/poll(): every rank must see it there.
+            # On an object store, wait for any save: Lightning removes the checkpoint a new
+            # one replaces right after starting it, and the store keeps the only complete
+            # checkpoint. Its error stays for wait()/poll(): every rank must see it there.
             concurrent.futures.wait([self._in_flight])
         self.store.remove(target)

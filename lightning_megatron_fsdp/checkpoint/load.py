@@ -51,12 +51,12 @@ from lightning_megatron_fsdp.checkpoint.format import (
     MANIFEST_FILE,
     META_FILE,
     Manifest,
-    check_files,
     compare_fingerprints,
     model_fingerprint,
     optimizer_fingerprint,
-    read_manifest,
 )
+from lightning_megatron_fsdp.checkpoint.fsspec_storage import VerifyingFsspecReader
+from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
 from lightning_megatron_fsdp.checkpoint.storage import ReadProgress, VerifyingFileSystemReader
 from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
@@ -102,10 +102,17 @@ class LoadOptions:
     trust_checkpoint: bool = False
     """Unpickle ``.metadata``, byte records and (``weights_only=None``) ``meta.pt`` in full."""
 
-    def reader(self, path: Path) -> StorageReader:
+    def reader(self, path: Any) -> StorageReader:
         """The DCP reader for the checkpoint at ``path``."""
         if self.reader_factory is not None:
             return self.reader_factory(path)
+        if isinstance(path, StoreCheckpoint):
+            return VerifyingFsspecReader(
+                path.store,
+                path.path,
+                verify=self.verify_checksums,
+                trust_checkpoint=self.trust_checkpoint,
+            )
         return VerifyingFileSystemReader(
             path, verify=self.verify_checksums, trust_checkpoint=self.trust_checkpoint
         )
@@ -122,7 +129,7 @@ class OpenedCheckpoint:
         foreign: A ``ModelParallelStrategy`` (FSDP2) DCP directory.
     """
 
-    path: Path
+    path: Any
     manifest: Manifest | None
     problem: str | None
     foreign: bool
@@ -139,15 +146,19 @@ def open_checkpoint(
     """
     found = None
     if ranks.rank == 0:
-        final = Path(os.path.abspath(os.fspath(path)))
-        store.recover(final)
-        manifest, problem = None, None
+        manifest, problem, foreign, final = None, None, False, None
         try:
-            manifest = read_manifest(final)
+            final = store.location(path)
+            store.recover(final)
+            final = store.resolve(final)
+            manifest = store.read_manifest(final)
         except NotACheckpointError as err:
             problem = str(err)
-        foreign = manifest is None and _is_foreign_lightning_dcp(final)
-        found = OpenedCheckpoint(final, manifest, problem, foreign)
+        except (OSError, ValueError, ImportError) as err:  # an unreachable store, say
+            problem = f"{path}: {describe(err)}"
+        if isinstance(final, Path):
+            foreign = manifest is None and _is_foreign_lightning_dcp(final)
+        found = OpenedCheckpoint(final if final is not None else path, manifest, problem, foreign)
     try:
         opened = ranks.broadcast_from_first(found)
     except PeerLostError as err:
@@ -252,7 +263,7 @@ def read_checkpoint(
 
 
 def _validate(
-    final: Path,
+    final: Any,
     manifest: Manifest,
     state: dict[str, Any] | None,
     strict: bool,
@@ -281,9 +292,8 @@ def _validate(
         )
         share = hashed[ranks.rank :: ranks.world_size]
     try:
-        damaged = check_files(final, manifest, checksum_files=share)
-        size = manifest.files[META_FILE].size
-        data = None if damaged else read_regular(final, META_FILE, size=size)
+        damaged = options.store.check_files(final, manifest, checksum_files=share)
+        data = None if damaged else options.store.read_bytes(final, META_FILE)
     except OSError as err:
         damaged, data = [f"cannot read a file: {describe(err)}"], None
     digest = manifest.files[META_FILE].digest() if options.verify_checksums else None
@@ -311,7 +321,7 @@ def _validate(
 
 
 def _load_failure(
-    final: Path, err: BaseException, reader: StorageReader, ranks: Ranks, atomic_load: bool
+    final: Any, err: BaseException, reader: StorageReader, ranks: Ranks, atomic_load: bool
 ) -> CheckpointError:
     """The error every rank raises when ``dcp.load`` failed: DCP's per-rank errors, and
     what the targets now hold on each rank.
@@ -392,7 +402,7 @@ def _fingerprint_problems(manifest: Manifest, state: Mapping[str, Any], strict: 
     return problems
 
 
-def _agree_before_reading(comm: Ranks, final: Path, problems: list[tuple[int, str]]) -> None:
+def _agree_before_reading(comm: Ranks, final: Any, problems: list[tuple[int, str]]) -> None:
     """Raise, identically on every rank, the problems all ranks found; else return.
 
     Through the one agreement helper (:meth:`~lightning_megatron_fsdp.agreement.Ranks.agree`):
@@ -418,7 +428,7 @@ def _agree_before_reading(comm: Ranks, final: Path, problems: list[tuple[int, st
     )
 
 
-def _aftermath(final: Path, states: list[dict[str, Any] | None]) -> str:
+def _aftermath(final: Any, states: list[dict[str, Any] | None]) -> str:
     """What the targets hold after a failed in-place load, from each rank's reader
     progress (``None``: unknown, another reader or a lost rank)."""
     if all(s is not None and not s["started"] for s in states):

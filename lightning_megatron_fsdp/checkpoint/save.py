@@ -36,7 +36,7 @@ from lightning_megatron_fsdp.agreement import (
     dcp_failure_message,
     describe,
 )
-from lightning_megatron_fsdp.checkpoint.checksums import crc32c, crc32c_hex, file_digest
+from lightning_megatron_fsdp.checkpoint.checksums import crc32c, crc32c_hex
 from lightning_megatron_fsdp.checkpoint.commit import CheckpointStore, reach
 from lightning_megatron_fsdp.checkpoint.copies import StagingBuffers
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointError, CheckpointSaveError
@@ -53,6 +53,8 @@ from lightning_megatron_fsdp.checkpoint.format import (
     optimizer_fingerprint,
     package_versions,
 )
+from lightning_megatron_fsdp.checkpoint.fsspec_storage import ChecksummingFsspecWriter
+from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint
 from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
 
 __all__ = [
@@ -101,10 +103,17 @@ class SaveOptions:
     writer_factory: StorageWriterFactory | None = None
     """The DCP writer; a :class:`ChecksummingFileSystemWriter` when ``None``."""
 
-    def writer(self, staging: Path) -> StorageWriter:
+    def writer(self, staging: Any) -> StorageWriter:
         """The DCP writer for ``staging``."""
         if self.writer_factory is not None:
             return self.writer_factory(staging)
+        if isinstance(staging, StoreCheckpoint):
+            return ChecksummingFsspecWriter(
+                staging.store,
+                staging.path,
+                checksum=self.write_checksums,
+                thread_count=self.thread_count,
+            )
         return ChecksummingFileSystemWriter(
             staging, checksum=self.write_checksums, thread_count=self.thread_count
         )
@@ -114,8 +123,8 @@ class SaveOptions:
 class PendingSave:
     """A save the ranks agreed on, not yet written or committed."""
 
-    final: Path
-    staging: Path
+    final: Any
+    staging: Any
     token: str
     options: SaveOptions
     tensors: dict[str, Any]
@@ -246,7 +255,7 @@ def begin_save(
             state differs from rank 0's; rank 0's staging location is removed.
         PeerLostError: If a peer is gone.
     """
-    final = Path(os.path.abspath(os.fspath(path)))
+    final = options.store.location(path)
     token = uuid.uuid4().hex
     tensors: dict[str, Any] = {}
     meta: dict[str, Any] = {}
@@ -264,7 +273,7 @@ def begin_save(
         if ranks.rank == 0:
             fields = _manifest_fields(checkpoint, tensors, ranks.world_size)
             _pickled({k: v for k, v in meta.items() if k not in own})  # fails here, not later
-            options.store.check_target(final)
+            token = options.store.check_target(final, token)
         if copies is not None:
             tensors = copies.stage(tensors)
     except Exception as err:
@@ -288,7 +297,7 @@ def begin_save(
             f"Saving checkpoint {gathered[0].path} failed{where} before any tensor was written; "
             "the previous checkpoint there, if any, is untouched:\n  " + "\n  ".join(errors)
         )
-    final, token = Path(gathered[0].path), gathered[0].token
+    final, token = options.store.location(gathered[0].path), gathered[0].token
     staging = options.store.staging_path(final, token)
     pending = PendingSave(final, staging, token, options, tensors, _FailedWriter(None))
     pending.plan_key = f"lightning_megatron_fsdp:{ranks.world_size}:{gathered[0].digest}"
@@ -387,7 +396,7 @@ def commit_save(pending: PendingSave, metadata: Metadata, ranks: Ranks) -> None:
             files: dict[str, FileRecord] = {}
             for _, rank_records in gathered:
                 files.update(rank_records)
-            _check_claims(pending.staging, files, metadata)
+            _check_claims(set(store.sizes(pending.staging)), files, metadata)
             assert pending.manifest_fields is not None
             manifest = Manifest(files=files, **pending.manifest_fields)
             store.publish(final, pending.staging, manifest, pending.token)
@@ -442,15 +451,6 @@ def _pickled(meta: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def _write_meta(path: Path, data: bytes, checksum: bool) -> FileRecord:
-    """Write ``meta.pt``, fsync'd; its size and CRC32C from the bytes written."""
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    return FileRecord(size=len(data), crc32c=crc32c_hex(crc32c(data)) if checksum else None)
-
-
 def _local_records(pending: PendingSave, rank: int) -> dict[str, FileRecord]:
     """Size and CRC32C of the files this rank wrote: its shards; rank 0 also the rest.
 
@@ -459,19 +459,26 @@ def _local_records(pending: PendingSave, rank: int) -> dict[str, FileRecord]:
     written, is read back and hashed.
     """
     staging, checksum = pending.staging, pending.options.write_checksums
+    store = pending.options.store
     written: dict[str, FileRecord] = {}
     if rank == 0:
         assert pending.meta is not None
-        written[META_FILE] = _write_meta(staging / META_FILE, pending.meta, checksum)
+        data = pending.meta
+        store.write_file(staging, META_FILE, data)
+        digest = crc32c_hex(crc32c(data)) if checksum else None
+        written[META_FILE] = FileRecord(size=len(data), crc32c=digest)
     pattern = re.compile(_DISTCP_RE.format(rank=rank))
-    names = sorted(p.name for p in staging.iterdir() if pattern.fullmatch(p.name))
+    stored = store.sizes(staging)
+    names = sorted(n for n in stored if pattern.fullmatch(n))
     if rank == 0:
         names += [DCP_METADATA_FILE, META_FILE]
     writer = pending.writer
     hashed = writer.written_files() if isinstance(writer, ChecksummingFileSystemWriter) else {}
     records = {}
     for name in names:
-        size = (staging / name).stat().st_size
+        if name not in stored:
+            raise FileNotFoundError(f"{name} is missing from {staging} after it was written")
+        size = stored[name]
         if not checksum:
             records[name] = FileRecord(size)
             continue
@@ -481,17 +488,17 @@ def _local_records(pending: PendingSave, rank: int) -> dict[str, FileRecord]:
         if known is not None and known.size == size:
             records[name] = known
         else:
-            records[name] = FileRecord(size, crc32c=file_digest(staging / name, "crc32c"))
+            records[name] = FileRecord(size, crc32c=store.digest(staging, name, "crc32c"))
     return records
 
 
-def _check_claims(staging: Path, files: Mapping[str, FileRecord], metadata: Metadata) -> None:
-    """Every file on disk was claimed by a rank, and every file DCP indexed exists.
+def _check_claims(on_disk: set[str], files: Mapping[str, FileRecord], metadata: Metadata) -> None:
+    """Every file in the staging location was claimed by a rank, and every file DCP
+    indexed exists.
 
     Raises:
         RuntimeError: Otherwise: DCP's file naming changed, or a writer misbehaved.
     """
-    on_disk = {p.name for p in staging.iterdir()}
     unclaimed = sorted(on_disk - set(files))
     storage = getattr(metadata, "storage_data", None) or {}
     indexed = {info.relative_path for info in storage.values() if hasattr(info, "relative_path")}

