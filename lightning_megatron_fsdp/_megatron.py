@@ -1,27 +1,7 @@
-"""Every access to megatron-fsdp's experimental internals, for 0.6.1 and 0.7.
-
-Problem: ``megatron_fsdp.experimental`` is a moving API. Between 0.6.1 and the 0.7 release
-candidate ``fully_shard`` moved inside ``fully_shard_context``, the DBuffer placements
-became torch's (``Shard(0)``, ``Partial("avg")``), a parameter group's
-``sharded_parameters``/``unsharded_parameters``/``parameter_names`` became
-``fsdp_parameters`` (``FsdpParameter(fqns, sharded, unsharded)``), ties became upstream's
-job, ``microbatch`` takes a context instead of a module, and ``FsdpContext.root_module``
-gave way to ``FsdpModule.is_root()``.
-
-How: the rest of the package never imports a private megatron-fsdp name; it calls the
-functions here, which pick a path by *feature detection* (``hasattr`` on the class or
-module that changed), never by version string, so a patch release that backports a
-feature takes the right path. Each private access names the upstream line it relies on,
-and ``tests/test_megatron_compat.py`` fails when one of them disappears.
-
-The execution-on-CPU patches live in :mod:`~lightning_megatron_fsdp.cpu_execution`, not here:
-they replace names inside upstream modules, a different kind of debt.
-
-Alternatives rejected:
-    * Version-string switches (``megatron_fsdp.__version__ >= "0.7"``): wrong for release
-      candidates and backports, and they hide which feature each branch needs.
-    * Pinning one version: users upgrade megatron-fsdp with their CUDA stack, and the
-      0.7 line is where upstream fixes (ties, prefetch across roots) land.
+"""Every access to megatron-fsdp's experimental internals, for 0.6.1 and 0.7, each path chosen
+by feature detection. The rest of the package calls these functions and never a private
+megatron-fsdp name, so an upstream change breaks one module, which
+``tests/test_megatron_compat.py`` checks.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
-"""Ranks agree on an outcome, then raise together: the one mechanism for rank-local failures.
-
-Problem: much of a save or load is rank-local (building targets, checking files, reading
-one's own rows) and can fail on one rank only. If that rank raises alone, its peers wait
-in the next collective until the process-group timeout, then die with a backend error
-that names nothing. If a peer is already dead, a collective fails with a raw gloo/NCCL
-message.
-
-How: after rank-local work every rank calls :meth:`Ranks.agree` with what it found (a list
-of :class:`Problem`, empty on success). One ``all_gather_object`` on the group (bounded by
-its timeout) collects them; if any rank found one, every rank raises the *same* error: a
-one-line summary first (how many problems, of which kinds, the first one), then every
-problem, marked with the ranks that saw it when not all did. A collective that fails
-(a peer died or timed out) becomes the caller's error class too, saying so.
-
-Alternatives rejected:
-    * An all-reduce of a per-rank error flag: cheaper, but the survivors can only say
-      "rank 1 failed", never why, and problems cannot be merged across ranks.
-    * Raising on the failing rank and letting the others time out: minutes of idle
-      accelerators and an error that blames the network.
+"""Ranks agree on an outcome, then raise together: the one mechanism for failures that happen
+on some ranks only. :meth:`Ranks.agree` gathers every rank's :class:`Problem` list in one
+collective and every rank raises the same error, so no peer waits for a timeout and no error
+blames the network.
 """
 
 from __future__ import annotations

@@ -1,35 +1,7 @@
-"""The ``lightning-megatron-fsdp`` console script: export and inspect checkpoints offline.
-
-Subcommands (each runs in one process, without a GPU or a process group)::
-
-    lightning-megatron-fsdp consolidate CHECKPOINT_DIR OUTPUT [--dtype bf16|fp16|fp32]
-                                        [--optimizer | --strip-prefix PREFIX]
-                                        [--overwrite] [--skip-checksums]
-    lightning-megatron-fsdp export-lightning CHECKPOINT_DIR OUTPUT.ckpt
-                                        [--dtype bf16|fp16|fp32] [--optimizer]
-                                        [--overwrite] [--skip-checksums]
-    lightning-megatron-fsdp inspect CHECKPOINT_DIR [--json] [--verify] [--skip-checksums]
-
-Every command also takes ``--trust-checkpoint`` (unpickle the checkpoint's pickles in
-full; by default nothing from it runs) and ``--debug`` (a traceback with an error).
-
-``consolidate`` writes the bare weights to ``OUTPUT`` as safetensors or ``torch.save`` by
-its suffix (:func:`~lightning_megatron_fsdp.export.consolidate_checkpoint`);
-``--strip-prefix model.`` keeps only the inner module's weights, under its own names
-(for its ``load_state_dict`` or Hugging Face ``from_pretrained``). ``export-lightning``
-writes a single-file Lightning checkpoint for ``Model.load_from_checkpoint``
-(:func:`~lightning_megatron_fsdp.lightning_checkpoint.export_lightning_checkpoint`).
-Two commands rather than a ``--format`` option of ``consolidate``: their outputs serve
-different loaders and take different options (a prefix makes no sense for a Lightning
-checkpoint, hyper-parameters none for safetensors). ``inspect`` prints each tensor's
-global shape, dtype and chunk count and the Lightning metadata; ``--verify`` also checks
-completeness, sizes and checksums (CRC32C; sha256 in format-1 checkpoints) against the
-manifest.
-
-Exit status: 0 on success, 1 when the checkpoint or output is rejected (or ``--verify``
-finds problems), 2 for a command-line usage error. Errors go to stderr, as one message
-without a traceback (unless ``--debug``). Each command imports only what it uses: neither
-Lightning nor megatron-fsdp.
+"""The ``lightning-megatron-fsdp`` console script: ``consolidate``, ``export-lightning`` and
+``inspect`` checkpoints offline, in one process without a GPU or a process group, importing
+neither Lightning nor megatron-fsdp. Exit status 0 on success, 1 when a checkpoint or output
+is rejected, 2 for a usage error.
 """
 
 from __future__ import annotations

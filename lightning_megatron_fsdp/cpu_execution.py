@@ -1,64 +1,9 @@
-"""Run Megatron-FSDP's experimental path on CPU, for tests and laptop debugging.
-
-Problem: ``megatron_fsdp.experimental`` schedules its communication on CUDA streams.
-``FsdpContext`` creates two ``torch.cuda.Stream`` objects, ``FsdpModule`` brackets every
-unshard, reshard and gradient reduction in ``torch.cuda.stream(...)``, stream waits, events
-and NVTX ranges, and from 0.7 on ``FsdpParameterGroup`` does the same and each ``DBuffer``
-records the stream that allocated it. On a CPU-only build each of those raises (or, for
-the allocation stream, records ``None`` that a later assertion rejects), so forward never
-starts, although everything underneath (``DBuffer``, gloo collectives, DCP) works on CPU.
-
-Fix: :func:`enable_cpu_execution` applies a few patches, all in this module. The upstream
-lines each one stands in for (0.6.1 = the PyPI release, 0.7 = the 0.7.0rc0 snapshot; the
-calls, not the line numbers, are what ``tests/test_megatron_compat.py`` checks):
-
-* ``module.torch`` (both versions) and ``parameter_group.torch`` (patched on both; only
-  0.7's calls ``torch.cuda`` outside symmetric memory) point at a thin proxy of ``torch``.
-  Every attribute forwards to the real ``torch`` except ``torch.cuda``, which forwards to
-  the real ``torch.cuda`` too unless the call concerns a non-CUDA device or one of our
-  streams:
-
-  - ``cuda.device(d)`` / ``cuda.Stream(...)``: for a non-CUDA device the stream is a
-    :class:`SyncStream`, whose waits and events are no-ops because CPU kernels run
-    synchronously, in program order, on the calling thread. Replaces
-    ``FsdpContext.__init__``'s stream creation: 0.6.1 module.py:57-59
-    (``with torch.cuda.device(device): torch.cuda.Stream()`` twice), 0.7 module.py:78 and
-    :84 (``torch.cuda.Stream(device)``).
-  - ``cuda.current_stream(d)``: a :class:`SyncStream` for a CPU device. Replaces
-    ``FsdpContext.current_stream`` (0.6.1 module.py:63, 0.7 module.py:126) and, on 0.7,
-    parameter_group.py:273 (``sync_model_weight_from_main_weight``) and :393, :440
-    (``reduce_partial_gradients``' allocation-stream assertions).
-  - ``cuda.stream(s)``: a ``nullcontext`` for a :class:`SyncStream`. Replaces the hooks'
-    stream switches, 0.6.1 module.py:263, :286, :332, :339 and 0.7 module.py:367, :397,
-    :444, :451 (unshard, reshard, gradient reduction), and on 0.7 parameter_group.py:174,
-    :203 (``__init__``'s model-weight and main-gradient allocation) and :275.
-  - ``cuda.nvtx``: the real ranges when torch was built with CUDA, no-ops otherwise.
-    Replaces 0.6.1 module.py:232, :271, :293, :320 and 0.7 module.py:333, :382, :405, :432.
-
-  ``torch.cuda.use_mem_pool`` (0.6.1 parameter_group.py:184, 0.7 :251) runs only with
-  symmetric memory, which needs NCCL: it forwards unchanged.
-
-* On 0.7 only, ``DBuffer.__init__`` is wrapped so a non-CUDA buffer records the
-  :class:`SyncStream` of its device instead of ``None`` (0.7 dbuffer.py:113-117,
-  ``self.allocation_stream = torch.cuda.current_stream(...) if self.local_buffer.is_cuda
-  else None``): ``sync_model_weight_from_main_weight`` asserts it is not ``None``
-  (parameter_group.py:272) and ``reduce_partial_gradients`` that it equals the current
-  stream (:392, :439). 0.6.1's ``DBuffer`` has no allocation stream, and dbuffer.py calls
-  no other ``torch.cuda`` function in either version.
-
-So CUDA modules keep real streams and ordering bit for bit (the proxy only forwards, and
-the ``DBuffer`` wrapper leaves CUDA buffers alone), and CPU modules run megatron-fsdp's
-own code, unmodified, in program order. ``tests/test_cpu_execution.py`` fails if an
-upstream name patched here disappears.
-
-Alternatives rejected:
-    * Patching ``torch.cuda.Stream`` and friends globally: would change every other
-      library in the process, CUDA users included.
-    * Re-implementing ``FsdpModule``'s forward/backward hooks without streams: a
-      second copy of the scheduling logic, which would drift from the real one and
-      test our copy instead of megatron-fsdp.
-    * A ``FsdpContext`` subclass: the hook bodies and the parameter groups still call
-      ``torch.cuda.stream`` and ``torch.cuda.nvtx`` directly.
+"""Run megatron-fsdp's experimental path on CPU, for tests and laptop debugging:
+:func:`enable_cpu_execution` points the upstream modules' ``torch`` at a proxy whose CUDA
+stream calls become no-op streams for non-CUDA devices, so megatron-fsdp's own code runs
+unmodified on gloo while CUDA modules keep their real streams.
+``tests/test_cpu_execution.py`` and ``tests/test_megatron_compat.py`` name the upstream
+calls it stands in for.
 """
 
 from __future__ import annotations
@@ -277,7 +222,7 @@ def enable_cpu_execution() -> None:
         proxy = _TorchProxy()
         for upstream in modules:
             upstream.torch = proxy
-        # 0.7 only (dbuffer.py:113-117): 0.6.1's DBuffer has no allocation stream.
+        # 0.7 only: 0.6.1's DBuffer has no allocation stream.
         if "allocation_stream" in getattr(DBuffer, "__annotations__", {}) and not hasattr(
             DBuffer.__init__, "_lmf_original"
         ):

@@ -1,75 +1,7 @@
-"""What a resumed ``fit`` needs beyond tensors to continue exactly: random streams and data order.
-
-Problem: model and optimizer state alone do not make a resume bit-exact.
-
-* Dropout, sampling and random augmentation draw from per-process random streams (torch's
-  CPU generator, the device's CUDA generator, numpy's and Python's ``random``). Lightning
-  does not checkpoint them, so a resumed run draws other dropout masks from its first step.
-  Each rank has its own streams, so they must be saved and restored per rank.
-* When to restore them matters as much as what: between the save and the next training
-  batch the uninterrupted run may draw for things a resumed run never repeats (a
-  validation run Lightning skips on resume, whose loader draws a seed; a sampling
-  callback), and a resumed run draws for things the uninterrupted run did before the save
-  (creating the train loader's iterator mid-epoch).
-* Lightning (2.6) restores a resumable loader (torchdata's ``StatefulDataLoader``) and
-  creates its iterator in ``FitLoop.setup_data``, but calls ``DistributedSampler.set_epoch``
-  only later, in ``FitLoop.on_advance_start``: a resume in epoch ``e >= 1`` fast-forwards
-  through epoch 0's shuffle order (Lightning's DDP strategy behaves the same).
-* A checkpoint written after the last batch of an epoch (``every_n_train_steps`` dividing
-  the epoch, ``on_train_epoch_end``, validation at the epoch end) holds the loader's
-  position *at the end* of the finished epoch. Lightning restores that exhausted position
-  and runs an empty epoch with it, so the next epoch gets the sampler epoch one too high;
-  with ``max_steps`` it also re-runs the finished epoch's end hooks.
-
-How (:class:`ExactResume`, driven by the strategy's hooks):
-
-* Saving: every rank's streams are gathered to rank 0, which writes them into the
-  non-tensor part of Lightning's checkpoint dict (``meta.pt``) under
-  :data:`RNG_STATES_KEY`, one entry per rank. Loading for ``fit`` at the same world size,
-  each rank keeps its own entry; at another world size nothing is restored and one warning
-  says so.
-* Validation inside ``fit`` runs on a copy of the streams: captured at
-  ``on_validation_start``, put back at ``on_validation_end`` (Lightning does the same for
-  the sanity check); a save during validation records the captured training streams. So
-  validation never shifts the training streams, and a resume is exact whether the
-  checkpoint was written before or after a validation run.
-* The strategy's ``process_dataloader`` runs for the train loader inside ``setup_data``,
-  before Lightning restores the loader's position and creates its iterator. There,
-  :meth:`ExactResume.train_loader` makes a ``StatefulDataLoader(shuffle=True)`` shuffle
-  by epoch like a ``DataLoader(shuffle=True)`` (:func:`shuffle_by_epoch`) and sets the
-  sampler's epoch to the epoch about to run.
-  After a mid-epoch save that is the saved epoch, and the streams are restored later, in
-  the strategy's ``on_train_start`` (after the iterator exists and after the user's own
-  ``on_train_start`` hooks: where the uninterrupted run stood at its save). After an
-  end-of-epoch save the next epoch starts as in the uninterrupted run: the exhausted
-  loader position is dropped, the sampler gets the next epoch, a ``max_steps`` run is not
-  marked as restarting a finished epoch (as a ``max_epochs`` run already is not), and the
-  streams are restored at once, because the uninterrupted run also created the next
-  epoch's iterator after its save.
-
-What is not restored: random streams on a resume at another world size (warned); the
-state of other random generators (a ``torch.Generator`` of your own, a loader's
-``generator``: checkpoint those in your module); a dataset's own state at an epoch
-boundary (the next epoch starts fresh, as in the uninterrupted run, but a stateful
-``IterableDataset`` that carries state across epochs would lose it); with a plain
-``DataLoader``, the position inside an epoch (Lightning warns; the epoch restarts).
-
-Alternatives rejected:
-    * Per-rank side files listed in the manifest: every rank would write one file per save
-      and the manifest format would change; the states are a few kilobytes per rank, so
-      one gather into ``meta.pt`` costs less and needs no format change. ``meta.pt`` grows
-      by about 8 kB per rank.
-    * Restoring the streams when the checkpoint is loaded: the train iterator created
-      afterwards draws a seed from torch's generator, which after a mid-epoch save the
-      uninterrupted run drew before it, so every later dropout mask would differ.
-    * A ``DistributedSampler`` subclass whose ``state_dict`` carries its epoch: it only
-      helps loaders that save sampler state (``StatefulDataLoader`` fast-forwards a
-      non-stateful sampler instead), would have to replace the sampler Lightning injects,
-      and does not fix the end-of-epoch case. Setting the epoch before the restore works
-      for any sampler with ``set_epoch``.
-    * Lightning's ``_collect_rng_states``: it reads the CUDA state of every visible device
-      (touching devices that belong to other ranks) and keeps numpy's state as an
-      ``ndarray``, which ``torch.load(weights_only=True)`` refuses.
+"""What a resumed ``fit`` needs beyond tensors to continue bit-exactly: every rank's random
+streams saved in ``meta.pt`` and restored where the uninterrupted run stood, validation
+inside ``fit`` on a copy of them, and the train sampler's epoch set before Lightning
+restores a resumable loader (:class:`ExactResume`, driven by the strategy's hooks).
 """
 
 from __future__ import annotations

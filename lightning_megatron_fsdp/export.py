@@ -1,64 +1,8 @@
-"""Offline export of lightning-megatron-fsdp checkpoints (inspection: ``inspection.py``).
-
-Problem: a checkpoint is a directory of DCP shard files whose chunks follow
-Megatron-FSDP's packed layout (a rank may hold all rows of one parameter and none of the
-next), plus ``meta.pt`` and ``manifest.json`` (see docs/DESIGN.md, "On-disk format").
-Deploying the weights, or looking at what a run saved, should need neither the training
-job's world size, nor a process group, nor a GPU, nor memory for the whole model.
-
-How: DCP's ``.metadata`` records every tensor's global shape and where each saved chunk
-lies (file, byte range, offsets in the global tensor). :func:`consolidate_checkpoint`
-checks that metadata against the manifest (read and size/checksum-checked by
-:mod:`lightning_megatron_fsdp.checkpoint.format`, as the loader does) and against the files on
-disk, and that every tensor's chunks tile it exactly once; then, for one tensor at
-a time, allocates only that full tensor and has ``dcp.load(..., no_dist=True)`` (no
-process group) plan its reads: only that tensor's chunks, each read straight into place
-(:class:`_StreamingReader`). It then appends the tensor's bytes to the output, casting in
-small blocks if asked. Peak memory is the largest tensor plus a few MiB, not the model
-(``benchmarks/bench_consolidate_memory.py``: 1.2x the largest tensor, 1.5x with a cast)::
-
-    checkpoint dir                         output file (written to a temp file, renamed)
-    .metadata ----------- shapes, dtypes ->  header: every key, shape, dtype, offset
-    __0_0.distcp  [emb rows 0-10][fc r0-1]   then, tensor by tensor:
-    __1_0.distcp  [fc rows 2-3][out ...]       emb  = chunks from __0_0      -> bytes
-                                               fc   = chunks from __0_0, __1_0 -> bytes
-                                               ...  (one full tensor in memory at a time)
-
-Output formats, chosen by the output suffix:
-
-* ``.safetensors``: written here, streaming: the header (8-byte little-endian length,
-  JSON with dtype, shape and byte range per tensor) is known from ``.metadata`` before any
-  data is read, so tensors are appended one by one. Largest element size first, so every
-  tensor is aligned to its element size.
-* ``.pt`` / ``.pth`` / ``.bin``: a regular ``torch.save`` zip file. The skeleton (pickle of
-  every key, shape and dtype, and a reserved record per tensor) is written by
-  ``torch.save`` itself under ``torch.serialization.skip_data`` from fake tensors; each
-  record is then filled in place, and the zip CRC-32 fields ``skip_data`` leaves at zero
-  are patched, so ``unzip -t`` and ``zipfile`` accept the file, not only ``torch.load``.
-
-Output keys are the model's FQNs (the ``state_dict.`` DCP prefix stripped), so
-``model.load_state_dict(torch.load(path))`` works on the unsharded ``LightningModule``;
-with ``strip_prefix="model."`` they are those of the module it holds as ``self.model``
-(for its own ``load_state_dict`` or Hugging Face ``from_pretrained``), the other entries
-left out. A single-file Lightning checkpoint for ``load_from_checkpoint`` is written by
-:mod:`lightning_megatron_fsdp.lightning_checkpoint` through the same ``torch.save``
-writer.
-A tied parameter appears under each of its FQNs, as in a plain ``state_dict()``, as
-separate copies of equal value. Optimizer state is exported only on request, under its
-DCP key (``optimizer_states.<i>.state.<fqn>.<name>``; see :data:`OPTIMIZER_PREFIX`);
-non-tensor optimizer entries (``optimizer_states.<i>.param_groups.<j>.<name>``) are plain
-Python values in a ``.pt`` file and JSON strings in the safetensors ``__metadata__``.
-
-Alternatives rejected:
-    * ``dcp.format_utils.dcp_to_torch_save``: loads the whole checkpoint into memory.
-    * ``safetensors.torch.save_file``: needs every tensor in memory at once.
-    * ``torch.save`` of tensors backed by ``torch.from_file`` memory maps: every mapped
-      page touched stays resident, so peak RSS grows to the model size again.
-    * Writing the ``torch.save`` zip and pickle by hand: a second copy of torch's format
-      that would drift; ``skip_data`` lets torch write its own format.
-
-Only open checkpoints you trust: DCP's ``.metadata`` and its non-tensor entries are
-pickles. ``meta.pt`` is read with ``weights_only=True`` only.
+"""Offline export of a checkpoint to one file (safetensors or ``torch.save``, chosen by the
+suffix), at any world size, without a process group, a GPU or memory for the whole model:
+:func:`consolidate_checkpoint` checks the checkpoint, then streams one full tensor at a time
+into the output, which appears by an atomic rename. The writers and checks here are shared
+with :mod:`lightning_checkpoint`.
 """
 
 from __future__ import annotations
@@ -100,16 +44,29 @@ from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, MANIFES
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import check_tensor_record
 from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
 from lightning_megatron_fsdp.inspection import (
-    _MAX_EXAMPLES,
+    MAX_EXAMPLES,
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
-    _check,
-    _Checked,
-    _ordered_keys,
-    _summarise,
+    CheckedCheckpoint,
+    check_directory,
+    ordered_keys,
+    summarise,
 )
 
-__all__ = ["consolidate_checkpoint"]
+__all__ = [
+    "ExportEntry",
+    "StreamingReader",
+    "TreePlace",
+    "check_output",
+    "checkpoints_inside",
+    "consolidate_checkpoint",
+    "load_object",
+    "parse_dtype",
+    "refuse_problems",
+    "select_entries",
+    "write_atomically",
+    "write_torch",
+]
 
 """DCP key prefix of model tensors; stripped in consolidated output."""
 
@@ -160,7 +117,7 @@ _WRITE_BLOCK = 8 << 20
 
 
 @dataclasses.dataclass(frozen=True)
-class _Entry:
+class ExportEntry:
     """One output entry: the DCP key it comes from and the name and dtype it gets."""
 
     key: str
@@ -170,7 +127,9 @@ class _Entry:
 
     def __post_init__(self) -> None:
         if (self.dtype is None) != isinstance(self.metadata, BytesStorageMetadata):
-            raise AssertionError(f"_Entry {self.key!r}: dtype must be set exactly for tensors.")
+            raise AssertionError(
+                f"ExportEntry {self.key!r}: dtype must be set exactly for tensors."
+            )
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -183,10 +142,10 @@ class _Entry:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-class _StreamingReader(VerifyingFileSystemReader):
+class StreamingReader(VerifyingFileSystemReader):
     """A reader that reuses parsed metadata and reads chunks into place.
 
-    Checksums were compared before (``_check``), so it does not verify again; it opens
+    Checksums were compared before (``check_directory``), so it does not verify again; it opens
     files and bounds records as :class:`VerifyingFileSystemReader` does, and anything it
     does not read itself goes through that reader.
 
@@ -277,9 +236,11 @@ class _StreamingReader(VerifyingFileSystemReader):
         return True
 
 
-def _parse_dtype(
+def parse_dtype(
     dtype: torch.dtype | str | None, who: str = "consolidate_checkpoint"
 ) -> torch.dtype | None:
+    """The output dtype ``dtype`` names (a ``torch.dtype`` or an alias such as ``"bf16"``),
+    or ``None`` to keep the saved dtypes; a ``ValueError`` naming ``who`` otherwise."""
     if dtype is None or dtype in _DTYPE_ALIASES.values():
         return dtype  # type: ignore[return-value]
     if isinstance(dtype, str) and dtype.lower() in _DTYPE_ALIASES:
@@ -303,7 +264,7 @@ def _output_format(output: Path) -> str:
     )
 
 
-def _check_output(
+def check_output(
     output: Path, checkpoint: Path, *, overwrite: bool, who: str = "consolidate_checkpoint"
 ) -> None:
     """Refuse outputs we must not write, before anything is read or written."""
@@ -325,8 +286,8 @@ def _check_output(
         )
 
 
-def _refuse_problems(checked: _Checked, checkpoint: Path, who: str) -> None:
-    """Raise one error listing every problem :func:`_check` found, if any.
+def refuse_problems(checked: CheckedCheckpoint, checkpoint: Path, who: str) -> None:
+    """Raise one error listing every problem :func:`check_directory` found, if any.
 
     Raises:
         NotACheckpointError: Without a readable manifest.
@@ -335,9 +296,9 @@ def _refuse_problems(checked: _Checked, checkpoint: Path, who: str) -> None:
     if not checked.problems:
         return
     listing = "\n".join(f"  - {problem}" for problem in checked.problems)
-    inside = _checkpoints_inside(checkpoint)
+    inside = checkpoints_inside(checkpoint)
     hint = (
-        f"{checkpoint} is a directory of checkpoints ({_summarise('pass one of them', inside)})"
+        f"{checkpoint} is a directory of checkpoints ({summarise('pass one of them', inside)})"
         if inside and checked.manifest is None
         else f"Point at a complete checkpoint directory (one that has {MANIFEST_FILE}), or "
         f"run `lightning-megatron-fsdp inspect --verify {checkpoint}` for details"
@@ -350,7 +311,7 @@ def _refuse_problems(checked: _Checked, checkpoint: Path, who: str) -> None:
     )
 
 
-def _checkpoints_inside(path: Path) -> list[str]:
+def checkpoints_inside(path: Path) -> list[str]:
     """Complete checkpoints directly inside ``path`` (by name), if ``path`` is not one.
 
     A user who points at ``ModelCheckpoint``'s ``dirpath`` instead of one checkpoint in
@@ -363,7 +324,7 @@ def _checkpoints_inside(path: Path) -> list[str]:
     return sorted(name for name in names if (path / name / MANIFEST_FILE).is_file())
 
 
-def _write_atomically(
+def write_atomically(
     output: Path, write: Callable[[IO[bytes]], None], *, overwrite: bool, who: str
 ) -> None:
     """Run ``write(stream)`` on a new hidden file next to ``output``, fsync it, rename it
@@ -403,15 +364,15 @@ def _write_atomically(
             temporary.unlink()
 
 
-def _select_entries(
-    checked: _Checked,
+def select_entries(
+    checked: CheckedCheckpoint,
     dtype: torch.dtype | None,
     *,
     include_optimizer: bool,
     path: Path,
     strip_prefix: str | None = None,
     who: str = "consolidate_checkpoint",
-) -> list[_Entry]:
+) -> list[ExportEntry]:
     """The entries to export, in state-dict order, with their output names and dtypes.
 
     With ``strip_prefix``, only model entries under it are exported, renamed without it;
@@ -419,10 +380,10 @@ def _select_entries(
     """
     metadata = checked.metadata
     if metadata is None:
-        raise AssertionError("_select_entries: a checked checkpoint has parsed metadata.")
+        raise AssertionError("select_entries: a checked checkpoint has parsed metadata.")
     entries = []
     outside: list[str] = []
-    for key in _ordered_keys(metadata, checked.manifest):
+    for key in ordered_keys(metadata, checked.manifest):
         md = metadata.state_dict_metadata[key]
         if key.startswith(MODEL_PREFIX):
             name = key[len(MODEL_PREFIX) :]
@@ -441,9 +402,9 @@ def _select_entries(
         if isinstance(md, TensorStorageMetadata):
             saved = md.properties.dtype
             out = cast if cast is not None and saved.is_floating_point else saved
-            entries.append(_Entry(key, name, md, out))
+            entries.append(ExportEntry(key, name, md, out))
         else:
-            entries.append(_Entry(key, name, md, None))
+            entries.append(ExportEntry(key, name, md, None))
     if strip_prefix is not None and not any(e.key.startswith(MODEL_PREFIX) for e in entries):
         heads = sorted({name.partition(".")[0] + "." for name in outside})
         raise ValueError(
@@ -452,8 +413,8 @@ def _select_entries(
             f"{heads[0] if heads else 'model.'!r}."
         )
     if outside:
-        shown = ", ".join(repr(name) for name in outside[:_MAX_EXAMPLES])
-        more = f" and {len(outside) - _MAX_EXAMPLES} more" if len(outside) > _MAX_EXAMPLES else ""
+        shown = ", ".join(repr(name) for name in outside[:MAX_EXAMPLES])
+        more = f" and {len(outside) - MAX_EXAMPLES} more" if len(outside) > MAX_EXAMPLES else ""
         warnings.warn(
             f"{who}: {len(outside)} model entries of {path} lie outside strip_prefix="
             f"{strip_prefix!r} and are left out: {shown}{more}.",
@@ -498,10 +459,10 @@ def _quiet_no_dist() -> Iterator[None]:
             raise CheckpointCorruptedError(f"reading the checkpoint failed: {err}") from err
 
 
-def _load_tensor(reader: _StreamingReader, entry: _Entry) -> torch.Tensor:
+def _load_tensor(reader: StreamingReader, entry: ExportEntry) -> torch.Tensor:
     """Read one full tensor, in its saved dtype, from its chunks: the only full copy.
 
-    Every chunk is read straight into place (:class:`_StreamingReader`), so this costs
+    Every chunk is read straight into place (:class:`StreamingReader`), so this costs
     the tensor's size and no transient copy.
     """
     assert isinstance(entry.metadata, TensorStorageMetadata)
@@ -528,7 +489,8 @@ def _write_tensor(stream: IO[bytes], tensor: torch.Tensor, dtype: torch.dtype) -
     return crc
 
 
-def _load_object(reader: _StreamingReader, entry: _Entry) -> Any:
+def load_object(reader: StreamingReader, entry: ExportEntry) -> Any:
+    """The non-tensor object saved under ``entry.key``, read alone through ``reader``."""
     holder: dict[str, Any] = {entry.key: None}
     with _quiet_no_dist():
         dcp.load(holder, storage_reader=reader, no_dist=True)
@@ -542,7 +504,7 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def _write_safetensors(
-    stream: IO[bytes], entries: list[_Entry], reader: _StreamingReader, objects: dict[str, Any]
+    stream: IO[bytes], entries: list[ExportEntry], reader: StreamingReader, objects: dict[str, Any]
 ) -> None:
     """Stream ``entries`` into ``stream`` in the safetensors format.
 
@@ -591,22 +553,22 @@ def _write_safetensors(
         _write_tensor(stream, _load_tensor(reader, entry), entry.dtype)
 
 
-_Place = tuple[Any, ...]
+TreePlace = tuple[Any, ...]
 """Where a tensor sits in a nested checkpoint tree: the keys (dict) and indices (list)
 from the root, e.g. ``("state_dict", "embed.weight")``."""
 
 
-def _at(tree: Any, place: _Place) -> Any:
+def _at(tree: Any, place: TreePlace) -> Any:
     for key in place:
         tree = tree[key]
     return tree
 
 
-def _write_torch(
+def write_torch(
     stream: IO[bytes],
     tree: dict[str, Any],
-    places: list[tuple[_Entry, _Place]],
-    reader: _StreamingReader,
+    places: list[tuple[ExportEntry, TreePlace]],
+    reader: StreamingReader,
 ) -> None:
     """Write ``tree`` to the new, empty file ``stream`` as a ``torch.save`` file, one
     tensor in memory at a time.
@@ -760,22 +722,22 @@ def consolidate_checkpoint(
     who = "consolidate_checkpoint"
     checkpoint = Path(checkpoint_dir)
     output = Path(output_path)
-    out_dtype = _parse_dtype(dtype)
+    out_dtype = parse_dtype(dtype)
     output_format = _output_format(output)
     _check_strip_prefix(strip_prefix, include_optimizer=include_optimizer)
-    _check_output(output, checkpoint, overwrite=overwrite)
-    checked = _check(checkpoint, checksums=verify_checksums, trust=trust_checkpoint)
-    _refuse_problems(checked, checkpoint, who)
-    entries = _select_entries(
+    check_output(output, checkpoint, overwrite=overwrite)
+    checked = check_directory(checkpoint, checksums=verify_checksums, trust=trust_checkpoint)
+    refuse_problems(checked, checkpoint, who)
+    entries = select_entries(
         checked,
         out_dtype,
         include_optimizer=include_optimizer,
         path=checkpoint,
         strip_prefix=strip_prefix,
     )
-    assert checked.metadata is not None  # _select_entries checked it
-    reader = _StreamingReader(checkpoint, checked.metadata, trust=trust_checkpoint)
-    objects = {e.name: _load_object(reader, e) for e in entries if e.dtype is None}
+    assert checked.metadata is not None  # select_entries checked it
+    reader = StreamingReader(checkpoint, checked.metadata, trust=trust_checkpoint)
+    objects = {e.name: load_object(reader, e) for e in entries if e.dtype is None}
     if output_format == "safetensors":
         for entry in entries:
             if entry.dtype is None and entry.key.startswith(MODEL_PREFIX):
@@ -791,9 +753,9 @@ def consolidate_checkpoint(
         else:
             tree = {e.name: objects.get(e.name) for e in entries}
             places = [(e, (e.name,)) for e in entries if e.dtype is not None]
-            _write_torch(stream, tree, places, reader)
+            write_torch(stream, tree, places, reader)
 
-    _write_atomically(output, write, overwrite=overwrite, who=who)
+    write_atomically(output, write, overwrite=overwrite, who=who)
     return output
 
 

@@ -1,46 +1,8 @@
-"""Full copies of sharded parameters and gradients, and per-parameter gradient norms.
-
-Problem: Megatron-FSDP presents each parameter, its ``.grad`` and its optimizer state as a
-``Shard(0)`` DTensor whose local shard is a row range of a packed buffer, not torch's
-canonical ``torch.chunk`` split (see :mod:`~lightning_megatron_fsdp.uneven_dtensor`).
-DTensor's own collectives assume the canonical split, so the ways users usually reach a
-full tensor break:
-
-* ``p.full_tensor()`` / ``p.grad.full_tensor()``: the all-gather is sized for canonical
-  shards. When the row count divides evenly no padding happens, ranks pass different
-  sizes, and gloo aborts the process (NCCL hangs or corrupts); otherwise torch pads or
-  crops each shard to the canonical size and returns wrong rows.
-* Lightning's ``grad_norm(self, norm_type)`` builds one tensor from per-parameter DTensor
-  norms and raises an unclear ``RuntimeError``.
-
-How:
-
-* :func:`full_tensor` gathers every rank's rows with a variable-size all-gather over the
-  sharded mesh dimension and places them at their true offsets: from the layout's chunk
-  metadata for a sharded parameter, otherwise rank after rank (the packing order every
-  Megatron-FSDP buffer keeps), checking that the rows tile the tensor exactly once.
-* :func:`grad_norm` is a drop-in for Lightning's: same keys, the same values as under DDP,
-  from each rank's local shard and one all-reduce per mesh group (not per parameter).
-* :func:`bind_full_tensor` makes ``.full_tensor()`` on the strategy's sharded parameters
-  and gradients call :func:`full_tensor`, through an attribute on those tensor objects;
-  :func:`lightning_grad_norm_explained` turns the error from Lightning's ``grad_norm``
-  into one that names :func:`grad_norm`.
-
-Not covered: ``.full_tensor()`` or ``.redistribute(...)`` on a tensor *derived* from a
-sharded one (``p.grad.data``, ``p.detach()``, ``p * 2``): a new DTensor that DTensor
-alone handles, returning wrong rows (no error) or raising torch's error. :func:`full_tensor`
-of such a tensor is right (its shards keep the packing order); the README says so.
-
-Alternatives rejected:
-    * Making DTensor's ``full_tensor`` itself safe: its all-gather is computed from the
-      canonical split inside torch (``Shard._to_replicate_tensor``), with no hook a tensor
-      subclass or placement could use short of patching torch or megatron-fsdp's
-      ``DBuffer.get_dtensor``. An error before the collective would need the same hook.
-    * Swapping the class of sharded parameters for a DTensor subclass: torch and
-      megatron-fsdp create and compare DTensors in many places, and gradients are fresh
-      objects every backward, so it would cover no more than an attribute does.
-    * Patching ``lightning.pytorch.utilities.grad_norm``: users import the function
-      itself, so a patch misses every ``from ... import grad_norm`` made before it.
+"""Full copies of sharded parameters, gradients and optimizer state, and per-parameter gradient
+norms, for Megatron-FSDP's packed shards: DTensor's own ``full_tensor`` and Lightning's
+``grad_norm`` assume torch's canonical split and give wrong rows, hang or fail on them.
+:func:`full_tensor`, :func:`grad_norm` and :func:`bind_full_tensor` are the shard-aware
+replacements.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Inspect and verify a checkpoint offline: what it holds, and whether it is whole.
-
-Problem: before a checkpoint is trusted (loaded, consolidated, shipped), a user and our own
-tools need to see what it holds (every tensor's global shape, dtype and chunks, the epoch
-and step, the versions that wrote it) and to know it is complete and intact, without a GPU
-or a process group, on any machine that can read the files.
-
-How: DCP's ``.metadata`` says which chunks each tensor has; the manifest says which
-files, sizes and checksums the save recorded and the fingerprint of every key. The checks
-compare the two and the files on disk (chunks must tile each tensor exactly once), and
-``verify_checkpoint`` also recomputes every checksum. Pure file reading.
+"""Inspect and verify a checkpoint offline, without a GPU or a process group: what it holds
+(every tensor's global shape, dtype and chunks, epoch, step, versions) and whether it is
+whole (chunks tile each tensor exactly once, files and sizes match the manifest, checksums
+recomputed), before anyone trusts it.
 """
 
 from __future__ import annotations
@@ -54,17 +47,22 @@ from lightning_megatron_fsdp.upstream_checkpoint import NOTE as UPSTREAM_NOTE
 from lightning_megatron_fsdp.upstream_checkpoint import is_upstream_checkpoint
 
 __all__ = [
+    "MAX_EXAMPLES",
     "MODEL_PREFIX",
     "OPTIMIZER_PREFIX",
+    "CheckedCheckpoint",
     "CheckpointInfo",
     "TensorInfo",
+    "check_directory",
     "inspect_checkpoint",
+    "ordered_keys",
+    "summarise",
     "verify_checkpoint",
 ]
 
 # Problems of one kind in one file are summarised after this many, so a truncated shard
 # of a large model yields a readable report rather than one line per chunk.
-_MAX_EXAMPLES = 3
+MAX_EXAMPLES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +121,7 @@ class CheckpointInfo:
         notes: Human-readable remarks (a missing manifest, an unreadable ``meta.pt``).
         source_format: The format of a directory without a manifest that was recognised
             anyway (megatron-fsdp's own ``save_checkpoint``,
-            :data:`~lightning_megatron_fsdp.upstream_checkpoint.FORMAT_NAME`), else ``None``.
+            ``upstream_checkpoint.FORMAT_NAME``), else ``None``.
     """
 
     path: Path
@@ -302,9 +300,11 @@ def _file_sizes(path: Any) -> dict[str, int]:
         }
 
 
-def _summarise(prefix: str, examples: list[str]) -> str:
-    shown = "; ".join(examples[:_MAX_EXAMPLES])
-    more = f" (and {len(examples) - _MAX_EXAMPLES} more)" if len(examples) > _MAX_EXAMPLES else ""
+def summarise(prefix: str, examples: list[str]) -> str:
+    """One report line: ``prefix``, the first :data:`MAX_EXAMPLES` examples, and how many
+    more there are."""
+    shown = "; ".join(examples[:MAX_EXAMPLES])
+    more = f" (and {len(examples) - MAX_EXAMPLES} more)" if len(examples) > MAX_EXAMPLES else ""
     return f"{prefix}: {shown}{more}"
 
 
@@ -327,11 +327,11 @@ def _storage_problems(
                 f"{index.fqn!r} at bytes [{info.offset}, {info.offset + info.length})"
             )
     problems = [
-        _summarise(f"{name}: missing; {DCP_METADATA_FILE} stores {len(keys)} items there", keys)
+        summarise(f"{name}: missing; {DCP_METADATA_FILE} stores {len(keys)} items there", keys)
         for name, keys in sorted(missing.items())
     ]
     problems += [
-        _summarise(
+        summarise(
             f"{name}: {len(items)} items lie past its end ({sizes[name]} bytes; truncated)",
             items,
         )
@@ -392,7 +392,7 @@ def _record_problems(path: Any, metadata: Metadata) -> list[str]:
         finally:
             os.close(fd)
     return [
-        _summarise(f"{name}: {len(lines)} records are not plain torch.save zips", lines)
+        summarise(f"{name}: {len(lines)} records are not plain torch.save zips", lines)
         for name, lines in sorted(bad.items())
     ]
 
@@ -492,7 +492,7 @@ def _compare(
     if not lines:
         return []
     return [
-        _summarise(f"{what} fingerprint disagrees with the saved data ({len(lines)} keys)", lines)
+        summarise(f"{what} fingerprint disagrees with the saved data ({len(lines)} keys)", lines)
     ]
 
 
@@ -508,7 +508,7 @@ def _fingerprint_problems(manifest: Manifest, metadata: Metadata) -> list[str]:
     return problems
 
 
-def _ordered_keys(metadata: Metadata, manifest: Manifest | None) -> list[str]:
+def ordered_keys(metadata: Metadata, manifest: Manifest | None) -> list[str]:
     """``.metadata``'s keys in state-dict order: model entries, then each optimizer's,
     then the rest. DCP's own order depends on which rank wrote what; the manifest's
     fingerprints keep the order of the state dicts that were saved.
@@ -530,7 +530,7 @@ def _ordered_keys(metadata: Metadata, manifest: Manifest | None) -> list[str]:
 
 
 @dataclasses.dataclass
-class _Checked:
+class CheckedCheckpoint:
     """Result of checking a directory: the problems, and whatever parsed along the way."""
 
     problems: list[str]
@@ -538,13 +538,13 @@ class _Checked:
     manifest: Manifest | None = None
 
 
-def _check(path: Any, *, checksums: bool, trust: bool = False) -> _Checked:
+def check_directory(path: Any, *, checksums: bool, trust: bool = False) -> CheckedCheckpoint:
     """Collect every problem of ``path`` as a checkpoint (see :func:`verify_checkpoint`)."""
     try:
         manifest: Manifest | None = _manifest_of(path)
     except NotACheckpointError as err:
         if not _is_dir(path):
-            return _Checked([str(err)])
+            return CheckedCheckpoint([str(err)])
         manifest, problems = None, [str(err)]
     else:
         problems = []
@@ -577,10 +577,10 @@ def _check(path: Any, *, checksums: bool, trust: bool = False) -> _Checked:
     if manifest is None and metadata is not None and is_upstream_checkpoint(metadata):
         # megatron-fsdp's own save_checkpoint writes no manifest or meta.pt by design: keep
         # the checks .metadata allows (storage, tiling), drop "manifest missing".
-        return _Checked(problems[1:], metadata, None)
+        return CheckedCheckpoint(problems[1:], metadata, None)
     if manifest is None and META_FILE not in sizes:
         problems.append(f"{META_FILE}: missing; every complete checkpoint has one.")
-    return _Checked(problems, metadata, manifest)
+    return CheckedCheckpoint(problems, metadata, manifest)
 
 
 def verify_checkpoint(
@@ -614,7 +614,7 @@ def verify_checkpoint(
         key concerned; empty if the checkpoint is complete and intact.
     """
     path, _ = _open(checkpoint_dir, storage_options)
-    return _check(path, checksums=checksums, trust=trust_checkpoint).problems
+    return check_directory(path, checksums=checksums, trust=trust_checkpoint).problems
 
 
 def inspect_checkpoint(
@@ -666,7 +666,7 @@ def inspect_checkpoint(
         source_format, notes = UPSTREAM_FORMAT_NAME, [UPSTREAM_NOTE]
     tensors = []
     objects = []
-    for key in _ordered_keys(metadata, manifest):
+    for key in ordered_keys(metadata, manifest):
         md = metadata.state_dict_metadata[key]
         if isinstance(md, TensorStorageMetadata):
             tensors.append(TensorInfo(key, tuple(md.size), md.properties.dtype, len(md.chunks)))

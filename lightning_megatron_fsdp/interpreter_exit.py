@@ -1,41 +1,7 @@
-"""The process's end: no thread of a collective may need Python once the interpreter finalises.
-
-Problem: gloo runs each collective on a worker thread (``pt_gloo_runloop``), which drops its
-reference to the collective's tensors after the caller's ``wait()`` has returned. When the
-caller has already dropped the tensors' Python objects (a temporary: the buffers of
-``all_gather_object``, ``dist.all_reduce(torch.ones(1))``), that last reference owns the
-Python object, and freeing it takes the GIL (``TensorImpl::decref_pyobject``). If the
-interpreter is finalising by then, CPython ends a thread that takes the GIL with
-``pthread_exit``; its unwinding through torch's ``noexcept`` destructors calls
-``std::terminate``: "terminate called without an active exception", exit code 134, after
-the results were written (pytorch/pytorch#190489). The worker usually wins by microseconds.
-It loses on a loaded machine, or when the main thread keeps the GIL until finalisation
-frees the group: ``~ProcessGroupGloo`` releases the GIL and waits for the worker, which then
-takes the GIL and is ended. Any gloo job can abort this way (Lightning's ``DDPStrategy``
-too), and ``destroy_process_group`` does not prevent it while anything still holds the
-group (a model, a mesh, a C++ object): only the group's destructor stops its workers.
-
-How: an ``atexit`` hook, which runs after ``threading`` joined the non-daemon threads and
-before finalisation, destroys the process groups (a group nothing else holds is freed now,
-its destructor joining the workers while the interpreter is whole), then sleeps, the GIL
-released, until every gloo worker thread left is idle. Idle is how ``runLoop`` waits for
-work, read from ``/proc/self/task/<tid>/syscall``: glibc's ``pthread_cond_wait``, a
-``FUTEX_WAIT_BITSET`` without a timeout. A worker inside a collective, or waiting for the
-GIL, waits with a timeout; one blocked on a lock (perhaps behind a preempted holder) waits
-with ``FUTEX_WAIT``; one about to free a tensor is running. Where the syscall cannot be
-read or decoded (not glibc, an unknown machine), a thread that is not running counts as
-idle. A thread inherits its creator's name, so the OpenMP pool that a worker starts when a
-collective copies or reduces a large tensor (``at::parallel_for``) is named like gloo's
-workers; those threads run no Python, and one waiting inside the OpenMP runtime (its
-syscall made from that library's code) counts as idle. ``_READINGS`` idle readings in a row
-end the wait; ``EXIT_WAIT`` bounds it (a collective in flight whose peer never joins),
-after which one line on stderr says so.
-
-Alternatives rejected: ``os._exit`` once the hooks ran (it skips the ``atexit`` hooks
-registered before this one and unflushed output); a collective at exit as a fence (a peer
-that already left or failed would hang it); sleeping a fixed time (a loaded machine starves
-a worker for longer, as CI did); ``ProcessGroup.shutdown`` or ``abort`` (on gloo neither
-stops or drains the workers).
+"""The process's end: an ``atexit`` hook destroys the process groups, then waits (bounded)
+until gloo's worker threads are idle, so none needs Python once the interpreter finalises.
+Without it a gloo job can abort after its results were written (docs/DESIGN.md,
+"Lifecycle").
 """
 
 from __future__ import annotations

@@ -1,71 +1,7 @@
-"""Uneven evaluation and prediction data: ranks that run out of batches join their peers.
-
-Problem: every forward of a sharded model all-gathers the parameters of each unit it runs
-(policy units, top-level units, and the LightningModule when it owns parameters), so
-every rank must run the same sequence of unit forwards. Lightning pads the samplers of
-training, validation and test, but not the predict sampler (``trainer.predict`` on 5
-samples over 2 ranks gives 3 and 2), and a user's own sampler or ``IterableDataset`` can
-split any stage unevenly. A rank with fewer batches would leave the loop and wait in
-the epoch-end metric sync while its peers wait in their next all-gather: a hang until
-the process-group timeout. DDP has no collective in an evaluation forward, so there it
-simply works.
-
-How: as torch's ``Join`` does for DDP, a rank that has run out of batches *joins* the
-others' forwards with dummy ones until every rank is done. Each step is one round:
-
-* a rank with a batch (:meth:`UnevenBatchJoin.before_step`, called by the strategy's
-  step) says so in one small all-gather and runs its real step;
-* a rank whose dataloader is exhausted (:class:`_JoiningFetcher`, which the strategy
-  installs in place of the loop's data fetcher, sees the end before the loop does) says
-  "none" in the same all-gather and, if any rank still had one, runs the stage's step
-  method on a cached example batch, output dropped; when no rank has one, every rank
-  leaves together and the loop ends (then syncs epoch metrics) on all of them at once.
-
-Every rank reaches a round at the same point of its own sequence (before each real step,
-or in place of one), whatever prefetching Lightning's fetcher does, so their collectives
-pair up. Sequential multiple dataloaders are joined one at a time: a rank moving on to
-dataloader ``k + 1`` first joins the rest of dataloader ``k``, because the loop syncs
-each dataloader's logged metrics when it changes dataloader.
-
-The example batch is the rank's first batch of that dataloader (after
-``batch_to_device``); a rank that had none receives one from the lowest rank that has
-one (a single broadcast, the first time it is needed). The dummy step:
-
-* runs through the same strategy path (precision context, the root unit's forward), so
-  it issues the same all-gathers a real step of that dataloader issues;
-* logs nothing: ``self.log``/``self.log_dict`` are no-ops during it, except that a
-  ``sync_dist=True, on_step=True`` call raises (a real step syncs that value with a
-  collective that a dummy cannot stand in for; DDP cannot run it either);
-* leaves torchmetrics states as they were (each ``Metric`` is restored afterwards);
-* calls no batch hooks and is not counted by the loop.
-
-Equal, known batch counts on every rank (the common case) install nothing: no extra
-collective per step. A ``dataloader_iter`` step pulls batches itself and cannot be joined;
-uneven counts are refused for it, as for training (Lightning pads training samplers).
-
-The step must run the same units whatever the batch holds (true of almost every
-model): the dummy's forward stands in for a peer's real one. Per-batch callbacks with
-collectives of their own (``on_validation_batch_end``) do not run for dummies.
-
-Lightning internals used (Lightning 2.6, one place each, guarded so a change refuses
-uneven data with a clear error instead of hanging):
-    * ``loop._data_fetcher`` (``loops/evaluation_loop.py`` ``reset``/``run``,
-      ``loops/prediction_loop.py``): created in ``reset``, read by ``run`` after
-      ``on_run_start``, whose ``on_{validation,test,predict}_start`` strategy hooks run
-      in between; the strategy replaces it there.
-    * ``LightningModule._current_fx_name`` (``trainer/call.py``
-      ``_call_strategy_hook``): set to the step name during a dummy step, as for a real one.
-
-Alternatives rejected:
-    * Padding with repeated samples (what ``DistributedSampler`` does for validation):
-      predictions would gain duplicates and differ from DDP's.
-    * Agreeing inside the dataloader iterator: with a known length Lightning's fetcher
-      stops without asking the iterator for more, and with an unknown one it prefetches a
-      batch, so a rank with no batch at all would agree one round early.
-    * Yielding placeholder batches through the loop: every batch hook, logger and
-      prediction writer would see them.
-    * One all-reduce per step of "remaining batches": ranks do not know their remaining
-      count for iterable datasets, and it saves nothing over a flag.
+"""Uneven validation, test and predict data: a rank that runs out of batches joins its peers'
+forwards with dummy steps (one small all-gather per step, no logging or metric effects), as
+torch's ``Join`` does for DDP, because every forward of a sharded model is a collective and
+a rank that left the loop would hang the others.
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
-"""Lightning launchers that resolve ``ckpt_path="last"`` to a *complete* checkpoint.
-
-Problem: Lightning resolves ``"last"`` before the strategy sees the run (in the Trainer's
-checkpoint connector, before ``connect`` and ``setup_environment``): it takes the most
-recently modified ``last*`` entry of each ``ModelCheckpoint`` directory. That may be a
-damaged directory, and after a crash between the two renames of an overwrite (see
-``docs/DESIGN.md``) there is no ``last*`` entry at all, so training would silently start
-from scratch.
-
-How: the one strategy hook that runs earlier is the launcher's ``launch``, which receives
-the Trainer and the stage's arguments. These launchers first restore checkpoints a crash
-left renamed aside, then replace ``"last"`` by the most recently written complete ``last*``
-checkpoint (manifest mtime, Lightning's "most recent" rule), and leave ``"last"`` to
-Lightning when there is none. Every rank does this before any process group exists
-(recovery is idempotent across ranks); the strategy's load then uses rank 0's choice.
-
-Alternatives rejected:
-    * Resolving in the strategy's ``load_checkpoint``: it is never called when Lightning
-      finds no ``last*`` entry, which is exactly the crash case.
-    * Patching ``ModelCheckpoint._find_last_checkpoints``: the user's callback would no
-      longer be the unchanged Lightning callback.
-    * Ordering by ``global_step`` (as ``resolve_latest_checkpoint`` does): a run restarted
-      from scratch into the same directory writes ``last-v1.ckpt``, and Lightning's
-      ``"last"`` means that newer run, not the older run's higher step.
+"""Lightning launchers that resolve ``ckpt_path="last"`` to a *complete* checkpoint: Lightning
+picks the newest ``last*`` entry before the strategy sees the run, which may be damaged or,
+after a crash mid-overwrite, absent; the launcher's ``launch`` is the one earlier hook, so
+these launchers recover and choose there.
 """
 
 from __future__ import annotations

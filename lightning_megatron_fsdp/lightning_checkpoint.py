@@ -1,50 +1,8 @@
-"""Single-file Lightning checkpoints from our checkpoint directories, for inference.
-
-Problem: the standard Lightning inference path is ``Model.load_from_checkpoint(path)``,
-which ``torch.load``s one file and expects Lightning's checkpoint dict in it
-(``state_dict``, ``hyper_parameters``, ``pytorch-lightning_version``, ...). Our
-checkpoints are directories (DCP shard files plus ``meta.pt`` and ``manifest.json``, see
-docs/DESIGN.md, "On-disk format"), so Lightning raises ``IsADirectoryError``; and the
-consolidated export is a bare state dict, which it refuses for lack of those keys.
-
-How: :func:`export_lightning_checkpoint` writes the dict a single-device Lightning run
-would have saved: every non-tensor entry of ``meta.pt`` as it is (epoch, global step,
-versions, hyper-parameters and their name, datamodule hyper-parameters, loops,
-callbacks, schedulers), ``"state_dict"`` with the LightningModule's FQNs and full
-tensors and, on request, ``"optimizer_states"``. It streams through the consolidating
-writer of :mod:`lightning_megatron_fsdp.export` (one full tensor in memory at a time;
-the ``torch.save`` zip is written by torch itself from a skeleton), after the same
-completeness, size, checksum (CRC32C) and chunk-tiling checks::
-
-    checkpoint dir/                       model.ckpt (torch.save zip)
-      meta.pt   epoch, hyper_parameters ->  epoch, global_step, hyper_parameters, ...
-      .metadata + __*_*.distcp          ->  state_dict: {fqn: full tensor}
-      optimizer_states.0.state.<fqn>.*  ->  optimizer_states: [{state: {0: ...},
-      optimizer_states.0.param_groups.*        param_groups: [{params: [0, 1, ...]}]}]
-
-Optimizer state is saved keyed by parameter FQN (torch's distributed ``state_dict``
-format). A plain optimizer's ``load_state_dict`` (single device, DDP) wants torch's
-positional format instead, so it is converted: the parameters of each group get
-consecutive numbers in group order, as ``Optimizer.state_dict`` numbers them, so a
-single-device or DDP run over the same ``configure_optimizers`` resumes from the file.
-
-:func:`load_lightning_module` is ``load_from_checkpoint`` for either kind of path: a
-file goes to Lightning as is; one of our directories is exported to a temporary file
-first.
-
-Alternatives rejected:
-    * A mixin that overrides ``LightningModule.load_from_checkpoint``: only helps classes
-      the user can change, and shadows a Lightning classmethod whose semantics
-      (``_restricted_classmethod``, hparams handling) we would then have to track.
-    * Patching Lightning's loader so it accepts directories: changes Lightning for every
-      caller in the process.
-    * Building the checkpoint dict in memory and calling Lightning's private
-      ``_load_state``: a private API, and a copy of ``_load_from_checkpoint``'s logic
-      (hparams files, overrides, device moves, migrations) that would drift.
-
-Nothing from the checkpoint runs: ``meta.pt`` is read with ``weights_only=True``, so
-hyper-parameters that are arbitrary objects need ``trust_checkpoint=True`` (named in the
-refusal), which unpickles it in full.
+"""A single-file Lightning checkpoint from one of our checkpoint directories, for
+``LightningModule.load_from_checkpoint`` in single-device or DDP code:
+:func:`export_lightning_checkpoint` streams the dict a single-device run would have saved
+(``meta.pt``'s entries, full tensors by FQN, optimizer state by position) through the
+consolidating writer, and :func:`load_lightning_module` loads either kind of path.
 """
 
 from __future__ import annotations
@@ -62,18 +20,18 @@ from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, 
 from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, META_FILE, Manifest
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
 from lightning_megatron_fsdp.export import (
-    _check_output,
-    _Entry,
-    _load_object,
-    _parse_dtype,
-    _Place,
-    _refuse_problems,
-    _select_entries,
-    _StreamingReader,
-    _write_atomically,
-    _write_torch,
+    ExportEntry,
+    StreamingReader,
+    TreePlace,
+    check_output,
+    load_object,
+    parse_dtype,
+    refuse_problems,
+    select_entries,
+    write_atomically,
+    write_torch,
 )
-from lightning_megatron_fsdp.inspection import MODEL_PREFIX, _check, read_checked
+from lightning_megatron_fsdp.inspection import MODEL_PREFIX, check_directory, read_checked
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -224,7 +182,7 @@ def _export(
     who: str,
     trust_checkpoint: bool = False,
 ) -> Path:
-    out_dtype = _parse_dtype(dtype, who)
+    out_dtype = parse_dtype(dtype, who)
     if output.suffix.lower() == _SAFETENSORS_SUFFIX:
         raise ValueError(
             f"{who}: output {output} is .safetensors, which holds tensors only, not the "
@@ -237,14 +195,14 @@ def _export(
             "MegatronFSDPStrategy. A single-file Lightning checkpoint needs no export: load "
             "it with Model.load_from_checkpoint(path)."
         )
-    _check_output(output, checkpoint, overwrite=overwrite, who=who)
-    checked = _check(checkpoint, checksums=verify_checksums, trust=trust_checkpoint)
-    _refuse_problems(checked, checkpoint, who)
-    entries = _select_entries(
+    check_output(output, checkpoint, overwrite=overwrite, who=who)
+    checked = check_directory(checkpoint, checksums=verify_checksums, trust=trust_checkpoint)
+    refuse_problems(checked, checkpoint, who)
+    entries = select_entries(
         checked, out_dtype, include_optimizer=optimizer, path=checkpoint, who=who
     )
     assert checked.metadata is not None and checked.manifest is not None  # checked above
-    reader = _StreamingReader(checkpoint, checked.metadata, trust=trust_checkpoint)
+    reader = StreamingReader(checkpoint, checked.metadata, trust=trust_checkpoint)
     tree, places = _lightning_tree(
         _read_meta_in_full(checkpoint, who, checked.manifest, trust_checkpoint, verify_checksums),
         entries,
@@ -253,9 +211,9 @@ def _export(
         checked.manifest,
         who,
     )
-    _write_atomically(
+    write_atomically(
         output,
-        lambda stream: _write_torch(stream, tree, places, reader),
+        lambda stream: write_torch(stream, tree, places, reader),
         overwrite=overwrite,
         who=who,
     )
@@ -292,7 +250,7 @@ def _read_meta_in_full(
     return meta
 
 
-def _put(root: Any, place: _Place, value: Any) -> None:
+def _put(root: Any, place: TreePlace, value: Any) -> None:
     """Set ``root[place[0]][place[1]]... = value``, creating dicts (str keys) and lists
     (int keys) on the way, as DCP's flattening paths describe nested state."""
     node = root
@@ -319,12 +277,12 @@ def _assign(node: Any, key: Any, value: Any) -> None:
 
 def _lightning_tree(
     meta: dict[str, Any],
-    entries: list[_Entry],
+    entries: list[ExportEntry],
     paths: Mapping[str, Any],
-    reader: _StreamingReader,
+    reader: StreamingReader,
     manifest: Manifest,
     who: str,
-) -> tuple[dict[str, Any], list[tuple[_Entry, _Place]]]:
+) -> tuple[dict[str, Any], list[tuple[ExportEntry, TreePlace]]]:
     """Lightning's checkpoint dict, with a place for each tensor the writer fills in.
 
     ``paths`` is DCP's ``planner_data``: each flat key's path in the saved dict.
@@ -339,12 +297,12 @@ def _lightning_tree(
         "format_version": manifest.format_version,
     }
     tree["state_dict"] = {}
-    places: list[tuple[_Entry, _Place]] = []
-    optimizer_state: dict[int, list[tuple[str, _Place, _Entry, Any]]] = {}
+    places: list[tuple[ExportEntry, TreePlace]] = []
+    optimizer_state: dict[int, list[tuple[str, TreePlace, ExportEntry, Any]]] = {}
     optimizer_groups: dict[int, dict[int, Any]] = {}
     for entry in entries:
         path = tuple(paths.get(entry.key, ()))
-        value = None if entry.dtype is not None else _load_object(reader, entry)
+        value = None if entry.dtype is not None else load_object(reader, entry)
         if entry.key.startswith(MODEL_PREFIX):
             place = (
                 path if len(path) >= 2 and path[0] == "state_dict" else ("state_dict", entry.name)
@@ -389,8 +347,8 @@ def _lightning_tree(
 def _positional_optimizer(
     index: int,
     groups_by_number: dict[int, Any],
-    state: list[tuple[str, _Place, _Entry, Any]],
-    places: list[tuple[_Entry, _Place]],
+    state: list[tuple[str, TreePlace, ExportEntry, Any]],
+    places: list[tuple[ExportEntry, TreePlace]],
     who: str,
 ) -> dict[str, Any]:
     """Optimizer ``index``'s FQN-keyed state as torch's positional ``state_dict``; appends

@@ -1,22 +1,7 @@
-"""The data-parallel device mesh: validating the request, building it on timed groups.
-
-Problem: every collective of a sharded model runs on the mesh's process groups, so a group
-built with torch's default timeout (30 minutes) lets a crashed peer stall the survivors
-that long, and a mesh that does not span the world hangs the first collective instead of
-failing. ``init_device_mesh`` builds 2-D sub-groups with the default timeout.
-
-How: the 1-D mesh reuses the world group (created by the strategy with the user's
-timeout); the 2-D ``(dp_replicate, dp_shard)`` mesh's rows and columns are created
-explicitly with that timeout. The request is checked against the world size on every rank
-before any collective, and a model that is already sharded keeps the mesh it was sharded
-on (its buffers and DTensors hold that mesh object).
-
-Layout of the 2-D (HSDP) mesh over 4 ranks, ``device_mesh=(2, 2)``::
-
-                   dp_shard 0   dp_shard 1
-    dp_replicate 0   rank 0       rank 1      <- one shard group: ranks 0 and 1 together
-    dp_replicate 1   rank 2       rank 3         hold one full copy of the model
-                       ^ replicate group: ranks 0 and 2 hold the same shard
+"""The data-parallel device mesh: the request checked against the world size on every rank
+before any collective, and the 1-D or 2-D (HSDP) mesh built on process groups that carry the
+user's timeout, so a crashed peer or a mesh that does not span the world fails instead of
+hanging.
 """
 
 from __future__ import annotations

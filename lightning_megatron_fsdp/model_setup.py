@@ -1,14 +1,7 @@
-"""What both strategies (Trainer and Fabric) do to set a model up: processes, units, saves.
-
-Problem: the Lightning Trainer strategy and the Fabric strategy drive the same machinery
-(join one long-lived process group, shard a model's units bottom-up in one sharding
-context with the precision's compute dtype, save with each packed shard's true chunk
-attached) through two different framework contracts. Two copies of that glue would drift.
-
-How: :func:`join_process_group`, :class:`ModelSharder` and :func:`save_sharded_checkpoint`
-hold it once; each strategy only adapts its framework's calls to them. Everything here
-is torch, megatron-fsdp (through the package's own modules) and the checkpoint IO's
-interface; the only Lightning names are its cluster environment and process-group helper.
+"""What both strategies (Trainer and Fabric) do to set a model up: join the long-lived process
+group, shard a model's units bottom-up in one sharding context, save with each packed
+shard's true chunk attached. It exists so the two framework contracts drive one copy of that
+glue instead of two that drift.
 """
 
 from __future__ import annotations
@@ -123,7 +116,7 @@ class ModelSharder:
         device: torch.device,
         placements: Placements,
     ) -> None:
-        """Shard ``model`` bottom-up (:func:`~lightning_megatron_fsdp.sharding.plan_units`).
+        """Shard ``model`` bottom-up (``sharding.plan_units``).
 
         ``shard`` shards one unit (the strategy's, which knows mesh and precision); units
         the user already sharded are left alone (they must have ``placements``). The

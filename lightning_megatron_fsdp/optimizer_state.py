@@ -1,28 +1,7 @@
-"""Materialise optimizer state before a load, so DCP has tensors to fill in place.
-
-DCP loads in place: a fresh optimizer that has never stepped has no ``exp_avg`` to read
-into. torch's ``get_optimizer_state_dict`` creates state by installing
-``torch.zeros_like(param)`` gradients and stepping with ``lr=0``, but a Megatron-FSDP
-sharded parameter advertises its gradient dtype through ``grad_dtype`` (bf16 under
-bf16 compute with fp32 main weights), and a gradient of the parameter's own dtype
-violates it: the assignment raises. :func:`ensure_optimizer_state` does the same
-zero-learning-rate step with gradients of the advertised dtype.
-
-A zero-learning-rate step is not free: it counts as a step (Adam's ``step`` becomes 1, so
-its bias correction shifts) and L2 weight decay feeds the weights into the moments. Since
-the strategy also materialises state to *save* an optimizer that has not stepped yet, that
-would make a run that checkpoints before its first step diverge from one that does not.
-So every tensor of the state the step created is zeroed afterwards: for Adam, AdamW,
-Adamax, NAdam, RAdam, RMSprop, Adadelta and SGD (with ``dampening=0``) all-zero state is
-exactly what their first real step starts from, so the next step is bit-identical to a
-fresh optimizer's.
-
-Alternatives rejected:
-    * Saving an optimizer without state and skipping it on load: the checkpoint's
-      optimizer fingerprint would then depend on when it was written, and a resume into
-      a fresh optimizer would need a separate "no state" path in the loader.
-    * Leaving torch's behaviour: a checkpoint written before the first step changes the
-      training trajectory, which is the kind of silent drift this library exists to stop.
+"""Materialise optimizer state before a load, so DCP has tensors to fill in place:
+:func:`ensure_optimizer_state` takes torch's zero-learning-rate step with gradients of the
+dtype a Megatron-FSDP parameter advertises (``grad_dtype``), which torch's own helper does
+not.
 """
 
 from __future__ import annotations

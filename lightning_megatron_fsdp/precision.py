@@ -1,47 +1,9 @@
-"""What Lightning's ``precision=`` flags mean under Megatron-FSDP, and the step/clip path.
-
-Problem: Lightning implements ``precision="bf16-true"`` by casting the whole module to
-bf16 (``HalfPrecision.convert_module``), so the optimizer would update bf16 weights and
-hold bf16 state. Megatron-FSDP instead keeps fp32 *main* weights (what the optimizer
-steps) apart from low-precision *compute* weights (what forward reads), and takes the
-compute dtype from the parameters it is handed. Lightning's default precision plugins also
-step with ``optimizer.step(closure)``, which ``fully_shard_optimizer`` refuses, and clip
-with ``torch.nn.utils.clip_grad_norm_``, whose DTensor collectives assume torch's
-canonical ``Shard(0)`` split, which Megatron-FSDP's packed shards do not follow.
-
-:class:`MegatronFSDPPrecision` maps each flag onto Megatron-FSDP:
-
-============  ================  ============  ============  =====================
-flag          compute weights   main weights  main grads    forward
-============  ================  ============  ============  =====================
-32-true       fp32              fp32          fp32          as is
-bf16-true     bf16              fp32          fp32          inputs cast to bf16
-16-true       fp16              fp32          fp32          inputs cast to fp16
-bf16-mixed    fp32              fp32          fp32          ``torch.autocast`` bf16
-============  ================  ============  ============  =====================
-
-Optimizer state follows the main weights (fp32). For the ``-true`` flags the strategy
-casts each unit's parameters to the compute dtype right before sharding it, then writes
-the original fp32 values into the main weights, so the fp32 masters start from the exact
-initialisation, not from its bf16 rounding. Gradients are reduced in the compute dtype
-and accumulated in fp32. ``16-mixed`` (fp16 autocast) needs a loss scaler whose
-inf-check spans the uneven shards; it is refused rather than half-supported (on CPU,
-Lightning's accelerator connector turns ``Trainer(precision="16-mixed")`` into
-``bf16-mixed`` with its own warning before any strategy sees the flag). Pass a
-``MixedPrecisionPolicy`` to :class:`~lightning_megatron_fsdp.MegatronFSDPStrategy` to
-choose other main dtypes.
-
-The module also provides :func:`sharded_grad_norm`, :func:`clip_sharded_grad_norm_` and
-:func:`clip_sharded_grad_value_`: clipping that reads each rank's local gradient shard
-once and reduces one scalar per mesh, so every element counts exactly once however the
-layout packs it.
-
-Alternatives rejected:
-    * Subclassing Lightning's ``HalfPrecision``: its ``convert_module`` and bf16
-      ``tensor_init_context`` would initialise the master weights in bf16.
-    * ``torch.nn.utils.clip_grad_norm_`` on the DTensor gradients: one collective per
-      parameter, and semantics that depend on DTensor's view of a shard that is not the
-      canonical one.
+"""What Lightning's ``precision=`` flags mean under Megatron-FSDP
+(:class:`MegatronFSDPPrecision`: low-precision compute weights over fp32 main weights and
+optimizer state), the closure-first optimizer step ``fully_shard_optimizer`` needs, and
+clipping that counts every element of the packed shards exactly once
+(:func:`sharded_grad_norm`, :func:`clip_sharded_grad_norm_`,
+:func:`clip_sharded_grad_value_`).
 """
 
 from __future__ import annotations
@@ -213,7 +175,7 @@ class MegatronFSDPPrecision(Precision):
         an unconsumed prefetch left gathered (:func:`~lightning_megatron_fsdp._megatron.
         release_prefetched`), and makes
         ``.full_tensor()`` on the fresh sharded gradients safe
-        (:func:`~lightning_megatron_fsdp.gather.bind_full_tensor`) before the hooks read them.
+        (``gather.bind_full_tensor``) before the hooks read them.
         """
         _megatron.join_gradient_reduction(module)
         _megatron.release_prefetched(module)  # a prefetched unit whose backward never ran

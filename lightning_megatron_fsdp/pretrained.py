@@ -1,55 +1,7 @@
-"""Fill a Megatron-FSDP sharded model from full (unsharded) weights, each rank its own rows.
-
-Problem: pretrained weights, and checkpoints of other strategies, come as one full state
-dict (a ``torch.save`` file, a Lightning ``.ckpt`` of a DDP or single-device run, a
-``.safetensors`` file, our consolidated export) or as a DCP directory written at another
-layout (Lightning's ``ModelParallelStrategy``/FSDP2, or ours at another world size or
-mesh). A Megatron-FSDP parameter is a packed shard whose rows are *not* torch's canonical
-``Shard(0)`` rows, so the usual tools put values in the wrong place: ``load_state_dict``
-on the sharded module, and torch's ``set_model_state_dict(full_state_dict=True)`` (rank 0
-reads everything, broadcasts it, every rank keeps its canonical slice).
-
-How: every rank asks the layout which dim-0 rows of each parameter it owns
-(:func:`~lightning_megatron_fsdp.chunk_metadata_by_fqn`, rank-local arithmetic) and reads
-only those from the source, straight into its main-weight shard::
-
-    full tensor P, 10 rows         rank 0 owns rows [0, 7)  -> shard.copy_(P[0:7])
-    (one packed layout at 3 ranks) rank 1 owns rows [7, 10) -> shard.copy_(P[7:10])
-                                   rank 2 owns no row of P  -> reads nothing of P
-
-* ``torch.save`` files (``.pt``, ``.pth``, ``.bin``, ``.ckpt``): ``torch.load(mmap=True,
-  weights_only=True)`` maps the file; slicing rows touches only their pages. A Lightning
-  checkpoint's model lives under ``"state_dict"``.
-* ``.safetensors``: ``safe_open`` and ``get_slice(key)[start:stop]`` read only those bytes.
-* DCP directories (``.metadata`` inside): ``dcp.load`` into the live sharded tensors with
-  the chunk hooks of :mod:`~lightning_megatron_fsdp.uneven_dtensor` attached, so DCP
-  plans reads of exactly this rank's chunks, whatever layout wrote them.
-
-Buffers (unsharded, a full copy on every rank) are read whole. The compute weights are
-then refreshed from the main weights (``group.sync_model_weight_from_main_weight()``).
-
-Validation comes first: every rank compares the source's keys, shapes and dtypes with the
-model (and optimizers) and the ranks exchange what they found, so a bad source raises the
-same error on every rank, naming each missing, unexpected and mis-shaped FQN, before any
-value is written. Floating-point values are cast to the target's dtype (bf16 pretrained
-weights into fp32 main weights are exact); any other dtype difference is an error.
-
-Optimizer state is loaded by parameter FQN where the source holds it: DCP directories
-(ours: ``optimizer_states.<i>.``, Lightning's ``ModelParallelStrategy``:
-``optimizer_<i>.``), consolidated exports with ``include_optimizer=True``, and Lightning
-``.ckpt`` files, whose ``optimizer_states`` are keyed by parameter position (torch's
-``Optimizer.state_dict``) and are matched to FQNs by the position of each parameter in
-the live optimizer's parameter groups, checking every shape.
-
-Alternatives rejected:
-    * ``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``
-      (Lightning's ``ModelParallelStrategy`` path): the whole model in rank 0's memory, a
-      broadcast of every tensor, and canonical ``Shard(0)`` slicing, wrong for packed
-      shards.
-    * Loading into the unsharded module before sharding: a full model on every rank,
-      which meta-device initialisation exists to avoid.
-    * Converting every source into our DCP format first: a second copy on disk and a
-      conversion step the user must run; reading rows in place needs neither.
+"""Fill a Megatron-FSDP sharded model (and its optimizers, by FQN) from full weights or another
+layout's DCP checkpoint, each rank reading only the rows it owns straight into its
+main-weight shard, after every rank has checked the source against the model and the ranks
+agreed (:func:`load_full_weights`, :class:`PretrainedWeights`).
 """
 
 from __future__ import annotations
@@ -80,14 +32,14 @@ from lightning_megatron_fsdp.uneven_dtensor import (
     chunk_metadata_by_fqn,
 )
 from lightning_megatron_fsdp.weight_sources import (
-    _UNREADABLE,
-    _Copy,
-    _open_source,
-    _Plan,
-    _Source,
-    _SourceError,
-    _Spec,
+    UNREADABLE,
+    SourceError,
+    SourceTensorSpec,
+    TensorCopy,
+    WeightSource,
+    WeightsPlan,
     agree_on_problems,
+    open_source,
 )
 
 __all__ = [
@@ -312,16 +264,16 @@ def load_full_weights(
 
     # Phase 1 (rank-local, then agreed on): open the source and plan every copy.
     problems: list[tuple[int, str]] = []
-    reader: _Source | None = None
-    plan: _Plan | None = None
+    reader: WeightSource | None = None
+    plan: WeightsPlan | None = None
     try:
-        reader = _open_source(path, weights_only)
+        reader = open_source(path, weights_only)
         plan = _plan(model, optimizers, reader, options)
         problems = plan.problems
-    except _SourceError as err:
-        problems = [(_UNREADABLE, str(err))]
+    except SourceError as err:
+        problems = [(UNREADABLE, str(err))]
     except Exception as err:  # anything else must still reach the agreement below
-        problems = [(_UNREADABLE, f"rank {comm.rank}: {type(err).__name__}: {err}")]
+        problems = [(UNREADABLE, f"rank {comm.rank}: {type(err).__name__}: {err}")]
     try:
         agree_on_problems(comm, path, problems, "Nothing was loaded; the model is unchanged.")
         assert reader is not None and plan is not None
@@ -330,10 +282,10 @@ def load_full_weights(
         failure: list[tuple[int, str]] = []
         try:
             reader.execute(plan, comm)
-        except _SourceError as err:
-            failure = [(_UNREADABLE, str(err))]
+        except SourceError as err:
+            failure = [(UNREADABLE, str(err))]
         except Exception as err:
-            failure = [(_UNREADABLE, f"rank {comm.rank}: {type(err).__name__}: {err}")]
+            failure = [(UNREADABLE, f"rank {comm.rank}: {type(err).__name__}: {err}")]
         agree_on_problems(
             comm,
             path,
@@ -377,7 +329,12 @@ def _tie_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
 
 
 def _check_spec(
-    plan: _Plan, what: str, key: str, have: _Spec, shape: tuple[int, ...], dtype: torch.dtype
+    plan: WeightsPlan,
+    what: str,
+    key: str,
+    have: SourceTensorSpec,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
 ) -> bool:
     """Record a problem unless a source tensor ``have`` can fill a target; return OK."""
     ok = True
@@ -393,18 +350,23 @@ def _check_spec(
     return ok
 
 
-def _copy_of(key: str, entry: torch.Tensor, chunk: Any) -> _Copy:
+def _copy_of(key: str, entry: torch.Tensor, chunk: Any) -> TensorCopy:
     if isinstance(entry, DTensor):
         start = int(chunk.offsets[0])
-        return _Copy(key, _torch.local_tensor(entry), (start, start + int(chunk.sizes[0])), entry)
-    return _Copy(key, entry, None, entry)
+        return TensorCopy(
+            key, _torch.local_tensor(entry), (start, start + int(chunk.sizes[0])), entry
+        )
+    return TensorCopy(key, entry, None, entry)
 
 
 def _plan(
-    model: nn.Module, optimizers: Sequence[Optimizer], reader: _Source, options: PretrainedWeights
-) -> _Plan:
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    reader: WeightSource,
+    options: PretrainedWeights,
+) -> WeightsPlan:
     """Match the source against the model (and optimizers) and list every copy."""
-    plan = _Plan()
+    plan = WeightsPlan()
     state = get_model_state_dict(model)
     optimizer_states = [get_optimizer_state_dict(model, o) for o in optimizers]
     # The chunk hooks make DCP read exactly this rank's rows; harmless for other sources.
@@ -462,9 +424,9 @@ def _plan(
 
 
 def _plan_optimizers(
-    plan: _Plan,
+    plan: WeightsPlan,
     optimizer_states: list[dict[str, Any]],
-    reader: _Source,
+    reader: WeightSource,
     chunks: Mapping[str, Any],
     strict: bool,
 ) -> None:

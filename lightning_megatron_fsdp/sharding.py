@@ -1,31 +1,8 @@
-"""Which modules become Megatron-FSDP units, and sharding them without losing anything.
-
-Problem: megatron-fsdp's ``fully_shard`` shards one module in place and leaves the rest to
-the caller: units must be sharded bottom-up (children before parents), on 0.7 inside one
-sharding context; meta-device modules must be materialised first; under bf16/fp16 compute
-the fp32 main weights should start from the exact fp32 initialisation, not its rounding;
-0.6.1 breaks tied parameters; and a parameter no unit owns would silently train without
-gradient reduction.
-
-How: :func:`shard_module` is ``fully_shard`` that keeps ties on both versions and shares
-one context per :func:`sharding_scope`. :func:`plan_units` chooses the units of a model:
-the policy's, bottom-up, then the *outermost* modules that own parameters, so that every
-top-level submodule (``self.model``, ``self.head``) is a unit of its own and can be called
-directly anywhere (hooks, callbacks, after ``fit``, ``generate()``), not only through the
-root's forward. :func:`shard_unit` materialises, casts and shards one unit; the checks
-name the first offending parameter or module.
-
-Alternatives rejected (for top-level units):
-    * The LightningModule as the one root unit over every remaining parameter: its
-      forward hooks are the only ones that unshard root-level parameters (embedding, final
-      norm, head), so ``self.model(x)`` in a hook fails with mixed DTensor/Tensor inputs.
-    * Unsharding a unit's parameters from hooks on every submodule: a second scheduler
-      beside megatron-fsdp's, and a backward through part of a unit never reduces its
-      gradients.
-
-The LightningModule is itself a unit only when it owns parameters directly (or holds
-children tied to each other), and then owns only those. This module depends on torch and
-megatron-fsdp (through :mod:`~lightning_megatron_fsdp._megatron`), never on Lightning.
+"""Which modules become Megatron-FSDP units, and sharding them without losing anything:
+:func:`shard_module` (``fully_shard`` that keeps ties on both versions),
+:func:`sharding_scope`, :func:`plan_units` (the policy's units bottom-up, then the outermost
+modules that own parameters) and :func:`shard_unit` (materialise, cast, shard, check). It
+depends on torch and megatron-fsdp, never on Lightning.
 """
 
 from __future__ import annotations
@@ -444,7 +421,7 @@ def _restore_main_weights(module: nn.Module, originals: Mapping[int, Tensor]) ->
 
     ``originals`` maps ``id`` of the unsharded parameter objects (their storage was
     swapped, their identity kept) to their values before the cast. Copies only this rank's
-    rows: a rank owns whole dim-0 rows (:func:`~lightning_megatron_fsdp._megatron.owned_range`),
+    rows: a rank owns whole dim-0 rows (``_megatron.owned_range``),
     so no collective is needed.
     """
     for group in _megatron.unit_parameter_groups(module):

@@ -1,14 +1,7 @@
 """The ``sharding_strategy`` option: which of parameters, gradients and optimizer state
-Megatron-FSDP shards, under the names Lightning and Megatron-LM users know.
-
-megatron-fsdp places the compute weights, the gradients and the main weights with their
-optimizer state separately (``Placements(dp_axes, parameter, gradient, optimizer)``), so
-every ZeRO stage is a choice of placements: ZeRO-3 shards all three, ZeRO-2 keeps the
-compute weights whole, ZeRO-1 also reduces gradients only once per optimizer step, and
-no-shard replicates everything (DDP). This module turns a name, torch's
-``ShardingStrategy``, or raw placements into one validated :class:`ShardingMode` for a
-mesh of known rank, refusing at construction what the installed megatron-fsdp cannot run
-(on 0.6.1 everything but ``FULL_SHARD``/``HYBRID_SHARD``), with the reason.
+Megatron-FSDP shards, under the names Lightning and Megatron-LM users know. A name, torch's
+``ShardingStrategy`` or raw placements becomes one validated :class:`ShardingMode`, and what
+the installed megatron-fsdp cannot run is refused at construction with the reason.
 """
 
 from __future__ import annotations

@@ -1,48 +1,8 @@
-"""``MegatronFSDPStrategy``: train a LightningModule with Megatron-FSDP on every device.
-
-Problem: Megatron-FSDP's experimental ``fully_shard`` is a library, not a trainer. It must
-be applied bottom-up, one unit at a time, in one sharding context; its optimizer adapter
-refuses ``optimizer.step(closure)``, which is how Lightning steps; HSDP gradient
-accumulation needs its ``microbatch`` context; and its parameters are packed ``Shard(0)``
-DTensors whose local shards are *not* torch's canonical ones, so DTensor collectives
-(``clip_grad_norm_``, ``full_tensor``) and Lightning's default checkpointing give wrong
-answers or hang.
-
-How this strategy fits it into Lightning's ``ParallelStrategy`` contract (this module is
-the Lightning glue only; each mechanism lives in its own module):
-
-* Processes: one per device, launched by Lightning (``devices=N``, re-running the script)
-  or externally (``torchrun``, SLURM, ...) through Lightning's cluster environments. The
-  process group is NCCL on CUDA and gloo on CPU (where the CPU adapter runs megatron-fsdp),
-  created in ``setup_environment`` and, as with Lightning's DDP/FSDP strategies, alive
-  until the process ends: the model stays usable after ``fit`` (hooks, ``on_fit_end``,
-  evaluation, ``generate()``), and a later stage reuses the group.
-* Mesh (:mod:`~lightning_megatron_fsdp.mesh`): 1-D ``("dp_shard",)`` by default, or 2-D
-  ``("dp_replicate", "dp_shard")`` for HSDP; exposed to ``configure_model`` as
-  ``self.device_mesh``.
-* Sharding (:mod:`~lightning_megatron_fsdp.sharding`), in ``setup``: the policy's units
-  bottom-up, then the outermost modules that own parameters (``self.model``), then the
-  LightningModule only if it owns parameters itself; modules the user sharded in
-  ``configure_model`` (through :meth:`shard`) are left alone. All in one sharding context.
-* Steps: when the LightningModule is a unit, ``training_step`` and friends run *inside*
-  its forward (so its hooks unshard its own parameters) and the loss is returned through
-  it, so its backward hook unshards them again; otherwise they run as they are.
-* Uneven validation/test/predict data (:mod:`~lightning_megatron_fsdp.join`): ranks that
-  run out of batches join the others' forwards with dummy steps, as torch's ``Join`` does.
-* Optimizers: adapted with ``fully_shard_optimizer``; the closure runs before the step
-  (see :mod:`~lightning_megatron_fsdp.precision`). ``.full_tensor()`` of the sharded
-  parameters and gradients is bound to :func:`~lightning_megatron_fsdp.gather.full_tensor`.
-* Checkpoints: by FQN through torch's DCP state-dict helpers, with the true chunk of
-  every packed shard attached (:mod:`~lightning_megatron_fsdp.uneven_dtensor`), written
-  and read by ``MegatronFSDPCheckpointIO`` (see ``docs/DESIGN.md``).
-
-Alternatives rejected:
-    * Subclassing Lightning's ``ModelParallelStrategy``: it refuses checkpoint plugins,
-      requires ``configure_model``, moves the whole model with ``module.to(device)``
-      (wrong for sharded DTensor parameters) and saves with DCP's canonical planner.
-    * Destroying the process group in ``teardown`` and re-creating it for the next stage:
-      the model (whose buffers hold the mesh's groups) is unusable in between, which
-      breaks ``on_fit_end`` and every use after ``fit``.
+"""``MegatronFSDPStrategy``: the Lightning Trainer strategy that trains a LightningModule with
+Megatron-FSDP on every device. It is Lightning glue only: it fits megatron-fsdp's
+library-style ``fully_shard`` (bottom-up units, its optimizer adapter, packed shards) into
+Lightning's ``ParallelStrategy`` contract, and hands each mechanism to the module that holds
+it (docs/DESIGN.md, "Module notes").
 """
 
 from __future__ import annotations
@@ -505,7 +465,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         )
 
     def _shard_model(self, model: pl.LightningModule) -> None:
-        """Shard ``model`` bottom-up (see :func:`~lightning_megatron_fsdp.sharding.plan_units`)."""
+        """Shard ``model`` bottom-up (see ``sharding.plan_units``)."""
         self._sharder.shard_model(
             model, self._auto_wrap_policy, self.shard, self.root_device, self.placements
         )

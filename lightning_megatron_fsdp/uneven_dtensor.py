@@ -1,36 +1,8 @@
-"""Distributed-checkpoint chunk metadata for Megatron-FSDP's packed parameter buffers.
-
-An ``FsdpParameterGroup`` packs several parameters into one flat ``DBuffer`` with
-least-common-multiple row padding, so a parameter's per-rank shard does not tile the way
-torch's canonical ``Shard(0)`` does: a rank may own several rows of one parameter and
-none of the next. ``DBuffer.get_dtensor`` presents each parameter as a plain ``Shard(0)``
-DTensor, which cannot express those offsets, so DCP's default planner would mis-place
-every packed shard and silently corrupt the checkpoint.
-
-Example (``GlobalLayout.build`` of P0=(2, 6), P1=(4, 4), P2=(4, 4), P3=(1, 2),
-P4=(1, 6) over 5 ranks; chunk size = lcm of the row sizes = 12 elements)::
-
-    rank 0 [ 0, 12): | P0 row 0      | P0 row 1      |          P1 chunk on rank 1:
-    rank 1 [12, 24): | P1 r0 | P1 r1 | P1 r2 |                  offsets (0, 0), sizes (3, 4)
-    rank 2 [24, 36): | P1 r3 | P3 | gap | P2 r0 |              canonical Shard(0) would say
-    rank 3 [36, 48): | P2 r1 | P2 r2 | P2 r3 |                  rank 1 holds rows [1, 2) of
-    rank 4 [48, 60): | P4            | pad           |          a 4-row tensor: wrong.
-
-DCP lets a local tensor override that placement through the ``__create_chunk_list__`` and
-``__create_write_items__`` hooks, which ``DTensor`` forwards to its local tensor. This
-module derives each shard's true position from the ``GlobalLayout`` that already backs the
-buffer -- it records every logical tensor's global element offset, and the buffer records
-this rank's owned element range -- and attaches those hooks. The derivation is pure
-rank-local arithmetic, so it needs no collective.
-
-Alternatives rejected:
-    * megatron-fsdp's ``preprocess_state_dict_for_uneven_dtensor``: all-gathers every
-      shard's shape, one ``all_gather_object`` per tensor (a collective per state-dict
-      entry, hundreds of milliseconds for large models, and a hang if ranks disagree).
-    * A custom DCP planner: would have to be passed to every ``dcp.save``/``dcp.load``
-      (ours, Lightning's, the user's) and would not survive ``async_save`` staging.
-
-This module depends on torch and megatron-fsdp only, never on Lightning.
+"""Distributed-checkpoint chunk metadata for Megatron-FSDP's packed parameter buffers: a packed
+shard does not tile the way torch's canonical ``Shard(0)`` does, so DCP's default planner
+would misplace it. :func:`chunk_metadata_by_fqn` derives each shard's true chunk from the
+layout that backs the buffer, rank-locally, and :func:`attach_uneven_dtensor_metadata`
+attaches it through DCP's chunk hooks.
 """
 
 from __future__ import annotations

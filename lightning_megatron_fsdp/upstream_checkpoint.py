@@ -1,32 +1,7 @@
-"""Recognise checkpoints written by megatron-fsdp's own ``save_checkpoint`` (0.7 and later).
-
-Problem: ``megatron_fsdp.experimental.checkpoint.save_checkpoint(model, optimizer, dir)``
-writes a plain DCP directory, ``dcp.save({"model": get_model_state_dict(model),
-"optimizer": get_optimizer_state_dict(model, optimizer)})`` with megatron's gather-based
-chunk metadata attached, so its keys are::
-
-    model.<fqn>                               parameters and buffers
-    optimizer.state.<fqn>.<name>              e.g. exp_avg, exp_avg_sq, step
-    optimizer.param_groups.<g>.<name>         hyper-parameters (non-tensor)
-
-There is no ``manifest.json`` and no ``meta.pt``. Read as any DCP directory, its model
-keys keep a ``model.`` prefix that matches no FQN and its optimizer state is not found, and
-``inspect``/``verify`` report the missing manifest as damage.
-
-How: DCP records, for each flat key, its path in the saved (nested) dict
-(``Metadata.planner_data``). In this format every path starts with ``"model"`` or
-``"optimizer"`` and has at least two parts, e.g. ``("model", "embed.weight")`` or
-``("optimizer", "state", "embed.weight", "exp_avg")``. A plain ``dcp.save`` of
-``model.state_dict()`` whose module has a child named ``model`` also has ``model.``
-keys, but one-part paths (``("model.layer.weight",)``), so the two are not confused. The
-keys are mapped to the internal convention of :mod:`~lightning_megatron_fsdp.pretrained`
-(FQNs, and ``optimizer_states.0.`` for the one optimizer).
-
-Alternatives rejected:
-    * Matching key prefixes alone: ambiguous with a state dict whose first module is
-      ``model`` (a LightningModule's ``self.model``), as above.
-    * Importing ``megatron_fsdp.experimental.checkpoint``: it only exists from 0.7 on,
-      and reading the format needs nothing from it; a 0.6.1 install reads it too.
+"""Recognise checkpoints written by megatron-fsdp's own ``save_checkpoint`` (0.7 and later: a
+DCP directory without manifest, keys under ``model.`` and ``optimizer.``) by the planner
+paths DCP records, and map their keys to the package's internal convention, so loading,
+inspecting and verifying them work.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""Where full weights come from: torch files, safetensors, and DCP checkpoint directories.
-
-Problem: ``load_full_weights`` fills a sharded model from weights saved in many layouts
-(a ``torch.save`` state dict or Lightning ``.ckpt``, a safetensors file, our DCP
-directories at any world size, Lightning ``ModelParallelStrategy``'s, megatron-fsdp's own),
-and each rank must read only the rows it owns, without loading whole files where the format
-allows it.
-
-How: one small interface, :class:`_Source` (keys, specs, optimizer entries, and
-``execute(plan)`` reading every planned row range into its target); flat files read rows
-rank-locally (safetensors by memory-mapped slices), DCP directories through DCP itself with
-each target's true chunk attached, collectively. The ranks agree on problems through
-:func:`agree_on_problems` so every rank raises the same error.
+"""Where full weights come from (``torch.save`` files and Lightning ``.ckpt``, safetensors, DCP
+directories: ours, FSDP2's, megatron-fsdp's), behind one small interface,
+:class:`WeightSource`, that reads each rank's planned rows into its targets; the ranks agree
+on problems so a bad source raises the same error on every rank.
 """
 
 from __future__ import annotations
@@ -41,7 +32,19 @@ from lightning_megatron_fsdp.checkpoint.format import (
     read_manifest,
 )
 from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
-from lightning_megatron_fsdp.export import _checkpoints_inside
+from lightning_megatron_fsdp.export import checkpoints_inside
+
+__all__ = [
+    "MISMATCH",
+    "UNREADABLE",
+    "SourceError",
+    "SourceTensorSpec",
+    "TensorCopy",
+    "WeightSource",
+    "WeightsPlan",
+    "agree_on_problems",
+    "open_source",
+]
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -88,11 +91,13 @@ _SAFETENSORS_BASIC = frozenset(
 )
 
 
-_UNREADABLE, _MISMATCH = 0, 1  # problem kinds, most fundamental first
+UNREADABLE, MISMATCH = 0, 1
+"""Problem kinds, most fundamental first: a rank that cannot read the source outranks
+one whose tensors do not match the model."""
 _ERRORS: tuple[type[CheckpointError], ...] = (CheckpointError, CheckpointMismatchError)
 
 
-class _SourceError(Exception):
+class SourceError(Exception):
     """This rank cannot read the source; turned into a :class:`CheckpointError` on all."""
 
 
@@ -115,7 +120,7 @@ def agree_on_problems(
 
 
 @dataclasses.dataclass(frozen=True)
-class _Spec:
+class SourceTensorSpec:
     """Global shape and dtype of a source tensor."""
 
     shape: tuple[int, ...]
@@ -123,7 +128,7 @@ class _Spec:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Copy:
+class TensorCopy:
     """One tensor to fill: ``into`` (this rank's shard, or a whole tensor) from ``key``.
 
     ``rows`` is the owned dim-0 range ``[start, stop)`` of a sharded tensor in global
@@ -145,10 +150,10 @@ class _Copy:
 
 
 @dataclasses.dataclass
-class _Plan:
+class WeightsPlan:
     """Everything phase 2 does, and what phase 1 found wrong."""
 
-    copies: list[_Copy] = dataclasses.field(default_factory=list)
+    copies: list[TensorCopy] = dataclasses.field(default_factory=list)
     # Non-tensor values (optimizer hyper-parameters): (source key, container, name), set
     # as ``container[name] = value``.
     values: list[tuple[str, dict[str, Any], str]] = dataclasses.field(default_factory=list)
@@ -160,7 +165,7 @@ class _Plan:
     problems: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
     def mismatch(self, text: str) -> None:
-        self.problems.append((_MISMATCH, text))
+        self.problems.append((MISMATCH, text))
 
 
 def _like(current: Any, loaded: Any) -> Any:
@@ -170,7 +175,7 @@ def _like(current: Any, loaded: Any) -> Any:
     return loaded
 
 
-class _Source(abc.ABC):
+class WeightSource(abc.ABC):
     """A readable source of full tensors under internal keys (see ``OPTIMIZER_PREFIX``).
 
     Phase 1 asks only for keys, shapes and dtypes (:meth:`spec`, :meth:`has`); phase 2
@@ -186,7 +191,7 @@ class _Source(abc.ABC):
         self.optimizer_problems: list[str] = []
 
     @abc.abstractmethod
-    def spec(self, key: str) -> _Spec:
+    def spec(self, key: str) -> SourceTensorSpec:
         """Global shape and dtype of tensor ``key``."""
 
     @abc.abstractmethod
@@ -202,14 +207,14 @@ class _Source(abc.ABC):
         """Every key of optimizer ``index`` in the source."""
 
     @abc.abstractmethod
-    def execute(self, plan: _Plan, comm: Ranks) -> None:
+    def execute(self, plan: WeightsPlan, comm: Ranks) -> None:
         """Fill every copy of ``plan`` and its hyper-parameters; rank-local failures raise."""
 
     def close(self) -> None:  # noqa: B027 - optional: DCP sources hold nothing open
         """Release file handles and mappings."""
 
 
-class _FlatSource(_Source):
+class _FlatSource(WeightSource):
     """A source whose tensors are read by rows, rank-locally: torch.save and safetensors."""
 
     def __init__(self, path: Path) -> None:
@@ -238,7 +243,7 @@ class _FlatSource(_Source):
                 self._optimizer_keys.setdefault(int(index), []).append(key)
         return len(self._optimizer_keys)
 
-    def execute(self, plan: _Plan, comm: Ranks) -> None:
+    def execute(self, plan: WeightsPlan, comm: Ranks) -> None:
         try:
             with torch.no_grad():
                 for copy in plan.copies:
@@ -249,7 +254,7 @@ class _FlatSource(_Source):
             for key, container, name in plan.values:
                 container[name] = _like(container[name], self.value(key))
         except Exception as err:
-            raise _SourceError(
+            raise SourceError(
                 f"reading {self.path} failed on rank {comm.rank}: {type(err).__name__}: {err}"
             ) from err
 
@@ -276,14 +281,14 @@ class _TorchSource(_FlatSource):
                 if weights_only
                 else ""
             )
-            raise _SourceError(
+            raise SourceError(
                 f"{path}: torch.load(mmap=True, weights_only={weights_only}) failed: "
                 f"{type(err).__name__}: {str(err).rstrip('.')}.{hint} Files written with the "
                 "legacy (non-zip) torch.save format cannot be memory-mapped: re-save them with "
                 "torch.save."
             ) from err
         if not isinstance(loaded, Mapping):
-            raise _SourceError(
+            raise SourceError(
                 f"{path}: expected a state dict (a mapping of names to tensors) or a Lightning "
                 f"checkpoint, got a {type(loaded).__name__}."
             )
@@ -301,9 +306,9 @@ class _TorchSource(_FlatSource):
             if isinstance(v, torch.Tensor) and not k.startswith(OPTIMIZER_PREFIX)
         ]
 
-    def spec(self, key: str) -> _Spec:
+    def spec(self, key: str) -> SourceTensorSpec:
         tensor = self._flat[key]
-        return _Spec(tuple(tensor.shape), tensor.dtype)
+        return SourceTensorSpec(tuple(tensor.shape), tensor.dtype)
 
     def has(self, key: str) -> bool:
         return key in self._flat
@@ -380,7 +385,7 @@ class _SafetensorsSource(_FlatSource):
         try:
             from safetensors import safe_open
         except ImportError as err:
-            raise _SourceError(
+            raise SourceError(
                 f"{path}: reading .safetensors needs the safetensors package: pip install "
                 "'lightning-megatron-fsdp[export]' (or safetensors)."
             ) from err
@@ -389,20 +394,20 @@ class _SafetensorsSource(_FlatSource):
             self._keys = set(self._file.keys())
             self._metadata = self._file.metadata() or {}
         except Exception as err:
-            raise _SourceError(
+            raise SourceError(
                 f"{path}: not a readable safetensors file: {type(err).__name__}: {err}."
             ) from err
         # Only the header is read here; a dtype is judged when a key is needed (spec()),
         # so a tensor the model does not load never stops the load.
         self._codes = {key: self._file.get_slice(key).get_dtype() for key in self._keys}
-        self._specs: dict[str, _Spec] = {}
+        self._specs: dict[str, SourceTensorSpec] = {}
         self.model_keys = [k for k in self._keys if not k.startswith(OPTIMIZER_PREFIX)]
 
-    def spec(self, key: str) -> _Spec:
+    def spec(self, key: str) -> SourceTensorSpec:
         """Shape and dtype of ``key``, which the load needs.
 
         Raises:
-            _SourceError: If torch has no dtype for its safetensors dtype, or the
+            SourceError: If torch has no dtype for its safetensors dtype, or the
                 installed safetensors cannot read it (checked on an empty slice).
         """
         if key in self._specs:
@@ -411,7 +416,7 @@ class _SafetensorsSource(_FlatSource):
         piece = self._file.get_slice(key)
         dtype = _SAFETENSORS_DTYPES.get(code)
         if dtype is None:
-            raise _SourceError(
+            raise SourceError(
                 f"{self.path}: tensor {key!r} has safetensors dtype {code}, which this loader "
                 f"cannot read into torch {torch.__version__} (readable: "
                 f"{', '.join(sorted(_SAFETENSORS_DTYPES))}); the model needs it. Convert "
@@ -426,12 +431,12 @@ class _SafetensorsSource(_FlatSource):
             else:
                 failure = None if probe.dtype == dtype else f"it reads as {probe.dtype}"
             if failure is not None:
-                raise _SourceError(
+                raise SourceError(
                     f"{self.path}: tensor {key!r} has safetensors dtype {code}, which the "
                     f"installed safetensors cannot read as {dtype} ({failure}); the model "
                     "needs it. Upgrade safetensors (pip install -U safetensors)."
                 )
-        self._specs[key] = _Spec(shape, dtype)
+        self._specs[key] = SourceTensorSpec(shape, dtype)
         return self._specs[key]
 
     def has(self, key: str) -> bool:
@@ -454,7 +459,7 @@ class _SafetensorsSource(_FlatSource):
         self._file = None
 
 
-class _DcpSource(_Source):
+class _DcpSource(WeightSource):
     """A DCP directory: ours (``state_dict.``/``optimizer_states.<i>.`` keys), Lightning
     ``ModelParallelStrategy``'s (``state_dict.``/``optimizer_<i>.``), megatron-fsdp's own
     ``save_checkpoint`` (``model.``/``optimizer.``, see
@@ -479,16 +484,16 @@ class _DcpSource(_Source):
             try:
                 damaged = check_files(path, read_manifest(path))
             except (NotACheckpointError, OSError) as err:
-                raise _SourceError(str(err)) from err
+                raise SourceError(str(err)) from err
             if damaged:
-                raise _SourceError(
+                raise SourceError(
                     f"{path} is an incomplete or damaged checkpoint: {'; '.join(damaged)}. Use "
                     "another checkpoint."
                 )
         try:
             metadata = self._reader().read_metadata()
         except Exception as err:
-            raise _SourceError(
+            raise SourceError(
                 f"{path}: cannot read the DCP metadata ({DCP_METADATA_FILE}): "
                 f"{type(err).__name__}: {err}."
             ) from err
@@ -505,11 +510,11 @@ class _DcpSource(_Source):
                 self._dcp_key[key[len(model_prefix) :]] = key
         if upstream_checkpoint.is_upstream_checkpoint(metadata):  # megatron-fsdp's own format
             self._dcp_key = upstream_checkpoint.internal_keys(metadata)
-        self._specs: dict[str, _Spec] = {}
+        self._specs: dict[str, SourceTensorSpec] = {}
         for internal, key in self._dcp_key.items():
             entry = saved[key]
             if isinstance(entry, TensorStorageMetadata):
-                self._specs[internal] = _Spec(tuple(entry.size), entry.properties.dtype)
+                self._specs[internal] = SourceTensorSpec(tuple(entry.size), entry.properties.dtype)
         self.model_keys = [
             k for k in self._dcp_key if not k.startswith(OPTIMIZER_PREFIX) and k in self._specs
         ]
@@ -526,10 +531,10 @@ class _DcpSource(_Source):
         opened confined to it, records are checked against their CRC32C where recorded."""
         return VerifyingFileSystemReader(self.path, trust_checkpoint=self._trust)
 
-    def spec(self, key: str) -> _Spec:
+    def spec(self, key: str) -> SourceTensorSpec:
         spec = self._specs.get(key)
         if spec is None:
-            raise _SourceError(f"{self.path}: entry {self._dcp_key[key]!r} is not a tensor.")
+            raise SourceError(f"{self.path}: entry {self._dcp_key[key]!r} is not a tensor.")
         return spec
 
     def has(self, key: str) -> bool:
@@ -542,7 +547,7 @@ class _DcpSource(_Source):
         prefix = f"{OPTIMIZER_PREFIX}{index}."
         return [k for k in self._dcp_key if k.startswith(prefix)]
 
-    def execute(self, plan: _Plan, comm: Ranks) -> None:
+    def execute(self, plan: WeightsPlan, comm: Ranks) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -559,7 +564,7 @@ class _DcpSource(_Source):
             )
         except CheckpointException as err:
             # DCP raises this on every rank, listing each failing rank's error.
-            raise _SourceError(f"DCP failed reading {self.path}: {err}") from err
+            raise SourceError(f"DCP failed reading {self.path}: {err}") from err
         for key, container, name in plan.values:
             container[name] = _like(container[name], targets[self._dcp_key[key]])
 
@@ -574,15 +579,15 @@ def _dcp_optimizer_key(key: str) -> str | None:
     return None
 
 
-def _open_source(path: Path, weights_only: bool) -> _Source:
+def open_source(path: Path, weights_only: bool) -> WeightSource:
     """Open ``path`` by what it is.
 
     Raises:
-        _SourceError: If it does not exist or is no supported format.
+        SourceError: If it does not exist or is no supported format.
     """
     if path.is_dir():
         if not (path / DCP_METADATA_FILE).is_file():
-            inside = _checkpoints_inside(path)
+            inside = checkpoints_inside(path)
             hint = (
                 f"It holds checkpoint directories {inside[:5]}: pass one of them, e.g. "
                 f"{path / inside[-1]}."
@@ -590,17 +595,17 @@ def _open_source(path: Path, weights_only: bool) -> _Source:
                 else "Expected a DCP checkpoint directory, or a .pt/.pth/.bin/.ckpt/"
                 ".safetensors file."
             )
-            raise _SourceError(
+            raise SourceError(
                 f"{path} is a directory without {DCP_METADATA_FILE}: not a DCP checkpoint. " + hint
             )
         return _DcpSource(path, weights_only)
     if not path.is_file():
-        raise _SourceError(f"{path} does not exist (or is not a regular file or directory).")
+        raise SourceError(f"{path} does not exist (or is not a regular file or directory).")
     if path.suffix == _SAFETENSORS_SUFFIX:
         return _SafetensorsSource(path)
     if path.suffix in _TORCH_SUFFIXES:
         return _TorchSource(path, weights_only)
-    raise _SourceError(
+    raise SourceError(
         f"{path}: unsupported suffix {path.suffix!r}. Expected a torch.save file "
         f"({', '.join(_TORCH_SUFFIXES)}), {_SAFETENSORS_SUFFIX}, or a DCP checkpoint directory."
     )

@@ -257,7 +257,7 @@ def test_refusals_name_the_opt_in_which_unpickles_in_full(
 def test_an_export_never_renames_a_swapped_temporary_file(tmp_path: Path) -> None:
     """Whoever can write to the output folder swaps the temporary file for their own while
     the export writes it: the export fails and the output is never their file."""
-    from lightning_megatron_fsdp.export import _write_atomically
+    from lightning_megatron_fsdp.export import write_atomically
 
     output = tmp_path / "out.pt"
 
@@ -268,7 +268,7 @@ def test_an_export_never_renames_a_swapped_temporary_file(tmp_path: Path) -> Non
         temporary.write_bytes(b"theirs")  # a new file under the same name
 
     with pytest.raises(FileExistsError, match="was replaced while exporting"):
-        _write_atomically(output, write_and_get_swapped, overwrite=False, who="test")
+        write_atomically(output, write_and_get_swapped, overwrite=False, who="test")
     assert not output.exists()
 
     def write(stream: Any) -> None:
@@ -276,7 +276,7 @@ def test_an_export_never_renames_a_swapped_temporary_file(tmp_path: Path) -> Non
         stream.seek(0)
         assert stream.read() == b"ours"  # re-read through the descriptor
 
-    _write_atomically(output, write, overwrite=False, who="test")
+    write_atomically(output, write, overwrite=False, who="test")
     assert output.read_bytes() == b"ours"
 
 

@@ -1,20 +1,6 @@
-"""Fabric's checkpoint state (a dict of modules, optimizers and the rest) in our format.
-
-Problem: ``fabric.save(path, {"model": m, "optimizer": o, "step": n, "loader": l})`` hands
-the strategy objects under the user's keys, while our checkpoint format (the one the
-Trainer strategy, the checkpoint IO and the offline tools read) is Lightning's checkpoint
-dict: the model's state by FQN under ``"state_dict"``, optimizer states by FQN in
-``"optimizer_states"``, everything else pickled into ``meta.pt``. One format for both
-means a Fabric checkpoint must be that dict, and a Trainer checkpoint must load into a
-Fabric state.
-
-How: :func:`to_checkpoint` builds that dict from Fabric's state and records which of the
-user's keys held the model and each optimizer (:data:`FABRIC_KEYS`), plus the two keys a
-Trainer resume needs (Lightning's version, an empty scheduler list);
-:func:`saved_optimizer_order` maps the user's optimizers onto the saved ones by key
-(by position for a Trainer checkpoint), and :func:`restore_rest` puts the other entries
-back into the user's state as Fabric's own strategies do, returning what was not asked
-for.
+"""Fabric's checkpoint state (a dict of modules, optimizers and the rest) as Lightning's
+checkpoint dict and back, so a Fabric checkpoint is the format the Trainer strategy, the
+checkpoint IO and the offline tools read (docs/DESIGN.md, "Fabric").
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""The precision flags of the Trainer strategy, for Fabric's calling convention.
-
-Problem: :class:`~lightning_megatron_fsdp.precision.MegatronFSDPPrecision` holds what each
-flag means under Megatron-FSDP (compute dtype, fp32 main weights, autocast, input casts),
-but it is a Trainer plugin: its backward and step call LightningModule hooks and run
-Lightning's closure, which Fabric neither has nor passes. Fabric calls
-``backward(tensor, module)`` and ``optimizer_step(optimizer)`` instead.
-
-How: :class:`MegatronFSDPFabricPrecision` inherits the flag table unchanged and overrides
-only the backward and step calls with Fabric's signatures; :func:`to_fabric_precision`
-turns the plugin Fabric's connector builds from ``precision=...`` into it.
+"""The Trainer strategy's precision flags for Fabric's calling convention:
+:class:`MegatronFSDPFabricPrecision` keeps the flag table and overrides only backward and
+step, which Fabric calls without LightningModule hooks or a closure.
 """
 
 from __future__ import annotations
@@ -32,7 +24,7 @@ __all__ = ["MegatronFSDPFabricPrecision", "to_fabric_precision"]
 
 
 class MegatronFSDPFabricPrecision(MegatronFSDPPrecision):
-    """:class:`~lightning_megatron_fsdp.precision.MegatronFSDPPrecision` for Fabric loops.
+    """The Trainer strategy's ``MegatronFSDPPrecision``, for Fabric loops.
 
     Same flags, same meaning (README, "Precision flags"); the strategy finishes gradients
     after each backward (it knows the set-up models, Fabric passes none).

@@ -1,27 +1,7 @@
-"""``MegatronFSDPStrategy`` for Lightning Fabric: Megatron-FSDP in a hand-written loop.
-
-Problem: Fabric users (litgpt among them) write their own loop around ``fabric.setup``,
-``fabric.backward``, ``fabric.save`` and ``fabric.load``; Fabric's ``FSDPStrategy`` and
-``ModelParallelStrategy`` cannot drive Megatron-FSDP (its packed shards break DCP's
-canonical planner, its optimizer adapter must wrap the optimizer), and the Trainer
-strategy speaks the Trainer's contract, not Fabric's.
-
-How: a thin Fabric ``ParallelStrategy`` over the same machinery as the Trainer strategy:
-the process group and unit sharding of :mod:`~lightning_megatron_fsdp.model_setup`, the
-precision flags of :mod:`~lightning_megatron_fsdp.precision`, shard-aware clipping, and
-the checkpoint IO with its loader (:func:`~lightning_megatron_fsdp.checkpoint.load.
-load_into_sharded_model`). Fabric's state dict is mapped onto the Trainer's checkpoint
-dict (:mod:`.checkpoint_state`), so both strategies and the offline tools read one
-format. Each rank's random streams are saved as the Trainer strategy saves them and put
-back at the first forward after ``fabric.load`` (where the uninterrupted loop stood, after
-the resumed loop has created its data iterator).
-
-Alternatives rejected:
-    * Subclassing Fabric's ``ModelParallelStrategy``: it refuses checkpoint plugins and
-      saves with DCP's canonical planner, which misplaces packed shards.
-    * Restoring the random streams inside ``fabric.load``: creating the loader's iterator
-      afterwards draws from torch's generator, which the uninterrupted loop did before its
-      save, so every later dropout mask would differ.
+"""``MegatronFSDPStrategy`` for Lightning Fabric: a thin Fabric ``ParallelStrategy`` over the
+Trainer strategy's machinery (process group and unit sharding, precision flags, shard-aware
+clipping, the checkpoint IO), so hand-written loops such as litgpt's train with
+Megatron-FSDP and read and write the same checkpoint format (docs/DESIGN.md, "Fabric").
 """
 
 from __future__ import annotations
