@@ -14,6 +14,7 @@ names. The allow-list and its reasoning are in docs/DESIGN.md, "Untrusted checkp
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -65,6 +66,23 @@ def _storage_info_class() -> type:
     return cast(type, _torch.dcp_metadata_private_types()[key])
 
 
+class _NewerTensorProperties(TensorProperties):
+    """``TensorProperties`` as a newer torch pickles them, with a sixth field (``strides``),
+    read where torch's class has five: the extra field, which this torch does not use, is
+    dropped, and the object becomes a plain ``TensorProperties``."""
+
+    def __setstate__(self, state: Any) -> None:
+        TensorProperties.__setstate__(self, tuple(state)[:5])
+        self.__class__ = TensorProperties  # type: ignore[assignment]
+
+
+def _properties_class() -> type:
+    """What a pickled ``TensorProperties`` becomes: torch's class, or, where it predates
+    the ``strides`` field, one that also reads checkpoints of the torch that added it."""
+    fields = {field.name for field in dataclasses.fields(TensorProperties)}
+    return TensorProperties if "strides" in fields else _NewerTensorProperties
+
+
 def _allowed() -> dict[tuple[str, str], Any]:
     allowed: dict[tuple[str, str], Any] = {
         ("torch.distributed.checkpoint.metadata", cls.__name__): cls
@@ -78,6 +96,7 @@ def _allowed() -> dict[tuple[str, str], Any]:
             StorageMeta,
         )
     }
+    allowed[("torch.distributed.checkpoint.metadata", "TensorProperties")] = _properties_class()
     allowed.update(_torch.dcp_metadata_private_types())
     allowed[("torch", "Size")] = torch.Size
     for name, value in vars(torch).items():
