@@ -33,10 +33,13 @@ from typing_extensions import override
 from lightning_megatron_fsdp import _lightning, _megatron
 from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
+from lightning_megatron_fsdp.checkpoint.checksums import bytes_digest
+from lightning_megatron_fsdp.checkpoint.confined_files import read_regular
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
 from lightning_megatron_fsdp.checkpoint.format import META_FILE, read_manifest
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.checkpoint.load import load_into_sharded_model
+from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
 from lightning_megatron_fsdp.exact_resume import ExactResume
 from lightning_megatron_fsdp.fabric.checkpoint_state import (
     restore_rest,
@@ -641,11 +644,16 @@ def _peek(path: str, weights_only: bool | None) -> tuple[dict[str, Any], int | N
     An unreadable or aside checkpoint gives nothing here (optimizers are then matched by
     position); the load that follows explains what is wrong with it.
     """
-    from pathlib import Path
-
     try:
-        count: int | None = len(read_manifest(path).optimizer_fingerprints)
-        meta = torch.load(Path(path, META_FILE), map_location="cpu", weights_only=weights_only)
+        manifest = read_manifest(path)
+        count: int | None = len(manifest.optimizer_fingerprints)
+        # As every load reads meta.pt: confined, at the manifest's size, checksummed, and
+        # weights-only unless the caller trusts the checkpoint.
+        data = read_regular(path, META_FILE, size=manifest.files[META_FILE].size)
+        digest = manifest.files[META_FILE].digest()
+        if digest is not None and bytes_digest(data, digest[0]) != digest[1]:
+            return {}, None
+        meta = load_weights_only(data, source=META_FILE, trust=weights_only is False)
     except Exception:
         return {}, None
     from lightning_megatron_fsdp.fabric.checkpoint_state import FABRIC_KEYS
