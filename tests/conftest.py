@@ -23,6 +23,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False on this machine")
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    """A failing test that used the S3 server carries the server's complaints in its report:
+    the client sees only "internal error", the cause is in the server's log."""
+    report: pytest.TestReport = yield
+    server = getattr(item, "funcargs", {}).get("seaweed")
+    if report.failed and isinstance(server, SeaweedServer):
+        report.sections.append(("weed server log: errors and warnings", server.complaints()))
+    return report
+
+
 @pytest.fixture(scope="session")
 def other_side(tmp_path_factory: pytest.TempPathFactory) -> OtherSide:
     """The other megatron-fsdp interpreter's side of every cross-version test, run once.

@@ -5,7 +5,10 @@ runs per test session (the ``seaweed`` fixture in ``tests/conftest.py``); every 
 listeners is given a port explicitly, so no default (the Iceberg catalog's 8181, the
 master's 9333, ...) collides with another session's server. S3 requests are signed: the
 server knows one identity, and clients reach it through the standard AWS variables
-(:attr:`SeaweedServer.env`), exactly as a user's job would.
+(:attr:`SeaweedServer.env`), exactly as a user's job would. Every test makes its own
+bucket, and SeaweedFS gives each bucket its own volumes: the server is told how many volume
+slots it has and to grow one volume per bucket, so how many buckets it serves does not depend
+on the free disk of the machine it runs on.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ __all__ = ["SeaweedServer", "weed_binary"]
 
 ACCESS_KEY = "lmf-test-access"
 SECRET_KEY = "lmf-test-secret-0123456789"
+# Volume slots, fixed: weed's default (0) derives them from free disk at start, and a
+# machine with little free disk then runs out after a few buckets ("internal error").
+VOLUME_SLOTS = 1000
 _PORTS = (
     "master.port",
     "master.port.grpc",
@@ -109,6 +115,8 @@ class SeaweedServer:
                 }
             )
         )
+        # Read from the working directory: grow one volume per collection (bucket), not seven.
+        (self.root / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\n")
         if not (reuse_ports and self.ports):
             self.ports = {name: free_port() for name in _PORTS}
         command = [
@@ -121,7 +129,8 @@ class SeaweedServer:
             f"-s3.config={config}",
             "-master.telemetry=false",
             "-master.volumeSizeLimitMB=256",
-            "-volume.max=0",
+            f"-volume.max={VOLUME_SLOTS}",
+            "-volume.minFreeSpace=64MiB",
             "-volume.preStopSeconds=0",
             *(f"-{name}={port}" for name, port in self.ports.items()),
         ]
@@ -132,6 +141,7 @@ class SeaweedServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                cwd=self.root,
                 start_new_session=True,
             )
         deadline = time.monotonic() + timeout
@@ -216,3 +226,10 @@ class SeaweedServer:
         if self.log_path is None or not self.log_path.exists():
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-40:])
+
+    def complaints(self, limit: int = 20) -> str:
+        """The last ``limit`` error and warning lines of the server's log (``E...``/``W...``)."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join([line for line in lines if line[:1] in ("E", "W")][-limit:])
