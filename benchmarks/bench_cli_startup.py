@@ -24,7 +24,7 @@ from pathlib import Path
 
 _SCRIPT = (
     "import sys; sys.argv = ['lightning-megatron-fsdp', *sys.argv[1:]]; "
-    "from lightning_megatron_fsdp.cli import main; sys.exit(main())"
+    "from lightning_megatron_fsdp.tools.cli import main; sys.exit(main())"
 )
 
 

@@ -50,8 +50,8 @@ _CHILD = r"""
 import json, sys, time
 from pathlib import Path
 import torch
-from lightning_megatron_fsdp.export import consolidate_checkpoint
-from lightning_megatron_fsdp.lightning_checkpoint import export_lightning_checkpoint
+from lightning_megatron_fsdp.tools.export import consolidate_checkpoint
+from lightning_megatron_fsdp.tools.lightning_checkpoint import export_lightning_checkpoint
 
 def rss(field):
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -81,7 +81,7 @@ def _model() -> nn.Module:
 def _save(rank: int, world_size: int, directory: str) -> None:
     """Shard, create Adam state, save through ``MegatronFSDPCheckpointIO``."""
     from lightning_megatron_fsdp import fsdp_placements
-    from lightning_megatron_fsdp._megatron import fully_shard_optimizer
+    from lightning_megatron_fsdp.megatron._megatron import fully_shard_optimizer
 
     enable_cpu_execution()
     torch.manual_seed(0)

@@ -49,7 +49,7 @@ from lightning_megatron_fsdp import (
     shard_module,
     sharding_scope,
 )
-from lightning_megatron_fsdp._megatron import fully_shard_optimizer
+from lightning_megatron_fsdp.megatron._megatron import fully_shard_optimizer
 from tests.harness import run_distributed
 
 __all__ = ["format_table", "main", "run"]

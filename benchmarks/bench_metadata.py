@@ -34,7 +34,7 @@ from lightning_megatron_fsdp import (
     fsdp_placements,
     shard_module,
 )
-from lightning_megatron_fsdp._megatron import fully_shard_optimizer
+from lightning_megatron_fsdp.megatron._megatron import fully_shard_optimizer
 from tests.harness import run_distributed
 
 REPEATS = 5

@@ -74,7 +74,6 @@ from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp import (
     MegatronFSDPCheckpointIO,
-    _megatron,
     attach_uneven_dtensor_metadata,
     enable_cpu_execution,
     ensure_optimizer_state,
@@ -82,7 +81,8 @@ from lightning_megatron_fsdp import (
     shard_module,
     sharding_scope,
 )
-from lightning_megatron_fsdp._megatron import fully_shard_optimizer
+from lightning_megatron_fsdp.megatron import _megatron
+from lightning_megatron_fsdp.megatron._megatron import fully_shard_optimizer
 
 try:  # the default writer since issue 13; older checkouts write with torch's own
     from lightning_megatron_fsdp.checkpoint.storage import (

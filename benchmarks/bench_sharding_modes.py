@@ -66,7 +66,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.bench_save_load import bench_main, median
-from lightning_megatron_fsdp import MegatronFSDPStrategy, _megatron
+from lightning_megatron_fsdp import MegatronFSDPStrategy
+from lightning_megatron_fsdp.megatron import _megatron
 from tests.harness import run_distributed
 
 __all__ = ["GPT", "format_table", "main", "run"]
@@ -348,7 +349,7 @@ def run(*, quick: bool = False, repeats: int = 3) -> dict[str, Any]:
 
 
 def _shards(mode: str) -> dict[str, bool]:
-    from lightning_megatron_fsdp.sharding_modes import MODES as NAMED
+    from lightning_megatron_fsdp.megatron.sharding_modes import MODES as NAMED
 
     shards = NAMED[mode]
     return {

@@ -42,8 +42,8 @@ TIMEOUT = 1800.0
 
 def _undo_the_fix() -> None:
     """Per-instance FSDP classes and dynamo-traced unit hooks, as megatron-fsdp builds them."""
-    from lightning_megatron_fsdp import _megatron
-    from lightning_megatron_fsdp._megatron import FsdpModule
+    from lightning_megatron_fsdp.megatron import _megatron
+    from lightning_megatron_fsdp.megatron._megatron import FsdpModule
 
     made = iter(range(1 << 30))
 

@@ -25,42 +25,45 @@ if TYPE_CHECKING:
     )
     from lightning_megatron_fsdp.checkpoint.format import is_complete_checkpoint, read_manifest
     from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-    from lightning_megatron_fsdp.cpu_execution import cpu_execution_enabled, enable_cpu_execution
-    from lightning_megatron_fsdp.export import consolidate_checkpoint
-    from lightning_megatron_fsdp.gather import full_tensor, grad_norm
-    from lightning_megatron_fsdp.inspection import (
-        CheckpointInfo,
-        TensorInfo,
-        inspect_checkpoint,
-        verify_checkpoint,
+    from lightning_megatron_fsdp.megatron.cpu_execution import (
+        cpu_execution_enabled,
+        enable_cpu_execution,
     )
-    from lightning_megatron_fsdp.lightning_checkpoint import (
-        export_lightning_checkpoint,
-        load_lightning_module,
-    )
-    from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
-    from lightning_megatron_fsdp.precision import (
-        MegatronFSDPPrecision,
-        clip_sharded_grad_norm_,
-        clip_sharded_grad_value_,
-        sharded_grad_norm,
-    )
-    from lightning_megatron_fsdp.pretrained import (
-        FullWeightsLoad,
-        PretrainedWeights,
-        load_full_weights,
-    )
-    from lightning_megatron_fsdp.sharding import (
+    from lightning_megatron_fsdp.megatron.gather import full_tensor, grad_norm
+    from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
+    from lightning_megatron_fsdp.megatron.sharding import (
         fsdp_placements,
         hsdp_placements,
         shard_module,
         sharding_scope,
     )
-    from lightning_megatron_fsdp.sharding_modes import ShardingMode
-    from lightning_megatron_fsdp.strategy import MegatronFSDPStrategy
-    from lightning_megatron_fsdp.uneven_dtensor import (
+    from lightning_megatron_fsdp.megatron.sharding_modes import ShardingMode
+    from lightning_megatron_fsdp.megatron.uneven_dtensor import (
         attach_uneven_dtensor_metadata,
         chunk_metadata_by_fqn,
+    )
+    from lightning_megatron_fsdp.strategies.precision import (
+        MegatronFSDPPrecision,
+        clip_sharded_grad_norm_,
+        clip_sharded_grad_value_,
+        sharded_grad_norm,
+    )
+    from lightning_megatron_fsdp.strategies.strategy import MegatronFSDPStrategy
+    from lightning_megatron_fsdp.tools.export import consolidate_checkpoint
+    from lightning_megatron_fsdp.tools.inspection import (
+        CheckpointInfo,
+        TensorInfo,
+        inspect_checkpoint,
+        verify_checkpoint,
+    )
+    from lightning_megatron_fsdp.tools.lightning_checkpoint import (
+        export_lightning_checkpoint,
+        load_lightning_module,
+    )
+    from lightning_megatron_fsdp.weights.pretrained import (
+        FullWeightsLoad,
+        PretrainedWeights,
+        load_full_weights,
     )
 
 __version__ = "0.1.0"
@@ -68,41 +71,41 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CheckpointCorruptedError": "checkpoint.errors",
     "CheckpointError": "checkpoint.errors",
-    "CheckpointInfo": "inspection",
+    "CheckpointInfo": "tools.inspection",
     "CheckpointMismatchError": "checkpoint.errors",
     "CheckpointSaveError": "checkpoint.errors",
-    "FullWeightsLoad": "pretrained",
+    "FullWeightsLoad": "weights.pretrained",
     "MegatronFSDPCheckpointIO": "checkpoint.io",
-    "MegatronFSDPPrecision": "precision",
-    "MegatronFSDPStrategy": "strategy",
+    "MegatronFSDPPrecision": "strategies.precision",
+    "MegatronFSDPStrategy": "strategies.strategy",
     "NotACheckpointError": "checkpoint.errors",
-    "PretrainedWeights": "pretrained",
-    "ShardingMode": "sharding_modes",
-    "TensorInfo": "inspection",
-    "attach_uneven_dtensor_metadata": "uneven_dtensor",
-    "chunk_metadata_by_fqn": "uneven_dtensor",
-    "clip_sharded_grad_norm_": "precision",
-    "clip_sharded_grad_value_": "precision",
-    "consolidate_checkpoint": "export",
-    "cpu_execution_enabled": "cpu_execution",
-    "enable_cpu_execution": "cpu_execution",
-    "ensure_optimizer_state": "optimizer_state",
-    "export_lightning_checkpoint": "lightning_checkpoint",
-    "fsdp_placements": "sharding",
-    "full_tensor": "gather",
-    "grad_norm": "gather",
-    "hsdp_placements": "sharding",
-    "inspect_checkpoint": "inspection",
+    "PretrainedWeights": "weights.pretrained",
+    "ShardingMode": "megatron.sharding_modes",
+    "TensorInfo": "tools.inspection",
+    "attach_uneven_dtensor_metadata": "megatron.uneven_dtensor",
+    "chunk_metadata_by_fqn": "megatron.uneven_dtensor",
+    "clip_sharded_grad_norm_": "strategies.precision",
+    "clip_sharded_grad_value_": "strategies.precision",
+    "consolidate_checkpoint": "tools.export",
+    "cpu_execution_enabled": "megatron.cpu_execution",
+    "enable_cpu_execution": "megatron.cpu_execution",
+    "ensure_optimizer_state": "megatron.optimizer_state",
+    "export_lightning_checkpoint": "tools.lightning_checkpoint",
+    "fsdp_placements": "megatron.sharding",
+    "full_tensor": "megatron.gather",
+    "grad_norm": "megatron.gather",
+    "hsdp_placements": "megatron.sharding",
+    "inspect_checkpoint": "tools.inspection",
     "interrupted_saves": "checkpoint.commit",
     "is_complete_checkpoint": "checkpoint.format",
-    "load_full_weights": "pretrained",
-    "load_lightning_module": "lightning_checkpoint",
+    "load_full_weights": "weights.pretrained",
+    "load_lightning_module": "tools.lightning_checkpoint",
     "read_manifest": "checkpoint.format",
     "resolve_latest_checkpoint": "checkpoint.commit",
-    "shard_module": "sharding",
-    "sharded_grad_norm": "precision",
-    "sharding_scope": "sharding",
-    "verify_checkpoint": "inspection",
+    "shard_module": "megatron.sharding",
+    "sharded_grad_norm": "strategies.precision",
+    "sharding_scope": "megatron.sharding",
+    "verify_checkpoint": "tools.inspection",
 }
 
 CONSOLE_SCRIPT = "lightning-megatron-fsdp"
@@ -123,7 +126,7 @@ def __dir__() -> list[str]:
 
 if os.path.basename(getattr(sys, "argv", [""])[0] or "") != CONSOLE_SCRIPT:
     # Registers strategy="megatron_fsdp" with the Trainer and with Fabric.
-    importlib.import_module(f"{__name__}.strategy")
+    importlib.import_module(f"{__name__}.strategies.strategy")
     importlib.import_module(f"{__name__}.fabric")
 
 __all__ = [

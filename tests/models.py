@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp import fsdp_placements as _fsdp_placements
 from lightning_megatron_fsdp import shard_module, sharding_scope
-from lightning_megatron_fsdp._megatron import FsdpModule
+from lightning_megatron_fsdp.megatron._megatron import FsdpModule
 
 __all__ = [
     "FFN",
@@ -242,7 +242,7 @@ def fsdp_modules(model: nn.Module) -> list[FsdpModule]:
 
 def sync_compute_weights(model: nn.Module) -> None:
     """Refresh every group's compute weights from its main weights (after a load)."""
-    from lightning_megatron_fsdp import _megatron
+    from lightning_megatron_fsdp.megatron import _megatron
 
     _megatron.sync_compute_weights(model)
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron_fsdp.uneven_dtensor import CHUNK_ATTR
+from lightning_megatron_fsdp.megatron.uneven_dtensor import CHUNK_ATTR
 
 __all__ = [
     "assemble",

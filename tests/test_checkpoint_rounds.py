@@ -28,7 +28,7 @@ from lightning_megatron_fsdp.checkpoint import commit
 from lightning_megatron_fsdp.checkpoint.format import Manifest
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
-from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY
+from lightning_megatron_fsdp.strategies.exact_resume import RNG_STATES_KEY
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock
 from tests.scripts.fault_injection import checkpoint_dict, init_group, live_state, step, trained

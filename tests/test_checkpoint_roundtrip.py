@@ -46,13 +46,13 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_megatron_fsdp import (
-    _megatron,
     attach_uneven_dtensor_metadata,
     chunk_metadata_by_fqn,
     enable_cpu_execution,
     ensure_optimizer_state,
 )
-from lightning_megatron_fsdp.uneven_dtensor import CHUNK_ATTR
+from lightning_megatron_fsdp.megatron import _megatron
+from lightning_megatron_fsdp.megatron.uneven_dtensor import CHUNK_ATTR
 from tests.harness import run_distributed
 from tests.models import (
     bf16_policy,

@@ -26,7 +26,10 @@ from lightning_megatron_fsdp import (
     enable_cpu_execution,
     ensure_optimizer_state,
 )
-from lightning_megatron_fsdp.checkpointable_chunks import PROTOCOL_AVAILABLE, as_checkpointable
+from lightning_megatron_fsdp.megatron.checkpointable_chunks import (
+    PROTOCOL_AVAILABLE,
+    as_checkpointable,
+)
 from tests.harness import run_distributed
 from tests.models import build_packed_lm, dp_mesh, shard_packed_lm, sharded_adam
 from tests.test_checkpoint_roundtrip import _dtensors, _state_dicts, collectives_forbidden

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 _PROBE = """
 import json, sys
 sys.argv = ["lightning-megatron-fsdp", *sys.argv[1:]]
-from lightning_megatron_fsdp.cli import main
+from lightning_megatron_fsdp.tools.cli import main
 status = main()
 heavy = ("lightning", "megatron_fsdp", "torchmetrics")
 print(json.dumps({"status": status, "loaded": [m for m in heavy if m in sys.modules]}))
@@ -67,7 +67,7 @@ def test_importing_the_package_elsewhere_registers_the_strategy() -> None:
             "import lightning_megatron_fsdp, sys\n"
             "from lightning.pytorch.strategies import StrategyRegistry\n"
             "print('megatron_fsdp' in StrategyRegistry,\n"
-            "      'lightning_megatron_fsdp.strategy' in sys.modules)",
+            "      'lightning_megatron_fsdp.strategies.strategy' in sys.modules)",
         ],
         cwd=ROOT,
         capture_output=True,

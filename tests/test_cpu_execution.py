@@ -20,13 +20,13 @@ from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
 from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp import (
-    _megatron,
     cpu_execution_enabled,
     enable_cpu_execution,
     shard_module,
     sharding_scope,
 )
-from lightning_megatron_fsdp.cpu_execution import (
+from lightning_megatron_fsdp.megatron import _megatron
+from lightning_megatron_fsdp.megatron.cpu_execution import (
     SyncEvent,
     SyncStream,
     _patched_modules,

@@ -37,7 +37,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
 from lightning_megatron_fsdp.checkpoint.format import META_FILE
-from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY
+from lightning_megatron_fsdp.strategies.exact_resume import RNG_STATES_KEY
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import VOCAB, PackedBlock, build_packed_lm, make_batch
 

@@ -17,7 +17,7 @@ launches N runs without the zygote, each rank ``python script.py``, as a diagnos
 The same harness reproduces the cause without the strategy's exit hook, so it can see an
 abort: gloo's worker thread freeing a finished collective's tensors (or running a
 collective's Python callback) once the interpreter finalises (pytorch/pytorch#190489;
-:mod:`lightning_megatron_fsdp.interpreter_exit`).
+:mod:`lightning_megatron_fsdp.strategies.interpreter_exit`).
 """
 
 from __future__ import annotations

@@ -52,9 +52,9 @@ from lightning_megatron_fsdp import (
 )
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.cli import main
-from lightning_megatron_fsdp.export import consolidate_checkpoint
-from lightning_megatron_fsdp.inspection import inspect_checkpoint, verify_checkpoint
+from lightning_megatron_fsdp.tools.cli import main
+from lightning_megatron_fsdp.tools.export import consolidate_checkpoint
+from lightning_megatron_fsdp.tools.inspection import inspect_checkpoint, verify_checkpoint
 from tests.harness import THIRD_PARTY_WARNINGS, run_distributed, spawned
 from tests.legacy_format import downgrade_to_format_1
 from tests.models import (
@@ -370,7 +370,7 @@ def test_console_script(saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixt
     """consolidate, inspect, inspect --json, inspect --verify (good and corrupted), errors.
 
     Two runs are real processes, started at once: the installed ``lightning-megatron-fsdp``
-    entry point and ``python -m lightning_megatron_fsdp.cli`` (exit status through the OS).
+    entry point and ``python -m lightning_megatron_fsdp.tools.cli`` (exit status through the OS).
     The rest call the same ``main`` in-process: a process costs seconds of import time.
     """
     good = saved2["dir"]
@@ -387,7 +387,7 @@ def test_console_script(saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixt
         "module": [
             sys.executable,
             "-m",
-            "lightning_megatron_fsdp.cli",
+            "lightning_megatron_fsdp.tools.cli",
             "inspect",
             "--verify",
             str(flipped),

@@ -77,7 +77,7 @@ def _model(width: int = WIDTH) -> nn.Module:
 
 
 def _save(rank: int, world_size: int, directory: str, width: int) -> None:
-    from lightning_megatron_fsdp._megatron import fully_shard_optimizer
+    from lightning_megatron_fsdp.megatron._megatron import fully_shard_optimizer
 
     enable_cpu_execution()
     torch.manual_seed(0)

@@ -21,8 +21,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import lightning_megatron_fsdp
-from lightning_megatron_fsdp import _megatron, full_tensor
+from lightning_megatron_fsdp import full_tensor
 from lightning_megatron_fsdp.fabric import MegatronFSDPStrategy
+from lightning_megatron_fsdp.megatron import _megatron
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock, PackedLM, build_packed_lm, make_batch
 
@@ -446,7 +447,7 @@ def _load_raw(rank: int, world_size: int, paths: list[str]) -> list[dict[str, Te
 def test_offline_tools_and_load_raw_on_a_fabric_checkpoint(tmp_path: Path) -> None:
     """``inspect --verify``, ``consolidate``, ``export-lightning`` read a Fabric checkpoint;
     the consolidated file goes back in with ``fabric.load_raw`` at another world size."""
-    from lightning_megatron_fsdp.cli import main
+    from lightning_megatron_fsdp.tools.cli import main
 
     path = tmp_path / "fabric"
     saved = run_distributed(_fabric_saves, 2, str(path), init_process_group=False)[0]

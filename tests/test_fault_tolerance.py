@@ -49,7 +49,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
     read_manifest,
 )
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.inspection import verify_checkpoint
+from lightning_megatron_fsdp.tools.inspection import verify_checkpoint
 from tests.harness import run_distributed
 from tests.models import train_unsharded
 from tests.scripts.fault_injection import (

@@ -42,8 +42,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.cli import main as cli_main
-from lightning_megatron_fsdp.inspection import verify_checkpoint
+from lightning_megatron_fsdp.tools.cli import main as cli_main
+from lightning_megatron_fsdp.tools.inspection import verify_checkpoint
 from tests.harness import run_distributed
 from tests.scripts.fault_injection import (
     checkpoint_dict,

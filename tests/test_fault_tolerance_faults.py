@@ -47,7 +47,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
     read_manifest,
 )
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.inspection import verify_checkpoint
+from lightning_megatron_fsdp.tools.inspection import verify_checkpoint
 from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import run_distributed
 from tests.scripts.fault_injection import (

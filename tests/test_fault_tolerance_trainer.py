@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_megatron_fsdp import CheckpointSaveError, MegatronFSDPStrategy
 from lightning_megatron_fsdp.checkpoint.format import parse_hidden_name, read_manifest
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.inspection import verify_checkpoint
+from lightning_megatron_fsdp.tools.inspection import verify_checkpoint
 from tests.harness import run_distributed
 from tests.models import VOCAB, PackedBlock, build_packed_lm, lm_loss
 from tests.scripts.fault_injection import PG_TIMEOUT, Fault, FaultyWriter

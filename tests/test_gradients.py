@@ -44,7 +44,7 @@ from lightning_megatron_fsdp import (
     sharded_grad_norm,
     sharding_scope,
 )
-from lightning_megatron_fsdp.gather import _FullTensorMethod
+from lightning_megatron_fsdp.megatron.gather import _FullTensorMethod
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock, build_packed_lm, lm_loss, make_batch
 

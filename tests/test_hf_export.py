@@ -28,7 +28,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy, PretrainedWeights
-from lightning_megatron_fsdp.cli import main
+from lightning_megatron_fsdp.tools.cli import main
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.test_export import _one_thread
 

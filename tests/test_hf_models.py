@@ -33,7 +33,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
-from lightning_megatron_fsdp._megatron import FsdpModule
+from lightning_megatron_fsdp.megatron._megatron import FsdpModule
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 
 # CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").

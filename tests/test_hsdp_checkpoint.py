@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp import chunk_metadata_by_fqn, enable_cpu_execution
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.strategy import fsdp_placements, hsdp_placements
+from lightning_megatron_fsdp.strategies.strategy import fsdp_placements, hsdp_placements
 from tests.harness import run_distributed
 from tests.models import (
     build_packed_lm,

@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
-from lightning_megatron_fsdp._megatron import FsdpModule
+from lightning_megatron_fsdp.megatron._megatron import FsdpModule
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock, build_packed_lm, lm_loss, make_batch
 

@@ -63,9 +63,9 @@ from lightning_megatron_fsdp import (
     shard_module,
     sharding_scope,
 )
-from lightning_megatron_fsdp.cli import main
-from lightning_megatron_fsdp.lightning_checkpoint import EXPORT_INFO_KEY
-from lightning_megatron_fsdp.strategy import fsdp_placements
+from lightning_megatron_fsdp.strategies.strategy import fsdp_placements
+from lightning_megatron_fsdp.tools.cli import main
+from lightning_megatron_fsdp.tools.lightning_checkpoint import EXPORT_INFO_KEY
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import VOCAB, PackedBlock, build_packed_lm, dp_mesh, lm_loss
 from tests.test_export import _one_thread

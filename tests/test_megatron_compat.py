@@ -1,6 +1,6 @@
 """Every upstream name our compatibility shims rely on, one test each.
 
-``lightning_megatron_fsdp/_megatron.py`` and ``cpu_execution.py`` are the only modules that
+``lightning_megatron_fsdp/megatron/_megatron.py`` and ``cpu_execution.py`` are the only modules that
 touch megatron-fsdp internals, and they pick a path per feature (``hasattr`` on what
 changed), not per version string. When a future megatron-fsdp renames or reshapes one of
 those internals, the library would fail somewhere deep inside a training step; these
@@ -38,7 +38,7 @@ from megatron_fsdp.experimental import placement as placement_py
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_megatron_fsdp import _megatron, cpu_execution
+from lightning_megatron_fsdp.megatron import _megatron, cpu_execution
 from tests.harness import run_distributed
 from tests.models import build_packed_lm, dp_mesh, fsdp_placements, make_batch, shard_packed_lm
 
@@ -712,7 +712,7 @@ def test_fsdp_hooks_and_reentry(facts: dict[str, Any]) -> None:
 
 def test_this_module_covers_every_private_import() -> None:
     """Every private megatron-fsdp module _megatron/cpu_execution import is checked here."""
-    from lightning_megatron_fsdp import _megatron as shims
+    from lightning_megatron_fsdp.megatron import _megatron as shims
 
     used = set()
     for source_module in (shims, cpu_execution):

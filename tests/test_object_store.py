@@ -273,7 +273,7 @@ def test_sigkill_mid_upload_keeps_last_loadable(
         [
             sys.executable,
             "-m",
-            "lightning_megatron_fsdp.cli",
+            "lightning_megatron_fsdp.tools.cli",
             "inspect",
             "--verify",
             f"s3://{checkpoint}",

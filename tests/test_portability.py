@@ -44,12 +44,12 @@ from lightning_megatron_fsdp import (
     shard_module,
     sharding_scope,
 )
-from lightning_megatron_fsdp.pretrained import (
+from lightning_megatron_fsdp.strategies.strategy import fsdp_placements
+from lightning_megatron_fsdp.weights.pretrained import (
     PretrainedWeights,
     as_pretrained_weights,
     load_full_weights,
 )
-from lightning_megatron_fsdp.strategy import fsdp_placements
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import VOCAB, PackedBlock, bf16_policy, build_packed_lm, dp_mesh
 

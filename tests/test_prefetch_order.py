@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_megatron_fsdp import MegatronFSDPStrategy, _megatron, full_tensor, sharding
+from lightning_megatron_fsdp import MegatronFSDPStrategy, full_tensor
+from lightning_megatron_fsdp.megatron import _megatron, sharding
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import dp_mesh
 

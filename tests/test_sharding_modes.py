@@ -49,7 +49,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lightning_megatron_fsdp import (
     MegatronFSDPStrategy,
     ShardingMode,
-    _megatron,
     chunk_metadata_by_fqn,
     consolidate_checkpoint,
     fsdp_placements,
@@ -58,7 +57,8 @@ from lightning_megatron_fsdp import (
     sharding_scope,
     verify_checkpoint,
 )
-from lightning_megatron_fsdp.sharding_modes import MODES, resolve_sharding_mode
+from lightning_megatron_fsdp.megatron import _megatron
+from lightning_megatron_fsdp.megatron.sharding_modes import MODES, resolve_sharding_mode
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock
 from tests.test_checkpoint_roundtrip import collectives_forbidden

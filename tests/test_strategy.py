@@ -35,12 +35,12 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lightning_megatron_fsdp import (
     MegatronFSDPPrecision,
     MegatronFSDPStrategy,
-    _megatron,
     chunk_metadata_by_fqn,
     shard_module,
     sharded_grad_norm,
 )
-from lightning_megatron_fsdp._megatron import FsdpModule
+from lightning_megatron_fsdp.megatron import _megatron
+from lightning_megatron_fsdp.megatron._megatron import FsdpModule
 from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock, PackedLM, build_packed_lm, lm_loss, make_batch
@@ -1056,7 +1056,7 @@ class _Tower(nn.Module):
 )
 def test_auto_wrap_policy_selects_units_bottom_up(policy: Any, expected: list[str]) -> None:
     """Sets, one-argument callables and torch FSDP policies choose units, children first."""
-    from lightning_megatron_fsdp.sharding import _policy_units, validate_auto_wrap_policy
+    from lightning_megatron_fsdp.megatron.sharding import _policy_units, validate_auto_wrap_policy
 
     root = nn.Sequential(_Tower())
     names = {id(m): n for n, m in root.named_modules()}

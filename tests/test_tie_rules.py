@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
-from lightning_megatron_fsdp._megatron import FsdpModule
-from lightning_megatron_fsdp.sharding import plan_units
+from lightning_megatron_fsdp.megatron._megatron import FsdpModule
+from lightning_megatron_fsdp.megatron.sharding import plan_units
 from tests.harness import run_distributed
 from tests.models import VOCAB, PackedBlock, make_batch
 

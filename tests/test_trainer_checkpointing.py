@@ -572,7 +572,7 @@ def test_each_rank_writes_only_its_own_shard_bytes(tmp_path: Path) -> None:
     assert full <= sum(written) <= total_bound < world_size * full, (written, full)
     # meta.pt is the non-tensor rest of Lightning's dict: no state tensor hides in it (the
     # per-rank random-generator states, a few KB each, are the one set of tensors it holds).
-    from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY
+    from lightning_megatron_fsdp.strategies.exact_resume import RNG_STATES_KEY
 
     meta = torch.load(checkpoint / META_FILE, weights_only=False)
     assert RNG_STATES_KEY in meta

@@ -23,13 +23,16 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from lightning_megatron_fsdp._megatron import (
+from lightning_megatron_fsdp.megatron._megatron import (
     DBuffer,
     GlobalLayout,
     dbuffer_flat,
     dbuffer_from_local,
 )
-from lightning_megatron_fsdp.uneven_dtensor import _build_chunk_metadata, _dbuffer_chunk_metadata
+from lightning_megatron_fsdp.megatron.uneven_dtensor import (
+    _build_chunk_metadata,
+    _dbuffer_chunk_metadata,
+)
 from tests.models import KERNELS, PackedBlock, PackedLM
 
 # CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").

@@ -234,7 +234,7 @@ def test_refusals_name_the_opt_in_which_unpickles_in_full(
     """The refusal names ``trust_checkpoint``; with it, ``meta.pt`` is unpickled in full
     (the payload runs: the opt-in is real). ``--debug`` shows the traceback."""
     from lightning_megatron_fsdp import CheckpointError, export_lightning_checkpoint
-    from lightning_megatron_fsdp.cli import main
+    from lightning_megatron_fsdp.tools.cli import main
 
     markers = tmp_path / "markers"
     markers.mkdir()
@@ -257,7 +257,7 @@ def test_refusals_name_the_opt_in_which_unpickles_in_full(
 def test_an_export_never_renames_a_swapped_temporary_file(tmp_path: Path) -> None:
     """Whoever can write to the output folder swaps the temporary file for their own while
     the export writes it: the export fails and the output is never their file."""
-    from lightning_megatron_fsdp.export import write_atomically
+    from lightning_megatron_fsdp.tools.export import write_atomically
 
     output = tmp_path / "out.pt"
 
@@ -289,7 +289,7 @@ def test_malformed_manifest_and_metadata_end_in_one_error(
     note, as it does one without a manifest."""
     import pickle
 
-    from lightning_megatron_fsdp.cli import main
+    from lightning_megatron_fsdp.tools.cli import main
     from tests.untrusted_attacks import reseal
 
     nested = Path(shutil.copytree(checkpoints["intact"], tmp_path / "nested"))

@@ -32,8 +32,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_megatron_fsdp import PretrainedWeights, inspect_checkpoint, verify_checkpoint
-from lightning_megatron_fsdp.cli import main as cli_main
-from lightning_megatron_fsdp.upstream_checkpoint import (
+from lightning_megatron_fsdp.tools.cli import main as cli_main
+from lightning_megatron_fsdp.weights.upstream_checkpoint import (
     FORMAT_NAME,
     NOTE,
     internal_keys,

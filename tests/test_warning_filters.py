@@ -19,7 +19,10 @@ import pytest
 from tests.harness import THIRD_PARTY_WARNINGS
 
 ROOT = Path(__file__).resolve().parents[1]
-OUR_MODULES = ("lightning_megatron_fsdp.strategy", "lightning_megatron_fsdp.checkpoint.io")
+OUR_MODULES = (
+    "lightning_megatron_fsdp.strategies.strategy",
+    "lightning_megatron_fsdp.checkpoint.io",
+)
 
 
 def _action(message: str, category: type[Warning], module: str) -> str:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from lightning_megatron_fsdp import CheckpointCorruptedError
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.inspection import verify_checkpoint
+from lightning_megatron_fsdp.tools.inspection import verify_checkpoint
 from tests.harness import run_distributed
 from tests.scripts.fault_injection import (
     checkpoint_dict,

@@ -196,7 +196,7 @@ def _alarm(signum: int, frame: Any) -> None:
 
 def _cli(*argv: str) -> Callable[[Path, Path], Any]:
     def run(path: Path, out: Path) -> Any:
-        from lightning_megatron_fsdp.cli import main
+        from lightning_megatron_fsdp.tools.cli import main
 
         stderr, stdout = io.StringIO(), io.StringIO()
         with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):

@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.optim import Optimizer
 
-from lightning_megatron_fsdp import _megatron
 from lightning_megatron_fsdp.agreement import (
     LOST_PEER_HINT,
     PeerLostError,
@@ -59,9 +58,10 @@ from lightning_megatron_fsdp.checkpoint.fsspec_storage import VerifyingFsspecRea
 from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
 from lightning_megatron_fsdp.checkpoint.storage import ReadProgress, VerifyingFileSystemReader
-from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
-from lightning_megatron_fsdp.pretrained import load_full_weights
-from lightning_megatron_fsdp.uneven_dtensor import attach_uneven_dtensor_metadata
+from lightning_megatron_fsdp.megatron import _megatron
+from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
+from lightning_megatron_fsdp.megatron.uneven_dtensor import attach_uneven_dtensor_metadata
+from lightning_megatron_fsdp.weights.pretrained import load_full_weights
 
 __all__ = [
     "LoadOptions",

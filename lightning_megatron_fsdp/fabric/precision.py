@@ -18,7 +18,10 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_megatron_fsdp.precision import MegatronFSDPPrecision, reject_closure_optimizer
+from lightning_megatron_fsdp.strategies.precision import (
+    MegatronFSDPPrecision,
+    reject_closure_optimizer,
+)
 
 __all__ = ["MegatronFSDPFabricPrecision", "to_fabric_precision"]
 

@@ -30,8 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_megatron_fsdp import _lightning, _megatron
-from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
+from lightning_megatron_fsdp import _lightning
 from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
 from lightning_megatron_fsdp.checkpoint.checksums import bytes_digest
 from lightning_megatron_fsdp.checkpoint.confined_files import read_regular
@@ -40,7 +39,6 @@ from lightning_megatron_fsdp.checkpoint.format import META_FILE, read_manifest
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.checkpoint.load import load_into_sharded_model
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
-from lightning_megatron_fsdp.exact_resume import ExactResume
 from lightning_megatron_fsdp.fabric.checkpoint_state import (
     restore_rest,
     saved_optimizer_order,
@@ -51,29 +49,32 @@ from lightning_megatron_fsdp.fabric.precision import (
     MegatronFSDPFabricPrecision,
     to_fabric_precision,
 )
-from lightning_megatron_fsdp.gather import bind_full_tensor
-from lightning_megatron_fsdp.mesh import (
+from lightning_megatron_fsdp.megatron import _megatron
+from lightning_megatron_fsdp.megatron._megatron import FsdpModule, MixedPrecisionPolicy, Placements
+from lightning_megatron_fsdp.megatron.gather import bind_full_tensor
+from lightning_megatron_fsdp.megatron.mesh import (
     MeshRequest,
     build_device_mesh,
     check_mesh_fits_world,
     mesh_ndim,
     validate_device_mesh,
 )
-from lightning_megatron_fsdp.model_setup import (
+from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
+from lightning_megatron_fsdp.megatron.sharding import AutoWrapPolicy, validate_auto_wrap_policy
+from lightning_megatron_fsdp.megatron.sharding_modes import ShardingMode, resolve_sharding_mode
+from lightning_megatron_fsdp.strategies.exact_resume import ExactResume
+from lightning_megatron_fsdp.strategies.model_setup import (
     ModelSharder,
     join_process_group,
     move_unsharded_state,
     save_sharded_checkpoint,
 )
-from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
-from lightning_megatron_fsdp.precision import (
+from lightning_megatron_fsdp.strategies.precision import (
     clip_sharded_grad_norm_,
     clip_sharded_grad_value_,
     reject_closure_optimizer,
 )
-from lightning_megatron_fsdp.pretrained import load_full_weights
-from lightning_megatron_fsdp.sharding import AutoWrapPolicy, validate_auto_wrap_policy
-from lightning_megatron_fsdp.sharding_modes import ShardingMode, resolve_sharding_mode
+from lightning_megatron_fsdp.weights.pretrained import load_full_weights
 
 __all__ = ["MegatronFSDPStrategy"]
 
@@ -96,7 +97,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
             (the default on a 1-D mesh), ``"SHARD_GRAD_OP"``, ``"SHARD_OPTIMIZER"``,
             ``"NO_SHARD"``, ``"HYBRID_SHARD"`` (the default on a 2-D mesh),
             ``"HYBRID_SHARD_GRAD_OP"``, or raw ``Placements`` (see
-            :mod:`~lightning_megatron_fsdp.sharding_modes`).
+            :mod:`~lightning_megatron_fsdp.megatron.sharding_modes`).
         mixed_precision_policy: Megatron-FSDP main weight/gradient dtypes; derived from
             ``Fabric(precision=...)`` when ``None``.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by device type when ``None``.

@@ -31,7 +31,7 @@ import torch.distributed as dist
 if __name__ == "__main__":
     hook, trigger = sys.argv[1:3]
     if hook == "exit_hook":  # imported first: the import is slow, the timing is the point
-        from lightning_megatron_fsdp.interpreter_exit import register_exit_hook
+        from lightning_megatron_fsdp.strategies.interpreter_exit import register_exit_hook
     if trigger == "release":  # before the group exists: its threads inherit the one core
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))

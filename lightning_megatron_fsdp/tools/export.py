@@ -43,7 +43,7 @@ from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, 
 from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, MANIFEST_FILE
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import check_tensor_record
 from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
-from lightning_megatron_fsdp.inspection import (
+from lightning_megatron_fsdp.tools.inspection import (
     MAX_EXAMPLES,
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,

@@ -21,8 +21,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron_fsdp import _megatron, _torch
-from lightning_megatron_fsdp._megatron import DBuffer
+from lightning_megatron_fsdp import _torch
+from lightning_megatron_fsdp.megatron import _megatron
+from lightning_megatron_fsdp.megatron._megatron import DBuffer
 
 __all__ = ["attach_uneven_dtensor_metadata", "chunk_metadata_by_fqn", "parameter_chunk"]
 

@@ -13,7 +13,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from lightning_megatron_fsdp.inspection import CheckpointInfo
+    from lightning_megatron_fsdp.tools.inspection import CheckpointInfo
 
 __all__ = ["build_parser", "main"]
 
@@ -185,7 +185,7 @@ def _print_table(info: CheckpointInfo, out: TextIO) -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
-    from lightning_megatron_fsdp.inspection import inspect_checkpoint, verify_checkpoint
+    from lightning_megatron_fsdp.tools.inspection import inspect_checkpoint, verify_checkpoint
 
     info: CheckpointInfo | None = None
     error: CheckpointError | None = None
@@ -253,7 +253,9 @@ def _export(args: argparse.Namespace) -> int:
 
     try:
         if args.command == "export-lightning":
-            from lightning_megatron_fsdp.lightning_checkpoint import export_lightning_checkpoint
+            from lightning_megatron_fsdp.tools.lightning_checkpoint import (
+                export_lightning_checkpoint,
+            )
 
             output = export_lightning_checkpoint(
                 args.checkpoint,
@@ -265,7 +267,7 @@ def _export(args: argparse.Namespace) -> int:
                 trust_checkpoint=args.trust_checkpoint,
             )
         else:
-            from lightning_megatron_fsdp.export import consolidate_checkpoint
+            from lightning_megatron_fsdp.tools.export import consolidate_checkpoint
 
             output = consolidate_checkpoint(
                 args.checkpoint,

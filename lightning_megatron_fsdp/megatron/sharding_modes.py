@@ -10,8 +10,8 @@ import dataclasses
 import enum
 from typing import Any
 
-from lightning_megatron_fsdp import _megatron
-from lightning_megatron_fsdp._megatron import Placements
+from lightning_megatron_fsdp.megatron import _megatron
+from lightning_megatron_fsdp.megatron._megatron import Placements
 
 __all__ = ["MODES", "ShardingMode", "resolve_sharding_mode"]
 

@@ -18,8 +18,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_megatron_fsdp import _megatron, _torch
-from lightning_megatron_fsdp._megatron import (
+from lightning_megatron_fsdp import _torch
+from lightning_megatron_fsdp.megatron import _megatron
+from lightning_megatron_fsdp.megatron._megatron import (
     FsdpModule,
     MixedPrecisionPolicy,
     Placements,
@@ -27,7 +28,7 @@ from lightning_megatron_fsdp._megatron import (
     fsdp_placements,
     hsdp_placements,
 )
-from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
+from lightning_megatron_fsdp.megatron.cpu_execution import enable_cpu_execution
 
 __all__ = [
     "AutoWrapPolicy",

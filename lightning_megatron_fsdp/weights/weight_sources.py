@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from lightning_megatron_fsdp import upstream_checkpoint
 from lightning_megatron_fsdp.agreement import Problem, Ranks
 from lightning_megatron_fsdp.checkpoint.errors import (
     CheckpointError,
@@ -32,7 +31,8 @@ from lightning_megatron_fsdp.checkpoint.format import (
     read_manifest,
 )
 from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
-from lightning_megatron_fsdp.export import checkpoints_inside
+from lightning_megatron_fsdp.tools.export import checkpoints_inside
+from lightning_megatron_fsdp.weights import upstream_checkpoint
 
 __all__ = [
     "MISMATCH",
@@ -463,7 +463,7 @@ class _DcpSource(WeightSource):
     """A DCP directory: ours (``state_dict.``/``optimizer_states.<i>.`` keys), Lightning
     ``ModelParallelStrategy``'s (``state_dict.``/``optimizer_<i>.``), megatron-fsdp's own
     ``save_checkpoint`` (``model.``/``optimizer.``, see
-    :mod:`~lightning_megatron_fsdp.upstream_checkpoint`), or a plain ``dcp.save`` of a
+    :mod:`~lightning_megatron_fsdp.weights.upstream_checkpoint`), or a plain ``dcp.save`` of a
     model state dict (FQN keys).
 
     Reads go through one ``dcp.load`` (a collective) into the live sharded tensors, whose

@@ -1,7 +1,7 @@
 """torch's public ``CheckpointableTensor`` protocol as a second route for our chunk metadata.
 
 torch 2.14 made public what our ``__create_chunk_list__``/``__create_write_items__`` hooks
-(:mod:`~lightning_megatron_fsdp.uneven_dtensor`) do privately: a plain local tensor that
+(:mod:`~lightning_megatron_fsdp.megatron.uneven_dtensor`) do privately: a plain local tensor that
 carries ``global_shape``, ``global_offsets``, ``local_offsets`` and ``local_sizes`` is saved
 and loaded by DCP as shards of that global tensor. ``DTensor`` does not consult the protocol
 (it forwards only the hooks), so this route hands DCP each parameter's local shard, annotated
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron_fsdp.uneven_dtensor import CHUNK_ATTR
+from lightning_megatron_fsdp.megatron.uneven_dtensor import CHUNK_ATTR
 
 try:  # torch >= 2.14
     from torch.distributed.checkpoint import CheckpointableTensor

@@ -42,9 +42,9 @@ from lightning_megatron_fsdp.checkpoint.safe_unpickling import (
     load_dcp_metadata,
     load_weights_only,
 )
-from lightning_megatron_fsdp.upstream_checkpoint import FORMAT_NAME as UPSTREAM_FORMAT_NAME
-from lightning_megatron_fsdp.upstream_checkpoint import NOTE as UPSTREAM_NOTE
-from lightning_megatron_fsdp.upstream_checkpoint import is_upstream_checkpoint
+from lightning_megatron_fsdp.weights.upstream_checkpoint import FORMAT_NAME as UPSTREAM_FORMAT_NAME
+from lightning_megatron_fsdp.weights.upstream_checkpoint import NOTE as UPSTREAM_NOTE
+from lightning_megatron_fsdp.weights.upstream_checkpoint import is_upstream_checkpoint
 
 __all__ = [
     "MAX_EXAMPLES",

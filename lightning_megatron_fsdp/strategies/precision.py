@@ -24,9 +24,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_megatron_fsdp import _lightning, _megatron
-from lightning_megatron_fsdp._megatron import MixedPrecisionPolicy
-from lightning_megatron_fsdp.gather import (
+from lightning_megatron_fsdp import _lightning
+from lightning_megatron_fsdp.megatron import _megatron
+from lightning_megatron_fsdp.megatron._megatron import MixedPrecisionPolicy
+from lightning_megatron_fsdp.megatron.gather import (
     bind_full_tensor,
     grad_reduce_groups,
     lightning_grad_norm_explained,
@@ -172,7 +173,7 @@ class MegatronFSDPPrecision(Precision):
         """Finish the gradients, then run Lightning's ``on_after_backward`` hooks.
 
         Waits for pending gradient reduce-scatters (a side stream on CUDA), reshards units
-        an unconsumed prefetch left gathered (:func:`~lightning_megatron_fsdp._megatron.
+        an unconsumed prefetch left gathered (:func:`~lightning_megatron_fsdp.megatron._megatron.
         release_prefetched`), and makes
         ``.full_tensor()`` on the fresh sharded gradients safe
         (``gather.bind_full_tensor``) before the hooks read them.

@@ -18,15 +18,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_megatron_fsdp import _lightning, _torch
-from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointSaveError
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.checkpoint.save import PerRank
-from lightning_megatron_fsdp.cpu_execution import enable_cpu_execution
-from lightning_megatron_fsdp.exact_resume import RNG_STATES_KEY, rng_states_of
-from lightning_megatron_fsdp.interpreter_exit import register_exit_hook
-from lightning_megatron_fsdp.sharding import (
+from lightning_megatron_fsdp.megatron._megatron import FsdpModule, MixedPrecisionPolicy, Placements
+from lightning_megatron_fsdp.megatron.cpu_execution import enable_cpu_execution
+from lightning_megatron_fsdp.megatron.sharding import (
     AutoWrapPolicy,
     check_fully_sharded,
     check_no_foreign_sharding,
@@ -36,7 +34,9 @@ from lightning_megatron_fsdp.sharding import (
     shard_unit,
     sharding_scope,
 )
-from lightning_megatron_fsdp.uneven_dtensor import attach_uneven_dtensor_metadata
+from lightning_megatron_fsdp.megatron.uneven_dtensor import attach_uneven_dtensor_metadata
+from lightning_megatron_fsdp.strategies.exact_resume import RNG_STATES_KEY, rng_states_of
+from lightning_megatron_fsdp.strategies.interpreter_exit import register_exit_hook
 
 __all__ = [
     "ModelSharder",
@@ -56,7 +56,7 @@ def join_process_group(
 
     Lightning registers its destruction at exit for NCCL only; the exit hook destroys it
     for every backend, then waits until gloo's worker threads are done with Python
-    (:mod:`~lightning_megatron_fsdp.interpreter_exit`). Registered also for a group the
+    (:mod:`~lightning_megatron_fsdp.strategies.interpreter_exit`). Registered also for a group the
     user created: the race is the same. Off CUDA the CPU adapter is enabled.
     """
     kwargs: dict[str, Any] = {"timeout": timeout}
@@ -92,7 +92,7 @@ class ModelSharder:
     ) -> None:
         """Make ``module`` one unit (inside the context this sharder keeps open).
 
-        See :func:`~lightning_megatron_fsdp.sharding.shard_unit`; the context is opened
+        See :func:`~lightning_megatron_fsdp.megatron.sharding.shard_unit`; the context is opened
         on the first call and finalised by :meth:`close`.
         """
         if self._sharding is None:

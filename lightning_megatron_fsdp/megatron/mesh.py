@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_megatron_fsdp import _megatron
+from lightning_megatron_fsdp.megatron import _megatron
 
 __all__ = [
     "MeshRequest",

@@ -19,7 +19,7 @@ import torch
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
 from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, META_FILE, Manifest
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
-from lightning_megatron_fsdp.export import (
+from lightning_megatron_fsdp.tools.export import (
     ExportEntry,
     StreamingReader,
     TreePlace,
@@ -31,7 +31,7 @@ from lightning_megatron_fsdp.export import (
     write_atomically,
     write_torch,
 )
-from lightning_megatron_fsdp.inspection import MODEL_PREFIX, check_directory, read_checked
+from lightning_megatron_fsdp.tools.inspection import MODEL_PREFIX, check_directory, read_checked
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

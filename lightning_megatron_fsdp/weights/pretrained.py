@@ -23,15 +23,16 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_megatron_fsdp import _megatron, _torch
+from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.agreement import Ranks
 from lightning_megatron_fsdp.checkpoint.format import OPTIMIZER_PREFIX, listed
-from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
-from lightning_megatron_fsdp.uneven_dtensor import (
+from lightning_megatron_fsdp.megatron import _megatron
+from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
+from lightning_megatron_fsdp.megatron.uneven_dtensor import (
     attach_uneven_dtensor_metadata,
     chunk_metadata_by_fqn,
 )
-from lightning_megatron_fsdp.weight_sources import (
+from lightning_megatron_fsdp.weights.weight_sources import (
     UNREADABLE,
     SourceError,
     SourceTensorSpec,

@@ -20,8 +20,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron_fsdp import _megatron, _torch
-from lightning_megatron_fsdp.uneven_dtensor import parameter_chunk
+from lightning_megatron_fsdp import _torch
+from lightning_megatron_fsdp.megatron import _megatron
+from lightning_megatron_fsdp.megatron.uneven_dtensor import parameter_chunk
 
 __all__ = [
     "bind_full_tensor",

@@ -35,52 +35,53 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_megatron_fsdp import _lightning, _megatron
-from lightning_megatron_fsdp._megatron import FsdpModule, MixedPrecisionPolicy, Placements
+from lightning_megatron_fsdp import _lightning
 from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.checkpoint.load import load_into_sharded_model
-from lightning_megatron_fsdp.exact_resume import ExactResume
-from lightning_megatron_fsdp.gather import bind_full_tensor, lightning_grad_norm_explained
-from lightning_megatron_fsdp.join import (
-    UnevenBatchJoin,
-    join_uneven_batches,
-    refuse_uneven_batches,
-)
-from lightning_megatron_fsdp.launcher import resolving_last_launcher
-from lightning_megatron_fsdp.mesh import (
+from lightning_megatron_fsdp.megatron import _megatron
+from lightning_megatron_fsdp.megatron._megatron import FsdpModule, MixedPrecisionPolicy, Placements
+from lightning_megatron_fsdp.megatron.gather import bind_full_tensor, lightning_grad_norm_explained
+from lightning_megatron_fsdp.megatron.mesh import (
     MeshRequest,
     build_device_mesh,
     check_mesh_fits_world,
     mesh_ndim,
     validate_device_mesh,
 )
-from lightning_megatron_fsdp.model_setup import (
-    ModelSharder,
-    join_process_group,
-    move_unsharded_state,
-    save_sharded_checkpoint,
-)
-from lightning_megatron_fsdp.optimizer_state import ensure_optimizer_state
-from lightning_megatron_fsdp.precision import (
-    MegatronFSDPPrecision,
-    reject_closure_optimizer,
-    to_megatron_precision,
-)
-from lightning_megatron_fsdp.pretrained import (
-    PretrainedWeights,
-    apply_pretrained_weights,
-    as_pretrained_weights,
-)
-from lightning_megatron_fsdp.sharding import (
+from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
+from lightning_megatron_fsdp.megatron.sharding import (
     AutoWrapPolicy,
     check_optimizer_parameters,
     fsdp_placements,
     hsdp_placements,
     validate_auto_wrap_policy,
 )
-from lightning_megatron_fsdp.sharding_modes import ShardingMode, resolve_sharding_mode
+from lightning_megatron_fsdp.megatron.sharding_modes import ShardingMode, resolve_sharding_mode
+from lightning_megatron_fsdp.strategies.exact_resume import ExactResume
+from lightning_megatron_fsdp.strategies.join import (
+    UnevenBatchJoin,
+    join_uneven_batches,
+    refuse_uneven_batches,
+)
+from lightning_megatron_fsdp.strategies.launcher import resolving_last_launcher
+from lightning_megatron_fsdp.strategies.model_setup import (
+    ModelSharder,
+    join_process_group,
+    move_unsharded_state,
+    save_sharded_checkpoint,
+)
+from lightning_megatron_fsdp.strategies.precision import (
+    MegatronFSDPPrecision,
+    reject_closure_optimizer,
+    to_megatron_precision,
+)
+from lightning_megatron_fsdp.weights.pretrained import (
+    PretrainedWeights,
+    apply_pretrained_weights,
+    as_pretrained_weights,
+)
 
 if TYPE_CHECKING:
     from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -112,11 +113,11 @@ class MegatronFSDPStrategy(ParallelStrategy):
             there) and ``"HYBRID_SHARD_GRAD_OP"``; torch's ``ShardingStrategy``,
             Megatron-LM's names (``"optim"``, ...), or raw
             ``megatron_fsdp.experimental.Placements`` for anything else (see
-            :mod:`~lightning_megatron_fsdp.sharding_modes`). Checkpoints of every mode load
+            :mod:`~lightning_megatron_fsdp.megatron.sharding_modes`). Checkpoints of every mode load
             into every other, at any world size.
         mixed_precision_policy: Megatron-FSDP main weight/gradient dtypes; derived from
             the Trainer's ``precision`` when ``None`` (see
-            :class:`~lightning_megatron_fsdp.precision.MegatronFSDPPrecision`).
+            :class:`~lightning_megatron_fsdp.strategies.precision.MegatronFSDPPrecision`).
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by device type when ``None``.
         timeout: Timeout of every collective of the process groups this strategy creates.
         init_weights_from: Full (unsharded) weights to initialise the model with, right
@@ -125,7 +126,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
             file, a consolidated export, or a DCP checkpoint directory (ours at any world
             size or mesh, Lightning ``ModelParallelStrategy``'s, or megatron-fsdp's own
             ``save_checkpoint``). Each rank reads only the rows it owns. A path, or a
-            :class:`~lightning_megatron_fsdp.pretrained.PretrainedWeights` for key prefixes
+            :class:`~lightning_megatron_fsdp.weights.pretrained.PretrainedWeights` for key prefixes
             and non-strict loading. Applied once per model; a ``ckpt_path`` restore
             overrides it.
         allow_weights_only_resume: Let ``fit(ckpt_path=...)`` resume from a checkpoint
@@ -326,7 +327,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
     def launcher(self) -> _lightning.Launcher | None:
         """Lightning's launcher, wrapped so ``ckpt_path="last"`` means a complete checkpoint.
 
-        See :mod:`~lightning_megatron_fsdp.launcher`: the launch is the one strategy hook
+        See :mod:`~lightning_megatron_fsdp.strategies.launcher`: the launch is the one strategy hook
         that runs before Lightning resolves ``"last"``.
         """
         inner = self._launcher
@@ -344,7 +345,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         the process ends: later stages and any use of the model after ``fit`` run on it.
         Lightning registers its destruction at exit for NCCL only; the strategy's exit
         hook destroys it for every backend, then waits until gloo's worker threads are done
-        with Python (:mod:`~lightning_megatron_fsdp.interpreter_exit`).
+        with Python (:mod:`~lightning_megatron_fsdp.strategies.interpreter_exit`).
         """
         super().setup_environment()
         world = self.num_nodes * self.num_processes
@@ -605,7 +606,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
         Lightning restores a resumable loader's position and creates its iterator before it
         calls ``set_epoch``, so a resume in epoch >= 1 would replay epoch 0's order; see
-        :meth:`~lightning_megatron_fsdp.exact_resume.ExactResume.train_loader`.
+        :meth:`~lightning_megatron_fsdp.strategies.exact_resume.ExactResume.train_loader`.
         """
         trainer = self._trainer()
         if trainer.state.fn == TrainerFn.FITTING and trainer.training:

@@ -1,0 +1,1 @@
+"""The megatron-fsdp adapter: sharding, meshes, packed-shard chunks, CPU execution."""

@@ -1,0 +1,1 @@
+"""The Lightning Trainer strategy and what both strategies (Trainer, Fabric) share."""

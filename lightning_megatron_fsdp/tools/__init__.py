@@ -1,0 +1,1 @@
+"""Offline tools: inspect, verify and export checkpoints without a process group."""

@@ -1,0 +1,1 @@
+"""Full weights into a sharded model: sources, megatron-fsdp's own checkpoints."""
