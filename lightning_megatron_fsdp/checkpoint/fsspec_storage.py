@@ -369,6 +369,10 @@ class VerifyingFsspecReader(VerifyingFileSystemReader):
         return self.store.url(posixpath.join(self.path, name))
 
     @override
+    def _file_size(self, name: str) -> int:
+        return int(self.store.fs.size(posixpath.join(self.path, name)))
+
+    @override
     def _read_whole(self, name: str) -> bytes:
         self._expected_size(name)  # only files the manifest lists
         return self.store.read_bytes(posixpath.join(self.path, name))

@@ -561,8 +561,8 @@ class VerifyingFileSystemReader(FileSystemReader):
         return CheckpointCorruptedError(f"{self._display(name)}: {what}")
 
     # Storage access: the local filesystem here (confined), ``self.fs`` when the user
-    # replaced it; ``fsspec_storage`` overrides ``_display``, ``_file_digest``, ``_read_whole``
-    # and ``_opened``.
+    # replaced it; ``fsspec_storage`` overrides ``_display``, ``_file_digest``, ``_file_size``,
+    # ``_read_whole`` and ``_opened``.
 
     def _display(self, name: str) -> str:
         """``name`` inside the checkpoint, as messages show it."""
@@ -570,6 +570,10 @@ class VerifyingFileSystemReader(FileSystemReader):
 
     def _file_digest(self, name: str, algorithm: str) -> str:
         return file_digest(Path(self.path) / name, algorithm)
+
+    def _file_size(self, name: str) -> int:
+        """The size of ``name`` where there is no manifest to say it."""
+        return regular_size(self.path, name)
 
     @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -622,7 +626,7 @@ class VerifyingFileSystemReader(FileSystemReader):
             if name not in sizes:
                 try:
                     expected = self._expected_size(name)
-                    sizes[name] = regular_size(self.path, name) if expected is None else expected
+                    sizes[name] = self._file_size(name) if expected is None else expected
                 except OSError as err:
                     raise self._corrupted(name, str(err)) from err
             if info.offset + info.length > sizes[name]:
