@@ -29,13 +29,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from typing_extensions import override
 
-from lightning_megatron_fsdp.checkpoint.checksums import stream_digest
 from lightning_megatron_fsdp.checkpoint.errors import NotACheckpointError
 from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, Manifest
 from lightning_megatron_fsdp.checkpoint.object_store import ObjectStore
 from lightning_megatron_fsdp.checkpoint.storage import (
     ChecksummingFileSystemWriter,
     VerifyingFileSystemReader,
+    byte_view,
 )
 
 __all__ = ["ChecksummingFsspecWriter", "VerifyingFsspecReader"]
@@ -142,14 +142,8 @@ class _S3Upload(io.RawIOBase):
         self._parts: list[dict[str, Any]] = []
 
     @override
-    def writable(self) -> bool:
-        return True
-
-    @override
     def write(self, data: Any) -> int:
-        view = memoryview(data)
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
+        view = byte_view(data)
         size = view.nbytes
         while view.nbytes:
             if self._part is None:
@@ -160,6 +154,10 @@ class _S3Upload(io.RawIOBase):
             if self._part.tell() >= self._budget.size:
                 self._send()
         return size
+
+    @override
+    def writable(self) -> bool:
+        return True
 
     def _send(self) -> None:
         """Upload the part being filled and give its slot back."""
@@ -379,8 +377,7 @@ class VerifyingFsspecReader(VerifyingFileSystemReader):
 
     @override
     def _file_digest(self, name: str, algorithm: str) -> str:
-        with self.store.fs.open(posixpath.join(self.path, name), "rb") as file:
-            return stream_digest(file, algorithm)
+        return self.store.digest(posixpath.join(self.path, name), algorithm)
 
     @override
     @contextlib.contextmanager

@@ -74,6 +74,7 @@ __all__ = [
     "RecordStream",
     "VerifyingFileSystemReader",
     "WrittenFile",
+    "byte_view",
 ]
 
 RECORD_ATTR = "lmf_record"
@@ -104,6 +105,14 @@ class Record:
     storages: tuple[tuple[int, int], ...]  # (local header, payload), relative to start
 
 
+def byte_view(data: Any) -> memoryview:
+    """``data`` (any contiguous buffer) as a flat view of its bytes, without a copy."""
+    view = memoryview(data)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
 class RecordStream(io.RawIOBase):
     """A binary output file that CRC32Cs bytes as they pass and cuts them into records.
 
@@ -129,9 +138,7 @@ class RecordStream(io.RawIOBase):
 
     @override
     def write(self, data: Any) -> int:
-        view = memoryview(data)
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
+        view = byte_view(data)
         size = view.nbytes
         self._sniff(view, size)
         if self._checksum:
