@@ -1,13 +1,15 @@
 """DCP storage on any fsspec filesystem, with the same CRC32C records and checks as on disk.
 
 :class:`ChecksummingFsspecWriter` and :class:`VerifyingFsspecReader` are the local writer and
-reader of :mod:`~lightning_megatron_fsdp.dcp_storage` with their file access pointed at an
-fsspec filesystem: each rank uploads its shard objects through the filesystem's own
-streaming writer (parts go out as they fill, so memory stays at one part per open object)
-and the CRC32C of every record is taken from the bytes as they go out; a load reads each
-record with ranged GETs straight into its target and checks it. The objects are byte for
-byte what the local writer writes, so a checkpoint copied between a disk and a bucket
-loads either way.
+reader of :mod:`~lightning_megatron_fsdp.checkpoint.storage` with their file access pointed at
+an fsspec filesystem. A save must not need much more memory than the state it writes, so
+each rank's shard objects go up in parts filled from a bounded, reused set of buffers (on
+S3 a multipart upload handed to the client without a copy), the CRC32C of every record
+taken from the bytes as they go out; a load must not pay a request per record, so adjacent
+records are read with one ranged GET straight into their targets and each is checked
+before it is handed on. The objects are byte for byte what the local writer writes, so a
+checkpoint copied between a disk and a bucket loads either way (docs/DESIGN.md, "Object
+storage": the mechanism and the alternatives).
 """
 
 from __future__ import annotations
