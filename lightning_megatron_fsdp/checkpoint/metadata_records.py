@@ -82,8 +82,8 @@ class TensorProperties:
 
     def __setstate__(self, state: Any) -> None:
         fields = tuple(state)
-        if len(fields) < 5:
-            raise ValueError(f"TensorProperties holds {len(fields)} fields, expected 5 or more")
+        if len(fields) not in (5, 6):
+            raise ValueError(f"TensorProperties holds {len(fields)} fields, expected 5 or 6")
         self.dtype, self.layout, self.requires_grad, encoding, self.pin_memory = fields[:5]
         self.strides = fields[5] if len(fields) > 5 else None
         if not isinstance(encoding, MemoryFormatEncoding):
