@@ -322,9 +322,11 @@ def _fabric_entry_points(
     directories: dict[str, str],
     weights_only: bool | None,
     entries: tuple[str, ...] = tuple(_FABRIC_AS),
+    explain: bool = False,
 ) -> dict[str, dict[str, str]]:
     """``fabric.load(path, {"model", "optimizer"})`` and ``fabric.load_raw(path, model)`` on
-    each directory, each into a freshly set-up model on this rank."""
+    each directory, each into a freshly set-up model on this rank (``explain``: a refusal's
+    message after its outcome)."""
     import torch
     from lightning.fabric import Fabric
 
@@ -353,6 +355,8 @@ def _fabric_entry_points(
             except BaseException as err:  # classified below; a crash fails the test
                 error = err
             outcomes[name][entry] = _outcome(error)
+            if explain and error is not None:
+                outcomes[name][entry] += f": {error}"
     return outcomes
 
 
@@ -381,20 +385,25 @@ def test_fabric_load_and_load_raw(checkpoints: dict[str, Path], world_size: int)
 
 
 @pytest.mark.parametrize(
-    ("entry", "attack"), [("fabric.load", "meta_pt"), ("fabric.load_raw", "metadata")]
+    ("entry", "attack", "named"),
+    [
+        ("fabric.load", "meta_pt", "weights_only=False for fabric.load_raw, and for fabric.load's"),
+        ("fabric.load_raw", "metadata", "weights_only=False for fabric.load_raw"),
+    ],
 )
 def test_fabric_opt_in_unpickles_in_full(
-    checkpoints: dict[str, Path], tmp_path: Path, entry: str, attack: str
+    checkpoints: dict[str, Path], tmp_path: Path, entry: str, attack: str, named: str
 ) -> None:
-    """Refused by default; ``weights_only=False`` (``fabric.load``: ``meta.pt``;
-    ``fabric.load_raw``: the whole checkpoint) unpickles in full: the payload runs, so the
-    opt-in is real."""
+    """Refused by default, with an error that names the opt-in; ``weights_only=False``
+    (``fabric.load``: ``meta.pt``; ``fabric.load_raw``: the whole checkpoint) unpickles in
+    full: the payload runs, so the opt-in is real."""
     markers = tmp_path / "markers"
     markers.mkdir()
     attacked = {attack: str(make_attack(attack, checkpoints["intact"], tmp_path / attack, markers))}
     (refused,) = run_distributed(
-        _fabric_entry_points, 1, attacked, None, (entry,), init_process_group=False
+        _fabric_entry_points, 1, attacked, None, (entry,), True, init_process_group=False
     )
-    assert refused[attack][entry] == "refused" and not list(markers.iterdir())
+    assert refused[attack][entry].startswith("refused") and not list(markers.iterdir())
+    assert named in refused[attack][entry]  # the refusal names the opt-in
     run_distributed(_fabric_entry_points, 1, attacked, False, (entry,), init_process_group=False)
     assert (markers / attack).exists(), "weights_only=False did not unpickle in full"
