@@ -10,13 +10,18 @@ scope; ``fully_shard_optimizer``; then ``loss = model(x, y)``, ``backward``, ``s
 ``zero_grad`` over the same ``DistributedSampler`` loader.
 
 Setup: ``bench_strategy_overhead.OverheadModel`` (residual MLP blocks as units), Adam, 2
-real ranks (gloo, CPU), per-rank batch 32, the two sizes of benchmark 5. Both loops run in
-the same two processes (one process group, Fabric's), each on its own copy of the model,
-in alternating blocks of ``BLOCK`` steps (A B B A ...), so a load spike on this shared
-machine hits both sides alike; a step is timed from fetching its batch to the end of
-``zero_grad``, the first block of each side is warm-up, and steps/s is one over the median
-step time of the slower rank. Each side reports its first losses, so both provably train
-the same model on the same data.
+real ranks (gloo, CPU), per-rank batch 32, the two sizes of benchmark 5. The loops run in
+the same two processes (one process group, Fabric's), each on its own copy of the model:
+the Fabric loop, the hand loop, and a second hand loop, the control. They take turns in
+blocks of ``BLOCK`` steps, each block in the next of the six orders of the three, so a load
+spike on a shared machine hits all alike; a step is timed from fetching its batch to the
+end of ``zero_grad``, the first block of each is warm-up, and steps/s is one over the median
+step time of the slower rank. The control against the hand loop shows what the method
+itself reads into two identical loops (noise and position), so a Fabric / loop ratio is
+read against it. Two load-independent columns: Python function calls per step
+(``cProfile``'s count) and the Fabric strategy's own work after each backward (joining
+gradient reduction, releasing prefetches, binding ``.full_tensor()`` of the gradients).
+Each loop reports its first losses, so all provably train the same model on the same data.
 
 Target (issue 25): the Fabric loop's steps/s within 5% of the hand loop's.
 
@@ -27,6 +32,7 @@ root.
 from __future__ import annotations
 
 import cProfile
+import itertools
 import logging
 import pstats
 import sys
@@ -64,9 +70,9 @@ from tests.harness import run_distributed
 __all__ = ["format_table", "main", "run"]
 
 BLOCK = 5  # steps per side before switching
-# name -> blocks per side (of BLOCK steps; the first is warm-up)
-BLOCKS: dict[str, int] = {"medium": 12, "small": 40}
-QUICK_BLOCKS = 3
+# name -> blocks per loop (of BLOCK steps; the first is warm-up; six orders cycle)
+BLOCKS: dict[str, int] = {"medium": 18, "small": 48}
+QUICK_BLOCKS = 6
 
 
 def _loader(width: int, steps: int, rank: int, world_size: int) -> DataLoader:
@@ -93,8 +99,25 @@ def _step(model: Any, optimizer: Any, batches: Any, backward: Any) -> float:
     return time.perf_counter() - start
 
 
+def _hand_side(
+    width: int, depth: int, steps: int, rank: int, world_size: int
+) -> tuple[OverheadModel, tuple[Any, ...]]:
+    """The loop a user writes on ``fully_shard``: the model and its step's arguments."""
+    model = _model(width, depth)
+    mesh = init_device_mesh("cpu", (world_size,))
+    with sharding_scope():  # the Fabric strategy's units: the blocks, then the head
+        for block in model.blocks:
+            shard_module(block, mesh, fsdp_placements())
+        shard_module(model.head, mesh, fsdp_placements())
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    fully_shard_optimizer(optimizer)
+    loader = iter(_loader(width, steps, rank, world_size))
+    return model, (model, optimizer, loader, lambda t: t.backward())
+
+
 def _interleaved(rank: int, world_size: int, width: int, depth: int, blocks: int) -> dict[str, Any]:
-    """Both loops in this process, alternating blocks of ``BLOCK`` steps."""
+    """The Fabric loop, the hand loop and a second hand loop (the control) in this
+    process, in blocks of ``BLOCK`` steps, each block in another order of the three."""
     from lightning.fabric import Fabric
 
     from lightning_megatron_fsdp.fabric import MegatronFSDPStrategy
@@ -103,41 +126,33 @@ def _interleaved(rank: int, world_size: int, width: int, depth: int, blocks: int
     steps = (blocks + 1) * BLOCK  # one more block for the call counts
     strategy = MegatronFSDPStrategy(auto_wrap_policy={Block}, timeout=TIMEOUT)
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
-    fabric.launch()  # joins the process group both loops use
+    fabric.launch()  # joins the process group every loop uses
     fabric_module = _model(width, depth)
     fabric_model = fabric.setup_module(fabric_module)
     fabric_optimizer = fabric.setup_optimizers(torch.optim.Adam(fabric_model.parameters(), lr=LR))
     fabric_loader = fabric.setup_dataloaders(
         _loader(width, steps, rank, world_size), use_distributed_sampler=False
     )
-
     enable_cpu_execution()
-    hand_model = _model(width, depth)
-    mesh = init_device_mesh("cpu", (world_size,))
-    with sharding_scope():  # the Fabric strategy's units: the blocks, then the head
-        for block in hand_model.blocks:
-            shard_module(block, mesh, fsdp_placements())
-        shard_module(hand_model.head, mesh, fsdp_placements())
-    hand_optimizer = torch.optim.Adam(hand_model.parameters(), lr=LR)
-    fully_shard_optimizer(hand_optimizer)
-
+    hand_model, hand = _hand_side(width, depth, steps, rank, world_size)
+    control_model, control = _hand_side(width, depth, steps, rank, world_size)
     sides = {
         "fabric": (fabric_model, fabric_optimizer, iter(fabric_loader), fabric.backward),
-        "loop": (
-            hand_model,
-            hand_optimizer,
-            iter(_loader(width, steps, rank, world_size)),
-            lambda t: t.backward(),
-        ),
+        "loop": hand,
+        "control": control,
     }
-    times: dict[str, list[float]] = {"fabric": [], "loop": []}
+    orders = list(itertools.permutations(sides))
+    times: dict[str, list[float]] = {side: [] for side in sides}
     for index in range(blocks):
-        order = ("fabric", "loop") if index % 2 == 0 else ("loop", "fabric")
-        for side in order:
+        for side in orders[index % len(orders)]:
             times[side].extend(_step(*sides[side]) for _ in range(BLOCK))
     return {
         "times": times,
-        "losses": {"fabric": fabric_module.losses, "loop": hand_model.losses},
+        "losses": {
+            "fabric": fabric_module.losses,
+            "loop": hand_model.losses,
+            "control": control_model.losses,
+        },
         "calls": {side: _calls_per_step(sides[side]) for side in ("fabric", "loop")},
         "epilogue_s": _epilogue_seconds(fabric_module),
     }
@@ -176,7 +191,7 @@ def run(*, quick: bool = False) -> dict[str, Any]:
         )
         medians = {
             side: max(median(r["times"][side][BLOCK:]) for r in ranks)
-            for side in ("fabric", "loop")
+            for side in ("fabric", "loop", "control")
         }
         fabric, loop = 1 / medians["fabric"], 1 / medians["loop"]
         losses = ranks[0]["losses"]
@@ -189,9 +204,10 @@ def run(*, quick: bool = False) -> dict[str, Any]:
                 "fabric_steps_s": fabric,
                 "loop_steps_s": loop,
                 "fabric_over_loop": fabric / loop,
+                "control_over_loop": medians["loop"] / medians["control"],
                 "overhead_ms": (medians["fabric"] - medians["loop"]) * 1e3,
                 "met": fabric / loop >= 0.95,
-                "same_losses": losses["fabric"] == losses["loop"],
+                "same_losses": losses["fabric"] == losses["loop"] == losses["control"],
                 "calls_per_step": {s: ranks[0]["calls"][s] for s in ("fabric", "loop")},
                 "epilogue_ms": max(r["epilogue_s"] for r in ranks) * 1e3,
                 "losses": losses,
@@ -204,23 +220,26 @@ def run(*, quick: bool = False) -> dict[str, Any]:
 def format_table(result: dict[str, Any]) -> str:
     """A Markdown table of ``run``'s result."""
     lines = [
-        f"World size 2, per-rank batch {BATCH}, Adam; both loops in the same processes, "
-        f"alternating blocks of {result['block']} steps; steps/s = 1 / median step time "
-        "(slower rank), first block of each side excluded. Python calls per step: "
+        f"World size 2, per-rank batch {BATCH}, Adam; the Fabric loop, the hand loop and a "
+        f"second hand loop (control) in the same processes, in turns of {result['block']} "
+        "steps (six orders cycling); steps/s = 1 / median step time (slower rank), first "
+        "block of each excluded. Python calls per step: "
         "cProfile's count over one more block (rank 0). Strategy epilogue: the Fabric "
         "strategy's own work after each backward, median of 200 (slower rank).",
         "",
         "| model | parameters | steps per side | fully_shard loop steps/s | Fabric loop steps/s "
-        "| Fabric / loop | added per step (ms) | Python calls per step (loop / Fabric) "
+        "| Fabric / loop | control / loop | added per step (ms) "
+        "| Python calls per step (loop / Fabric) "
         "| strategy epilogue (ms) | same losses | target (>= 0.95) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for row in result["rows"]:
         calls = row["calls_per_step"]
         lines.append(
             f"| {row['size']} | {row['parameters'] / 1e6:.3f} M | {row['steps']} "
             f"| {row['loop_steps_s']:.1f} | {row['fabric_steps_s']:.1f} "
-            f"| {row['fabric_over_loop']:.3f} | {row['overhead_ms']:+.2f} "
+            f"| {row['fabric_over_loop']:.3f} | {row['control_over_loop']:.3f} "
+            f"| {row['overhead_ms']:+.2f} "
             f"| {calls['loop']:.0f} / {calls['fabric']:.0f} | {row['epilogue_ms']:.3f} "
             f"| {'yes' if row['same_losses'] else 'NO'} | {'met' if row['met'] else 'NOT met'} |"
         )
