@@ -13,14 +13,11 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.distributed import ReduceOp
-from lightning.fabric.utilities.distributed import group as _group
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
@@ -245,17 +242,6 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         self._models.append(module)
         return module
 
-    def _shard_unit(self, module: nn.Module) -> None:
-        plugin = self.precision
-        self._sharder.shard(
-            module,
-            self.device_mesh,
-            self.placements,
-            device=self.root_device,
-            compute_dtype=plugin.compute_dtype if plugin.casts_parameters else None,
-            mixed_precision_policy=self.mixed_precision_policy,
-        )
-
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Adapt ``optimizer`` (built on the sharded parameters) with ``fully_shard_optimizer``.
@@ -376,23 +362,6 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _lightning.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _lightning.distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _lightning.distributed_is_initialized():
-            return obj
-        container = [obj]
-        dist.broadcast_object_list(container, src, group=_group.WORLD)
-        return container[0]
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -521,17 +490,6 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             self.accelerator.teardown()
         if self._checkpoint_io is not None:
             self._checkpoint_io.teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _lightning.StrategyRegistry) -> None:
-        if cls.strategy_name in strategy_registry:
-            return
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="Megatron-FSDP (megatron_fsdp.experimental) fully sharded training",
-        )
 
 
 class _MicrobatchControl(_lightning.BackwardSyncControl):

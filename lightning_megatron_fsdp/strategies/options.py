@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.strategies.strategy import TBroadcast
+from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -30,7 +32,7 @@ from lightning_megatron_fsdp.megatron.mesh import (
 )
 from lightning_megatron_fsdp.megatron.sharding import AutoWrapPolicy, validate_auto_wrap_policy
 from lightning_megatron_fsdp.megatron.sharding_modes import ShardingMode, resolve_sharding_mode
-from lightning_megatron_fsdp.strategies.model_setup import join_process_group
+from lightning_megatron_fsdp.strategies.model_setup import ModelSharder, join_process_group
 from lightning_megatron_fsdp.strategies.precision import MegatronFSDPPrecision
 
 __all__ = ["StrategyOptions", "StrategyOptionsMixin"]
@@ -103,16 +105,19 @@ class StrategyOptions:
 
 
 class StrategyOptionsMixin:
-    """What both strategies derive from their :class:`StrategyOptions`.
+    """What both strategies derive from their :class:`StrategyOptions`, and the collectives
+    and registration they share.
 
     Mixed in before Lightning's (or Fabric's) ``ParallelStrategy``, whose attributes it
     reads (``parallel_devices``, ``local_rank``, ``node_rank``, ``num_nodes``,
-    ``cluster_environment``). A strategy sets ``_options`` in its constructor, and names its
-    precision plugin in :attr:`_megatron_precision` and how to reach the mesh in
-    :attr:`_mesh_missing_hint`.
+    ``cluster_environment``). A strategy sets ``_options`` and ``_sharder`` in its
+    constructor, and names its precision plugin in :attr:`_megatron_precision` and how to
+    reach the mesh in :attr:`_mesh_missing_hint`.
     """
 
+    strategy_name: str
     _options: StrategyOptions
+    _sharder: ModelSharder
     _device_mesh: DeviceMesh | None = None
     _resolved_backend: str | None = None
     _mesh_missing_hint: str = ""
@@ -216,3 +221,44 @@ class StrategyOptionsMixin:
             where=options.where,
         )
         return self._device_mesh
+
+    def _shard_unit(self, module: nn.Module) -> None:
+        """Make ``module`` one unit with this strategy's mesh, placements and precision
+        (inside the sharder's context; see ``ModelSharder.shard``)."""
+        precision = self._megatron_precision
+        self._sharder.shard(
+            module,
+            self.device_mesh,
+            self.placements,
+            device=self.root_device,
+            compute_dtype=precision.compute_dtype if precision.casts_parameters else None,
+            mixed_precision_policy=self.mixed_precision_policy,
+        )
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait until every process is here (nothing to wait for without a group)."""
+        if not _lightning.distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        """``obj`` of rank ``src`` on every rank (itself without a group)."""
+        if not _lightning.distributed_is_initialized():
+            return obj
+        container = [obj]
+        dist.broadcast_object_list(container, src, group=_group.WORLD)
+        return container[0]
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _lightning.StrategyRegistry) -> None:
+        """Register as ``strategy_name`` (once) in the framework's strategy registry."""
+        if cls.strategy_name in strategy_registry:
+            return
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Megatron-FSDP (megatron_fsdp.experimental) fully sharded training",
+        )

@@ -15,16 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
@@ -359,15 +356,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             ValueError: If ``module`` is already sharded or a tie crosses unit boundaries.
             TypeError: If a meta-device module has no ``reset_parameters``.
         """
-        plugin = self.precision_plugin
-        self._sharder.shard(
-            module,
-            self.device_mesh,
-            self.placements,
-            device=self.root_device,
-            compute_dtype=plugin.compute_dtype if plugin.casts_parameters else None,
-            mixed_precision_policy=self.mixed_precision_policy,
-        )
+        self._shard_unit(module)
 
     def _shard_model(self, model: pl.LightningModule) -> None:
         """Shard ``model`` bottom-up (see ``sharding.plan_units``)."""
@@ -551,23 +540,6 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         )
 
     # ------------------------------------------------------------------ collectives
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not _lightning.distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _lightning.distributed_is_initialized():
-            return obj
-        container = [obj]
-        dist.broadcast_object_list(container, src, group=_group.WORLD)
-        return container[0]
 
     @override
     def reduce(
@@ -772,17 +744,6 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             self.accelerator.teardown()
         if self._checkpoint_io is not None:
             self._checkpoint_io.teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _lightning.StrategyRegistry) -> None:
-        if cls.strategy_name in strategy_registry:
-            return
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="Megatron-FSDP (megatron_fsdp.experimental) fully sharded training",
-        )
 
 
 # ---------------------------------------------------------------------- helpers
