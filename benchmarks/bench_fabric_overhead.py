@@ -18,9 +18,12 @@ spike on a shared machine hits all alike; a step is timed from fetching its batc
 end of ``zero_grad``, the first block of each is warm-up, and steps/s is one over the median
 step time of the slower rank. The control against the hand loop shows what the method
 itself reads into two identical loops (noise and position), so a Fabric / loop ratio is
-read against it. Two load-independent columns: Python function calls per step
-(``cProfile``'s count) and the Fabric strategy's own work after each backward (joining
-gradient reduction, releasing prefetches, binding ``.full_tensor()`` of the gradients).
+read against it. Wall time on a loaded machine is mostly waiting for a core and for the
+peer, so each step's process CPU time is also taken (all threads, gloo's included): the work
+a step does, what decides steps/s on an idle machine. Two more load-independent columns:
+Python function calls per step (``cProfile``'s count) and the Fabric strategy's own work
+after each backward (joining gradient reduction, releasing prefetches, binding
+``.full_tensor()`` of the gradients).
 Each loop reports its first losses, so all provably train the same model on the same data.
 
 Target (issue 25): the Fabric loop's steps/s within 5% of the hand loop's.
@@ -88,15 +91,16 @@ def _model(width: int, depth: int) -> OverheadModel:
     return OverheadModel(width, depth)
 
 
-def _step(model: Any, optimizer: Any, batches: Any, backward: Any) -> float:
-    """One step, fetching its batch included; returns its duration in seconds."""
-    start = time.perf_counter()
+def _step(model: Any, optimizer: Any, batches: Any, backward: Any) -> tuple[float, float]:
+    """One step, fetching its batch included: its wall time and this process's CPU time
+    (every thread's, gloo's included; not the time spent waiting for a core or a peer)."""
+    wall, cpu = time.perf_counter(), time.process_time()
     x, y = next(batches)
     loss = model(x, y)
     backward(loss)
     optimizer.step()
     optimizer.zero_grad()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def _hand_side(
@@ -189,9 +193,14 @@ def run(*, quick: bool = False) -> dict[str, Any]:
         ranks = run_distributed(
             _interleaved, 2, width, depth, blocks, init_process_group=False, timeout=1800
         )
+        sides = ("fabric", "loop", "control")
         medians = {
-            side: max(median(r["times"][side][BLOCK:]) for r in ranks)
-            for side in ("fabric", "loop", "control")
+            side: max(median([w for w, _ in r["times"][side][BLOCK:]]) for r in ranks)
+            for side in sides
+        }
+        cpu = {
+            side: max(median([c for _, c in r["times"][side][BLOCK:]]) for r in ranks)
+            for side in sides
         }
         fabric, loop = 1 / medians["fabric"], 1 / medians["loop"]
         losses = ranks[0]["losses"]
@@ -205,6 +214,9 @@ def run(*, quick: bool = False) -> dict[str, Any]:
                 "loop_steps_s": loop,
                 "fabric_over_loop": fabric / loop,
                 "control_over_loop": medians["loop"] / medians["control"],
+                "cpu_ms": {side: cpu[side] * 1e3 for side in sides},
+                "cpu_fabric_over_loop": cpu["fabric"] / cpu["loop"],
+                "cpu_control_over_loop": cpu["control"] / cpu["loop"],
                 "overhead_ms": (medians["fabric"] - medians["loop"]) * 1e3,
                 "met": fabric / loop >= 0.95,
                 "same_losses": losses["fabric"] == losses["loop"] == losses["control"],
@@ -225,21 +237,26 @@ def format_table(result: dict[str, Any]) -> str:
         "steps (six orders cycling); steps/s = 1 / median step time (slower rank), first "
         "block of each excluded. Python calls per step: "
         "cProfile's count over one more block (rank 0). Strategy epilogue: the Fabric "
-        "strategy's own work after each backward, median of 200 (slower rank).",
+        "strategy's own work after each backward, median of 200 (slower rank). CPU per "
+        "step: the process's CPU time (all its threads; not time spent waiting for a core "
+        "or the peer), median, slower rank.",
         "",
         "| model | parameters | steps per side | fully_shard loop steps/s | Fabric loop steps/s "
         "| Fabric / loop | control / loop | added per step (ms) "
+        "| CPU ms per step (loop / Fabric / control) | CPU Fabric / loop | CPU control / loop "
         "| Python calls per step (loop / Fabric) "
         "| strategy epilogue (ms) | same losses | target (>= 0.95) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for row in result["rows"]:
-        calls = row["calls_per_step"]
+        calls, c = row["calls_per_step"], row["cpu_ms"]
         lines.append(
             f"| {row['size']} | {row['parameters'] / 1e6:.3f} M | {row['steps']} "
             f"| {row['loop_steps_s']:.1f} | {row['fabric_steps_s']:.1f} "
             f"| {row['fabric_over_loop']:.3f} | {row['control_over_loop']:.3f} "
             f"| {row['overhead_ms']:+.2f} "
+            f"| {c['loop']:.2f} / {c['fabric']:.2f} / {c['control']:.2f} "
+            f"| {row['cpu_fabric_over_loop']:.3f} | {row['cpu_control_over_loop']:.3f} "
             f"| {calls['loop']:.0f} / {calls['fabric']:.0f} | {row['epilogue_ms']:.3f} "
             f"| {'yes' if row['same_losses'] else 'NO'} | {'met' if row['met'] else 'NOT met'} |"
         )
