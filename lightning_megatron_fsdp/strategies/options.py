@@ -1,6 +1,7 @@
 """The options both strategies (Trainer and Fabric) take, validated in one place
 (:class:`StrategyOptions`), and what both derive from them (:class:`StrategyOptionsMixin`:
-the sharding properties, the ranks, joining the processes and building the mesh). It exists
+the sharding properties, the ranks, joining the processes and building the mesh, sharding a
+unit, barrier, broadcast and registration). It exists
 so the two framework contracts share one copy of that surface instead of two that drift.
 """
 
