@@ -52,7 +52,8 @@ __all__ = [
 TRUST_HINT = (
     "Only if you trust where the checkpoint comes from, pass trust_checkpoint=True "
     "(--trust-checkpoint on the command line; PretrainedWeights(path, weights_only=False) "
-    "for init_weights_from) to unpickle it in full: that runs any code it holds."
+    "for init_weights_from; weights_only=False for fabric.load_raw, and for fabric.load's "
+    "meta.pt) to unpickle it in full: that runs any code it holds."
 )
 
 # A planner path indexes lists by these ints (optimizer and parameter-group numbers); a
