@@ -145,7 +145,6 @@ class _Proposal:
 
     path: str
     token: str
-    error: str | None
     digest: str | None
     per_rank: dict[str, Any]
 
@@ -279,8 +278,9 @@ def begin_save(
     except Exception as err:
         error = f"rank {ranks.rank}: {describe(err)}"
     try:
-        gathered = ranks.all_gather(_Proposal(str(final), token, error, digest, own))
-        errors = [p.error for p in gathered if p.error is not None]
+        outcomes = ranks.exchange(_Proposal(str(final), token, digest, own), error)
+        gathered = outcomes.payloads
+        errors = outcomes.error_texts
         if not errors and len({p.digest for p in gathered}) > 1:
             # Rare and fatal: now gather the full layouts to say exactly what differs.
             errors = layout_disagreement(ranks.all_gather(layout_summary(tensors)))
@@ -291,8 +291,7 @@ def begin_save(
     if errors:
         if ranks.rank == 0:
             options.store.discard(final, token)
-        failed = [rank for rank, p in enumerate(gathered) if p.error is not None]
-        where = f" on rank(s) {failed}" if failed else ""
+        where = f" on rank(s) {outcomes.failed}" if outcomes.failed else ""
         raise CheckpointSaveError(
             f"Saving checkpoint {gathered[0].path} failed{where} before any tensor was written; "
             "the previous checkpoint there, if any, is untouched:\n  " + "\n  ".join(errors)
@@ -377,7 +376,7 @@ def commit_save(pending: PendingSave, metadata: Metadata, ranks: Ranks) -> None:
         except Exception as err:
             error = f"rank {ranks.rank}: {describe(err)}"
     try:
-        gathered = ranks.all_gather((error, records))
+        outcomes = ranks.exchange(records, error)
     except PeerLostError as err:
         if ranks.rank == 0:
             store.discard(final, pending.token)
@@ -386,15 +385,14 @@ def commit_save(pending: PendingSave, metadata: Metadata, ranks: Ranks) -> None:
             "checkpoint there, if any, is untouched."
         ) from err
     outcome = None
-    errors = [e for e, _ in gathered if e is not None]
-    if errors:
-        outcome = "\n  ".join(errors)
+    if outcomes.failed:
+        outcome = "\n  ".join(outcomes.error_texts)
         if ranks.rank == 0:
             store.discard(final, pending.token)
     elif ranks.rank == 0:
         try:
             files: dict[str, FileRecord] = {}
-            for _, rank_records in gathered:
+            for rank_records in outcomes.payloads:
                 files.update(rank_records)
             _check_claims(set(store.sizes(pending.staging)), files, metadata)
             assert pending.manifest_fields is not None
