@@ -36,6 +36,7 @@ from lightning_megatron_fsdp.agreement import (
     dcp_failure_message,
     describe,
 )
+from lightning_megatron_fsdp.checkpoint.backends import CheckpointStorage
 from lightning_megatron_fsdp.checkpoint.checksums import crc32c, crc32c_hex
 from lightning_megatron_fsdp.checkpoint.commit import CheckpointStore, reach
 from lightning_megatron_fsdp.checkpoint.copies import StagingBuffers
@@ -53,8 +54,6 @@ from lightning_megatron_fsdp.checkpoint.format import (
     optimizer_fingerprint,
     package_versions,
 )
-from lightning_megatron_fsdp.checkpoint.fsspec_storage import ChecksummingFsspecWriter
-from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint
 from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
 
 __all__ = [
@@ -96,25 +95,20 @@ class SaveOptions:
 
     store: CheckpointStore
     """Where the checkpoint is staged and published."""
+    storage: CheckpointStorage
+    """The DCP writer of the store's staging location."""
     write_checksums: bool = True
     """Record the CRC32C of every record and file."""
     thread_count: int = 1
     """Writer threads per rank of the default writer."""
     writer_factory: StorageWriterFactory | None = None
-    """The DCP writer; a :class:`ChecksummingFileSystemWriter` when ``None``."""
+    """The DCP writer; ``storage``'s when ``None``."""
 
     def writer(self, staging: Any) -> StorageWriter:
         """The DCP writer for ``staging``."""
         if self.writer_factory is not None:
             return self.writer_factory(staging)
-        if isinstance(staging, StoreCheckpoint):
-            return ChecksummingFsspecWriter(
-                staging.store,
-                staging.path,
-                checksum=self.write_checksums,
-                thread_count=self.thread_count,
-            )
-        return ChecksummingFileSystemWriter(
+        return self.storage.writer(
             staging, checksum=self.write_checksums, thread_count=self.thread_count
         )
 
