@@ -19,8 +19,8 @@ the coordinator's part of DCP's planner on them, in one process (no process grou
 Above ``--measure-up-to`` ranks the first save's planning is not run whole: DCP's
 validation compares every pair of row chunks of a wide tensor (quadratic in the chunks per
 tensor), which would take hours on a small machine. There dedup and the global plan are
-measured whole, the validation is measured on the keys outside the layers and on one layer
-(every layer unit has the same chunk geometry) and the layer part scaled by the layer count;
+measured whole, the validation is measured on the keys outside the layers and on three layers
+(every layer unit has the same chunk geometry), the median layer scaled by the layer count;
 the row says "extrapolated". The cached path and the ``.metadata`` size are always measured.
 ``--check-extrapolation`` also runs the extrapolation on the measured rows, to compare.
 
@@ -34,6 +34,7 @@ import dataclasses
 import gc
 import math
 import pickle
+import statistics
 import time
 from collections import ChainMap
 from typing import Any
@@ -62,6 +63,7 @@ from lightning_megatron_fsdp import _torch
 
 VOCAB, HIDDEN, FFN, LAYERS = 32000, 4096, 11008, 32
 STATES = ("", ".exp_avg", ".exp_avg_sq")
+SAMPLED_LAYERS = (0, LAYERS // 2, LAYERS - 1)  # every layer unit has the same chunk geometry
 
 
 def units() -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -149,8 +151,8 @@ def extrapolated_first_plan(
     key: str, plans: list[SavePlan]
 ) -> tuple[list[SavePlan], Metadata, float]:
     """DCP's ``_create_global_plan`` step by step (dedup, global plan, merged mappings,
-    validation), with the validation timed on the keys outside the layers plus layer 0's
-    and layer 0's share scaled by ``LAYERS``; the caches filled as DCP's caching path does
+    validation), with the validation timed on the keys outside the layers and on three
+    layers, the median layer scaled by ``LAYERS``; the caches filled as DCP's caching path does
     after a successful plan. Returns the global plan, the metadata and the estimated
     seconds."""
     began = time.perf_counter()
@@ -158,19 +160,23 @@ def extrapolated_first_plan(
     merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
     metadata = dataclasses.replace(metadata, planner_data=merged)
     built = time.perf_counter() - began
-    layer0 = {k: v for k, v in metadata.state_dict_metadata.items() if ".layers.0." in k}
-    rest = {k: v for k, v in metadata.state_dict_metadata.items() if ".layers." not in k}
-    timed = []
-    for subset in (rest, layer0):
+    keys = metadata.state_dict_metadata
+    rest = {k: v for k, v in keys.items() if ".layers." not in k}
+    began = time.perf_counter()
+    errors = _validate_global_plan(global_plan, Metadata(state_dict_metadata=rest))
+    outside = time.perf_counter() - began
+    per_layer = []
+    for layer in SAMPLED_LAYERS:
+        sample = {k: v for k, v in keys.items() if f".layers.{layer}." in k}
         began = time.perf_counter()
-        errors = _validate_global_plan(global_plan, Metadata(state_dict_metadata=subset))
-        timed.append(time.perf_counter() - began)
-        if errors:
-            raise AssertionError(f"the synthetic plan does not validate: {errors[:3]}")
+        errors += _validate_global_plan(global_plan, Metadata(state_dict_metadata=sample))
+        per_layer.append(time.perf_counter() - began)
+    if errors:
+        raise AssertionError(f"the synthetic plan does not validate: {errors[:3]}")
     SavePlanner._cached_all_plans[key] = plans
     SavePlanner._cached_global_plan[key] = global_plan
     SavePlanner._cached_metadata[key] = metadata
-    return global_plan, metadata, built + timed[0] + LAYERS * timed[1]
+    return global_plan, metadata, built + outside + LAYERS * statistics.median(per_layer)
 
 
 def measure(world: int, extrapolate: bool) -> dict[str, Any]:
