@@ -16,15 +16,17 @@ the coordinator's part of DCP's planner on them, in one process (no process grou
 - ``.metadata MB``: the pickled ``Metadata`` with one storage entry per record (with our
   ``lmf_record`` annotation), what rank 0 writes and every loader reads.
 
-Above ``--measure-up-to`` ranks the first save's planning is not run whole: DCP's
-validation compares every pair of row chunks of a wide tensor (quadratic in the chunks per
-tensor), which would take hours on a small machine. There dedup and the global plan are
-measured whole, the validation is measured on the keys outside the layers and on three layers
-(every layer unit has the same chunk geometry), the median layer scaled by the layer count;
-the row says "extrapolated". The cached path and the ``.metadata`` size are always measured.
-``--check-extrapolation`` also runs the extrapolation on the measured rows, to compare.
+Above ``--measure-up-to`` ranks (default: every size asked for) the first save's planning
+is not run whole: DCP's validation compares every pair of row chunks of a wide tensor
+(quadratic in the chunks per tensor), which can take too long on a small machine. There
+dedup and the global plan are measured whole, the validation is measured on the keys outside
+the layers and on three layers (every layer unit has the same chunk geometry), the median
+layer scaled by the layer count; the row says "extrapolated" (an estimate only:
+benchmarks/RESULTS.md compares it with whole runs). The cached path and the
+``.metadata`` size are always measured. ``--check-extrapolation`` also runs the
+extrapolation on the measured rows, to compare.
 
-    python -m benchmarks.bench_planning [--ranks 64 256 1024 4096 8192] [--measure-up-to 4096]
+    python -m benchmarks.bench_planning [--ranks 64 256 1024 4096 8192] [--measure-up-to N]
 """
 
 from __future__ import annotations
@@ -231,8 +233,9 @@ def main() -> None:
     parser.add_argument(
         "--measure-up-to",
         type=int,
-        default=4096,
-        help="run the first save's planning whole up to this many ranks; extrapolate above",
+        default=None,
+        help="run the first save's planning whole up to this many ranks (default: all); "
+        "extrapolate above",
     )
     parser.add_argument(
         "--check-extrapolation",
@@ -246,7 +249,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for world in args.ranks:
-        modes = [world > args.measure_up_to]
+        modes = [args.measure_up_to is not None and world > args.measure_up_to]
         if args.check_extrapolation and not modes[0]:
             modes.append(True)
         for extrapolate in modes:
