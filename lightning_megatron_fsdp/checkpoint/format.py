@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp.checkpoint.checksums import ALGORITHMS, file_digest
 from lightning_megatron_fsdp.checkpoint.confined_files import (
@@ -606,6 +605,9 @@ def is_complete_checkpoint(path: str | os.PathLike[str]) -> bool:
 
 def mesh_info(*state_dicts: Any) -> dict[str, Any] | None:
     """Return the device mesh of a DTensor in the state dicts (all share one), or ``None``."""
+    # Imported here: the offline tools import this module but never hold a DTensor.
+    from torch.distributed.tensor import DTensor
+
     stack: list[Any] = list(state_dicts)
     while stack:
         value = stack.pop()
