@@ -56,6 +56,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
 from lightning_megatron_fsdp.checkpoint.fsspec_storage import ChecksummingFsspecWriter
 from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint
 from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
+from lightning_megatron_fsdp.megatron.checkpointable_chunks import dcp_view
 
 __all__ = [
     "PendingSave",
@@ -329,7 +330,7 @@ def write_save(pending: PendingSave, ranks: Ranks) -> Metadata:
     """
     try:
         return dcp.save(
-            pending.tensors,
+            dcp_view(pending.tensors),
             storage_writer=pending.writer,
             planner=_torch.caching_save_planner(pending.plan_key or "lightning_megatron_fsdp"),
             process_group=ranks.group,
