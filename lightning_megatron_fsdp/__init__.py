@@ -29,7 +29,7 @@ if TYPE_CHECKING:
         cpu_execution_enabled,
         enable_cpu_execution,
     )
-    from lightning_megatron_fsdp.megatron.gather import full_tensor, grad_norm
+    from lightning_megatron_fsdp.megatron.gather import full_tensor, grad_norm, sharded_grad_norm
     from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
     from lightning_megatron_fsdp.megatron.sharding import (
         fsdp_placements,
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
         MegatronFSDPPrecision,
         clip_sharded_grad_norm_,
         clip_sharded_grad_value_,
-        sharded_grad_norm,
     )
     from lightning_megatron_fsdp.strategies.strategy import MegatronFSDPStrategy
     from lightning_megatron_fsdp.tools.export import consolidate_checkpoint
@@ -103,7 +102,7 @@ _EXPORTS = {
     "read_manifest": "checkpoint.format",
     "resolve_latest_checkpoint": "checkpoint.commit",
     "shard_module": "megatron.sharding",
-    "sharded_grad_norm": "strategies.precision",
+    "sharded_grad_norm": "megatron.gather",
     "sharding_scope": "megatron.sharding",
     "verify_checkpoint": "tools.inspection",
 }

@@ -10,13 +10,14 @@ import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
 
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
 
 __all__ = [
+    "Outcomes",
     "PeerLostError",
     "Problem",
     "Ranks",
@@ -141,6 +142,32 @@ class Problem:
             raise ValueError(f"Problem: text must be a non-empty string, got {self.text!r}.")
 
 
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcomes(Generic[_T]):
+    """Every rank's payload and error from one :meth:`Ranks.exchange`, by rank.
+
+    Attributes:
+        payloads: Each rank's payload (a failed rank's is what it could send).
+        errors: Each rank's error text, ``None`` where the rank's part succeeded.
+    """
+
+    payloads: list[_T]
+    errors: list[str | None]
+
+    @property
+    def failed(self) -> list[int]:
+        """The ranks that sent an error, in rank order."""
+        return [rank for rank, error in enumerate(self.errors) if error is not None]
+
+    @property
+    def error_texts(self) -> list[str]:
+        """The errors sent, in rank order (empty when every rank succeeded)."""
+        return [error for error in self.errors if error is not None]
+
+
 @dataclasses.dataclass(frozen=True)
 class Ranks:
     """The ranks of one collective operation, or the one-process identity without a group."""
@@ -171,6 +198,23 @@ class Ranks:
         except RuntimeError as err:  # gloo/NCCL errors and timeouts are RuntimeErrors
             raise PeerLostError(f"{LOST_PEER_HINT}: {describe(err)}") from err
         return gathered
+
+    def exchange(self, payload: _T, error: str | None) -> Outcomes[_T]:
+        """Every rank's data and whether its part succeeded, in one all-gather.
+
+        The round that carries data (paths, digests, file records) also carries each
+        rank's outcome, so the ranks learn both at once; the caller decides what a failure
+        means and raises the same error on every rank.
+
+        Args:
+            payload: What this rank sends.
+            error: This rank's error text (naming the rank), or ``None`` on success.
+
+        Raises:
+            PeerLostError: If the collective failed (within the group's timeout).
+        """
+        gathered = self.all_gather((error, payload))
+        return Outcomes([p for _, p in gathered], [e for e, _ in gathered])
 
     def broadcast_from_first(self, obj: Any) -> Any:
         """Rank 0's ``obj``.

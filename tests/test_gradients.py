@@ -258,3 +258,12 @@ def test_full_tensor_and_grad_norm_on_hsdp_match_one_process() -> None:
             assert result["norms"][f"grad_2.0_norm/{name}"] == pytest.approx(value, rel=1e-5)
         total = float(torch.tensor(list(norms.values())).norm())
         assert result["norms"]["grad_2.0_norm_total"] == pytest.approx(total, rel=1e-5)
+
+
+@pytest.mark.parametrize("norm_type", [0, -2.0, float("nan")])
+def test_norm_type_must_be_positive(norm_type: float) -> None:
+    """Both gradient norms refuse a norm type that is not a positive number, naming it."""
+    with pytest.raises(ValueError, match=r"sharded_grad_norm: norm_type must be a positive"):
+        sharded_grad_norm([nn.Parameter(torch.ones(2))], norm_type)
+    with pytest.raises(ValueError, match=r"grad_norm: norm_type must be a positive"):
+        grad_norm(nn.Linear(2, 2), norm_type)

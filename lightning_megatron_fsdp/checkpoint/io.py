@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.agreement import PeerLostError, Ranks, describe
+from lightning_megatron_fsdp.checkpoint.backends import CheckpointStorage, FilesAndObjects
 from lightning_megatron_fsdp.checkpoint.commit import (
     CheckpointStore,
     LocalDirectories,
@@ -217,12 +218,14 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         self._copies = StagingBuffers()  # the async save's CPU copies, reused
         self.storage_options = dict(storage_options or {})
         self.store: CheckpointStore = ObjectStores(LocalDirectories(), self.storage_options)
+        self.storage: CheckpointStorage = FilesAndObjects()  # the store's writer and reader
 
     @property
     def load_options(self) -> LoadOptions:
         """How this plugin loads (the strategy's load path reads it)."""
         return LoadOptions(
             store=self.store,
+            storage=self.storage,
             verify_checksums=self.verify_checksums,
             atomic_load=self.atomic_load,
             reader_factory=self.storage_reader_factory,
@@ -273,6 +276,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
 
         options = SaveOptions(
             store=self.store,
+            storage=self.storage,
             write_checksums=self.write_checksums,
             thread_count=self.thread_count,
             writer_factory=factory or self.storage_writer_factory,

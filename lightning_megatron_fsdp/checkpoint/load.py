@@ -35,6 +35,7 @@ from lightning_megatron_fsdp.agreement import (
     dcp_failure_message,
     describe,
 )
+from lightning_megatron_fsdp.checkpoint.backends import CheckpointStorage
 from lightning_megatron_fsdp.checkpoint.checksums import bytes_digest
 from lightning_megatron_fsdp.checkpoint.commit import CheckpointStore
 from lightning_megatron_fsdp.checkpoint.confined_files import read_regular
@@ -54,8 +55,6 @@ from lightning_megatron_fsdp.checkpoint.format import (
     model_fingerprint,
     optimizer_fingerprint,
 )
-from lightning_megatron_fsdp.checkpoint.fsspec_storage import VerifyingFsspecReader
-from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
 from lightning_megatron_fsdp.checkpoint.storage import ReadProgress, VerifyingFileSystemReader
 from lightning_megatron_fsdp.megatron import _megatron
@@ -94,12 +93,14 @@ class LoadOptions:
 
     store: CheckpointStore
     """Where checkpoints live (recovery of a crashed commit)."""
+    storage: CheckpointStorage
+    """The DCP reader of the store's locations."""
     verify_checksums: bool = True
     """Check ``meta.pt``, ``.metadata`` and every record read against their CRC32C."""
     atomic_load: bool = False
     """Read into CPU copies and write the targets only once every rank has read all."""
     reader_factory: StorageReaderFactory | None = None
-    """The DCP reader; a :class:`VerifyingFileSystemReader` when ``None``."""
+    """The DCP reader; ``storage``'s when ``None``."""
     trust_checkpoint: bool = False
     """Unpickle ``.metadata``, byte records and (``weights_only=None``) ``meta.pt`` in full."""
 
@@ -107,14 +108,7 @@ class LoadOptions:
         """The DCP reader for the checkpoint at ``path``."""
         if self.reader_factory is not None:
             return self.reader_factory(path)
-        if isinstance(path, StoreCheckpoint):
-            return VerifyingFsspecReader(
-                path.store,
-                path.path,
-                verify=self.verify_checksums,
-                trust_checkpoint=self.trust_checkpoint,
-            )
-        return VerifyingFileSystemReader(
+        return self.storage.reader(
             path, verify=self.verify_checksums, trust_checkpoint=self.trust_checkpoint
         )
 

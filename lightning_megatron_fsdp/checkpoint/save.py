@@ -36,6 +36,7 @@ from lightning_megatron_fsdp.agreement import (
     dcp_failure_message,
     describe,
 )
+from lightning_megatron_fsdp.checkpoint.backends import CheckpointStorage
 from lightning_megatron_fsdp.checkpoint.checksums import crc32c, crc32c_hex
 from lightning_megatron_fsdp.checkpoint.commit import CheckpointStore, reach
 from lightning_megatron_fsdp.checkpoint.copies import StagingBuffers
@@ -53,8 +54,6 @@ from lightning_megatron_fsdp.checkpoint.format import (
     optimizer_fingerprint,
     package_versions,
 )
-from lightning_megatron_fsdp.checkpoint.fsspec_storage import ChecksummingFsspecWriter
-from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint
 from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
 from lightning_megatron_fsdp.megatron.checkpointable_chunks import dcp_view
 
@@ -97,25 +96,20 @@ class SaveOptions:
 
     store: CheckpointStore
     """Where the checkpoint is staged and published."""
+    storage: CheckpointStorage
+    """The DCP writer of the store's staging location."""
     write_checksums: bool = True
     """Record the CRC32C of every record and file."""
     thread_count: int = 1
     """Writer threads per rank of the default writer."""
     writer_factory: StorageWriterFactory | None = None
-    """The DCP writer; a :class:`ChecksummingFileSystemWriter` when ``None``."""
+    """The DCP writer; ``storage``'s when ``None``."""
 
     def writer(self, staging: Any) -> StorageWriter:
         """The DCP writer for ``staging``."""
         if self.writer_factory is not None:
             return self.writer_factory(staging)
-        if isinstance(staging, StoreCheckpoint):
-            return ChecksummingFsspecWriter(
-                staging.store,
-                staging.path,
-                checksum=self.write_checksums,
-                thread_count=self.thread_count,
-            )
-        return ChecksummingFileSystemWriter(
+        return self.storage.writer(
             staging, checksum=self.write_checksums, thread_count=self.thread_count
         )
 
@@ -146,7 +140,6 @@ class _Proposal:
 
     path: str
     token: str
-    error: str | None
     digest: str | None
     per_rank: dict[str, Any]
 
@@ -280,8 +273,9 @@ def begin_save(
     except Exception as err:
         error = f"rank {ranks.rank}: {describe(err)}"
     try:
-        gathered = ranks.all_gather(_Proposal(str(final), token, error, digest, own))
-        errors = [p.error for p in gathered if p.error is not None]
+        outcomes = ranks.exchange(_Proposal(str(final), token, digest, own), error)
+        gathered = outcomes.payloads
+        errors = outcomes.error_texts
         if not errors and len({p.digest for p in gathered}) > 1:
             # Rare and fatal: now gather the full layouts to say exactly what differs.
             errors = layout_disagreement(ranks.all_gather(layout_summary(tensors)))
@@ -292,8 +286,7 @@ def begin_save(
     if errors:
         if ranks.rank == 0:
             options.store.discard(final, token)
-        failed = [rank for rank, p in enumerate(gathered) if p.error is not None]
-        where = f" on rank(s) {failed}" if failed else ""
+        where = f" on rank(s) {outcomes.failed}" if outcomes.failed else ""
         raise CheckpointSaveError(
             f"Saving checkpoint {gathered[0].path} failed{where} before any tensor was written; "
             "the previous checkpoint there, if any, is untouched:\n  " + "\n  ".join(errors)
@@ -378,7 +371,7 @@ def commit_save(pending: PendingSave, metadata: Metadata, ranks: Ranks) -> None:
         except Exception as err:
             error = f"rank {ranks.rank}: {describe(err)}"
     try:
-        gathered = ranks.all_gather((error, records))
+        outcomes = ranks.exchange(records, error)
     except PeerLostError as err:
         if ranks.rank == 0:
             store.discard(final, pending.token)
@@ -387,15 +380,14 @@ def commit_save(pending: PendingSave, metadata: Metadata, ranks: Ranks) -> None:
             "checkpoint there, if any, is untouched."
         ) from err
     outcome = None
-    errors = [e for e, _ in gathered if e is not None]
-    if errors:
-        outcome = "\n  ".join(errors)
+    if outcomes.failed:
+        outcome = "\n  ".join(outcomes.error_texts)
         if ranks.rank == 0:
             store.discard(final, pending.token)
     elif ranks.rank == 0:
         try:
             files: dict[str, FileRecord] = {}
-            for _, rank_records in gathered:
+            for rank_records in outcomes.payloads:
                 files.update(rank_records)
             _check_claims(set(store.sizes(pending.staging)), files, metadata)
             assert pending.manifest_fields is not None

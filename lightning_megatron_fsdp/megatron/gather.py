@@ -1,8 +1,9 @@
-"""Full copies of sharded parameters, gradients and optimizer state, and per-parameter gradient
-norms, for Megatron-FSDP's packed shards: DTensor's own ``full_tensor`` and Lightning's
-``grad_norm`` assume torch's canonical split and give wrong rows, hang or fail on them.
-:func:`full_tensor`, :func:`grad_norm` and :func:`bind_full_tensor` are the shard-aware
-replacements.
+"""Full copies of sharded parameters, gradients and optimizer state, and gradient norms, for
+Megatron-FSDP's packed shards: DTensor's own ``full_tensor`` and Lightning's ``grad_norm``
+assume torch's canonical split and give wrong rows, hang or fail on them.
+:func:`full_tensor`, :func:`bind_full_tensor`, :func:`grad_norm` (per parameter) and
+:func:`sharded_grad_norm` (the total clipping uses) are the shard-aware replacements; both
+norms come from one per-shard partial and one all-reduce per mesh group.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ __all__ = [
     "grad_reduce_groups",
     "lightning_grad_norm_explained",
     "local_grad",
+    "sharded_grad_norm",
 ]
 
 _LIGHTNING_GRAD_NORM = _lightning_grads.grad_norm.__code__
@@ -141,15 +143,16 @@ def grad_norm(
         ValueError: If ``norm_type`` is not positive.
         RuntimeError: If a gradient is still ``Partial`` (between HSDP micro-batches).
     """
-    norm_type = float(norm_type)
-    if norm_type <= 0:
-        raise ValueError(
-            f"grad_norm: norm_type must be a positive number or 'inf', got {norm_type}."
-        )
-    is_inf = math.isinf(norm_type)
+    norm_type, is_inf = _checked_norm_type(norm_type, "grad_norm")
     named = [(name, p) for name, p in module.named_parameters() if p.grad is not None]
-    partial = [_local_partial_norm(p, norm_type, is_inf) for _, p in named]
-    reduced = _reduce_by_group([p for _, p in named], partial, is_inf)
+    parameters = [p for _, p in named]
+    reduced = [_local_partial_norm(p, norm_type, is_inf) for p in parameters]
+    groups, _ = _shard_groups(parameters)
+    for mesh, dims, indices in groups:  # one all-reduce per group: the partials stacked
+        stacked = torch.stack([reduced[i] for i in indices])
+        _all_reduce_over(stacked, mesh, dims, is_inf)
+        for position, index in enumerate(indices):
+            reduced[index] = stacked[position]
     prefix = f"grad_{norm_type}_norm"
     norms = {
         f"{prefix}{group_separator}{name}": (value if is_inf else value ** (1.0 / norm_type)).to(
@@ -163,38 +166,98 @@ def grad_norm(
     return norms
 
 
+def sharded_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
+    """Total gradient norm over parameters whose gradients are uneven Megatron-FSDP shards.
+
+    Each rank sums ``|g|**p`` over its local shard, then one all-reduce per (mesh, sharded
+    dims) adds the partial sums over the shard groups only, so HSDP replicas are not double
+    counted. Plain-tensor gradients count once, locally. Parameters come in the same order
+    on every rank (they are the optimizer's), so every rank issues the same collectives,
+    even for a parameter whose local shard is empty.
+
+    Args:
+        parameters: Parameters (typically an optimizer's); those without ``.grad`` count 0.
+        norm_type: ``p`` of the p-norm; ``math.inf`` for the max norm.
+
+    Returns:
+        The total norm as a float32 scalar tensor, identical on every rank.
+
+    Raises:
+        ValueError: If ``norm_type`` is not positive.
+        RuntimeError: If a gradient is still ``Partial``.
+    """
+    norm_type, is_inf = _checked_norm_type(norm_type, "sharded_grad_norm")
+    parameters = list(parameters)
+    partials = [_local_partial_norm(p, norm_type, is_inf) for p in parameters]
+    groups, plain = _shard_groups(parameters)
+    device = partials[0].device if partials else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for mesh, dims, indices in groups:  # one all-reduce per group: the partials combined
+        value = _combined([partials[i] for i in indices], is_inf)
+        _all_reduce_over(value, mesh, dims, is_inf)
+        total = _combine(total, value, is_inf)
+    if plain:
+        total = _combine(total, _combined([partials[i] for i in plain], is_inf), is_inf)
+    return total if is_inf else total ** (1.0 / norm_type)
+
+
+def _checked_norm_type(norm_type: float | int | str, caller: str) -> tuple[float, bool]:
+    """``norm_type`` as a float, and whether it is the max norm."""
+    value = float(norm_type)
+    if not value > 0:
+        raise ValueError(
+            f"{caller}: norm_type must be a positive number or inf, got {norm_type!r}."
+        )
+    return value, math.isinf(value)
+
+
 def _local_partial_norm(parameter: Tensor, norm_type: float, is_inf: bool) -> Tensor:
-    """This rank's share of one gradient's norm: ``sum |g|^p`` (or ``max |g|``), fp32."""
+    """This rank's share of one gradient's norm: ``sum |g|^p`` (or ``max |g|``), fp32;
+    zero without a gradient or with an empty shard."""
     local = local_grad(parameter)
-    assert local is not None
-    if local.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=local.device)
+    if local is None or local.numel() == 0:
+        device = local.device if local is not None else parameter.device
+        return torch.zeros((), dtype=torch.float32, device=device)
     if is_inf:
         return local.detach().abs().max().float()
     return torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float32) ** norm_type
 
 
-def _reduce_by_group(parameters: list[Tensor], values: list[Tensor], is_inf: bool) -> list[Tensor]:
-    """Reduce each parameter's partial value over its sharded mesh dims, batched by group."""
-    by_group: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-    meshes: dict[tuple[int, tuple[int, ...]], Any] = {}
+def _shard_groups(
+    parameters: list[Tensor],
+) -> tuple[list[tuple[DeviceMesh, tuple[int, ...], list[int]]], list[int]]:
+    """The sharded parameters' indices by (mesh, sharded dims), in order of first
+    appearance, and the plain parameters' indices. Rank-local: every rank lists the same
+    groups in the same order when it passes the same parameters."""
+    groups: dict[tuple[int, tuple[int, ...]], tuple[DeviceMesh, tuple[int, ...], list[int]]] = {}
+    plain: list[int] = []
     for index, parameter in enumerate(parameters):
-        groups = grad_reduce_groups(parameter)
-        if groups is None:  # a plain tensor: every rank holds all of it
+        found = grad_reduce_groups(parameter)
+        if found is None:  # a plain tensor: every rank holds all of it
+            plain.append(index)
             continue
-        mesh, dims = groups
-        key = (id(mesh), dims)
-        by_group.setdefault(key, []).append(index)
-        meshes[key] = mesh
-    reduced = list(values)
+        mesh, dims = found
+        groups.setdefault((id(mesh), dims), (mesh, dims, []))[2].append(index)
+    return list(groups.values()), plain
+
+
+def _all_reduce_over(value: Tensor, mesh: DeviceMesh, dims: tuple[int, ...], is_inf: bool) -> None:
+    """Add up (or take the max of) ``value`` in place over the mesh dims it is sharded on."""
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
-    for key, indices in by_group.items():
-        stacked = torch.stack([values[i] for i in indices])
-        for dim in key[1]:
-            dist.all_reduce(stacked, op=op, group=meshes[key].get_group(dim))
-        for position, index in enumerate(indices):
-            reduced[index] = stacked[position]
-    return reduced
+    for dim in dims:
+        dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+
+
+def _combined(values: list[Tensor], is_inf: bool) -> Tensor:
+    """``values`` summed (or their max) in order, as a new tensor."""
+    total = values[0].clone()
+    for value in values[1:]:
+        total = _combine(total, value, is_inf)
+    return total
+
+
+def _combine(a: Tensor, b: Tensor, is_inf: bool) -> Tensor:
+    return torch.maximum(a, b) if is_inf else a + b
 
 
 def grad_reduce_groups(parameter: Tensor) -> tuple[DeviceMesh, tuple[int, ...]] | None:

@@ -199,7 +199,7 @@ def attach_uneven_dtensor_metadata(
     place every shard at its true global offset. Optimizer state is allocated as
     ``zeros_like`` of a sharded parameter, so it shares that parameter's chunk.
 
-    Rank-local: no collective, so it cannot hang and costs microseconds per tensor.
+    Rank-local: no collective, so it cannot hang and costs no communication.
 
     Args:
         model: The sharded module tree the state dicts were taken from.

@@ -2,25 +2,22 @@
 (:class:`MegatronFSDPPrecision`: low-precision compute weights over fp32 main weights and
 optimizer state), the closure-first optimizer step ``fully_shard_optimizer`` needs, and
 clipping that counts every element of the packed shards exactly once
-(:func:`sharded_grad_norm`, :func:`clip_sharded_grad_norm_`,
+(:func:`clip_sharded_grad_norm_` on ``gather.sharded_grad_norm``,
 :func:`clip_sharded_grad_value_`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.types import Steppable
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -29,9 +26,9 @@ from lightning_megatron_fsdp.megatron import _megatron
 from lightning_megatron_fsdp.megatron._megatron import MixedPrecisionPolicy
 from lightning_megatron_fsdp.megatron.gather import (
     bind_full_tensor,
-    grad_reduce_groups,
     lightning_grad_norm_explained,
     local_grad,
+    sharded_grad_norm,
 )
 
 __all__ = [
@@ -39,7 +36,6 @@ __all__ = [
     "MegatronFSDPPrecision",
     "clip_sharded_grad_norm_",
     "clip_sharded_grad_value_",
-    "sharded_grad_norm",
 ]
 
 _PrecisionFlag = Literal["32-true", "bf16-true", "16-true", "bf16-mixed"]
@@ -230,68 +226,6 @@ def reject_closure_optimizer(optimizer: Any) -> None:
             "optimizer.step (it must cast gradients between backward and the update). Use an "
             "optimizer that evaluates the loss once per step (SGD, Adam, AdamW, ...)."
         )
-
-
-def sharded_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
-    """Total gradient norm over parameters whose gradients are uneven Megatron-FSDP shards.
-
-    Each rank sums ``|g|**p`` over its local shard (``DTensor._local_tensor``), then one
-    all-reduce per (mesh, sharded dims) adds the partial sums over the shard groups only,
-    so HSDP replicas are not double counted. Plain-tensor gradients count once, locally.
-    Parameters come in the same order on every rank (they are the optimizer's), so every
-    rank issues the same collectives, even for a parameter whose local shard is empty.
-
-    Args:
-        parameters: Parameters (typically an optimizer's); those without ``.grad`` count 0.
-        norm_type: ``p`` of the p-norm; ``math.inf`` for the max norm.
-
-    Returns:
-        The total norm as a float32 scalar tensor, identical on every rank.
-
-    Raises:
-        ValueError: If ``norm_type`` is not positive.
-        RuntimeError: If a gradient is still ``Partial``.
-    """
-    norm_type = float(norm_type)
-    if not norm_type > 0:
-        raise ValueError(f"sharded_grad_norm: norm_type must be > 0 or inf, got {norm_type}.")
-    is_inf = math.isinf(norm_type)
-    partials: dict[tuple[int, tuple[int, ...]], tuple[DeviceMesh, tuple[int, ...], Tensor]] = {}
-    replicated: Tensor | None = None
-    device: torch.device | None = None
-    for parameter in parameters:
-        groups = grad_reduce_groups(parameter)
-        local = local_grad(parameter)
-        device = device or (local.device if local is not None else parameter.device)
-        if local is None or local.numel() == 0:
-            value = torch.zeros((), dtype=torch.float32, device=device)
-        elif is_inf:
-            value = local.detach().abs().max().float()
-        else:
-            value = torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float32)
-            value = value**norm_type
-        if groups is None:
-            replicated = value if replicated is None else _combine(replicated, value, is_inf)
-            continue
-        mesh, dims = groups
-        key = (id(mesh), dims)
-        if key in partials:
-            partials[key] = (mesh, dims, _combine(partials[key][2], value, is_inf))
-        else:
-            partials[key] = (mesh, dims, value.clone())
-    total = torch.zeros((), dtype=torch.float32, device=device or "cpu")
-    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
-    for mesh, dims, value in partials.values():
-        for dim in dims:
-            dist.all_reduce(value, op=op, group=mesh.get_group(dim))
-        total = _combine(total, value, is_inf)
-    if replicated is not None:
-        total = _combine(total, replicated, is_inf)
-    return total if is_inf else total ** (1.0 / norm_type)
-
-
-def _combine(a: Tensor, b: Tensor, is_inf: bool) -> Tensor:
-    return torch.maximum(a, b) if is_inf else a + b
 
 
 def clip_sharded_grad_norm_(

@@ -1,0 +1,68 @@
+"""Which DCP writer and reader move a checkpoint's bytes, chosen in one place: the save and
+load phases ask a :class:`CheckpointStorage` for them and never name a backend, as they ask
+the :class:`~lightning_megatron_fsdp.checkpoint.commit.CheckpointStore` for the commit. A
+second backend plugs in as a store for its commit and a storage for its bytes, both handed
+to the plugin's options (docs/DESIGN.md, "Object storage").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+from lightning_megatron_fsdp.checkpoint.fsspec_storage import (
+    ChecksummingFsspecWriter,
+    VerifyingFsspecReader,
+)
+from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint
+from lightning_megatron_fsdp.checkpoint.storage import (
+    ChecksummingFileSystemWriter,
+    VerifyingFileSystemReader,
+)
+
+__all__ = ["CheckpointStorage", "FilesAndObjects"]
+
+
+class CheckpointStorage(Protocol):
+    """The DCP writer and reader of a location a ``CheckpointStore`` gave."""
+
+    def writer(self, staging: Any, *, checksum: bool, thread_count: int) -> StorageWriter:
+        """The writer of a save into ``staging`` (the store's staging location).
+
+        Args:
+            staging: Where every rank writes.
+            checksum: Record the CRC32C of every record and file.
+            thread_count: Writer threads per rank.
+        """
+        ...
+
+    def reader(self, location: Any, *, verify: bool, trust_checkpoint: bool) -> StorageReader:
+        """The reader of a load from ``location`` (the store's resolved checkpoint).
+
+        Args:
+            location: The checkpoint to read.
+            verify: Check every record read against its CRC32C.
+            trust_checkpoint: Unpickle ``.metadata`` and byte records in full.
+        """
+        ...
+
+
+class FilesAndObjects:
+    """The plugin's storage, the partner of ``object_store.ObjectStores``: an object-store
+    location (:class:`StoreCheckpoint`) through fsspec, any other through the local
+    filesystem's writer and reader."""
+
+    def writer(self, staging: Any, *, checksum: bool, thread_count: int) -> StorageWriter:
+        if isinstance(staging, StoreCheckpoint):
+            return ChecksummingFsspecWriter(
+                staging.store, staging.path, checksum=checksum, thread_count=thread_count
+            )
+        return ChecksummingFileSystemWriter(staging, checksum=checksum, thread_count=thread_count)
+
+    def reader(self, location: Any, *, verify: bool, trust_checkpoint: bool) -> StorageReader:
+        if isinstance(location, StoreCheckpoint):
+            return VerifyingFsspecReader(
+                location.store, location.path, verify=verify, trust_checkpoint=trust_checkpoint
+            )
+        return VerifyingFileSystemReader(location, verify=verify, trust_checkpoint=trust_checkpoint)
