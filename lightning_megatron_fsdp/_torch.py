@@ -30,6 +30,7 @@ from torch.futures import Future
 from typing_extensions import override
 
 __all__ = [
+    "CHECKPOINTABLE_TENSOR_PROTOCOL",
     "SYNC_WITHOUT_FD_CALLS_OS_SYNC",
     "OwnWriteLoopWriter",
     "caching_save_planner",
@@ -162,6 +163,39 @@ def caching_save_planner(key: str) -> Any:
     planner = DefaultSavePlanner(enable_plan_caching=True)
     planner._cached_plans_key = key
     return planner
+
+
+def _dcp_plans_checkpointable_tensors() -> bool:
+    """Whether DCP plans a plain tensor carrying ``CheckpointableTensor``'s four fields as a
+    shard of its global tensor (torch >= 2.14): tried on a one-row shard of a 2-row tensor
+    with DCP's own write planning, so a torch that exports the name without honouring it
+    counts as without."""
+    if not hasattr(torch.distributed.checkpoint, "CheckpointableTensor"):
+        return False
+    try:
+        from torch.distributed.checkpoint.planner_helpers import _create_write_items
+
+        shard = torch.zeros(1, 1)
+        shard.global_shape = (2, 1)
+        shard.global_offsets = ((1, 0),)
+        shard.local_offsets = ((0, 0),)
+        shard.local_sizes = ((1, 1),)
+        (item,) = _create_write_items("probe", shard)
+        data = item.tensor_data
+        return bool(
+            data is not None
+            and tuple(data.size) == (2, 1)
+            and tuple(data.chunk.offsets) == (1, 0)
+            and tuple(data.chunk.sizes) == (1, 1)
+        )
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return False
+
+
+CHECKPOINTABLE_TENSOR_PROTOCOL = _dcp_plans_checkpointable_tensors()
+"""Whether DCP honours torch's public ``CheckpointableTensor`` protocol (torch >= 2.14): a
+plain local tensor that carries ``global_shape``, ``global_offsets``, ``local_offsets`` and
+``local_sizes`` is saved and loaded as shards of that global tensor."""
 
 
 # ------------------------------------------------------------------------- DCP storage

@@ -58,6 +58,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
 from lightning_megatron_fsdp.checkpoint.storage import ReadProgress, VerifyingFileSystemReader
 from lightning_megatron_fsdp.megatron import _megatron
+from lightning_megatron_fsdp.megatron.checkpointable_chunks import dcp_view, keep_loaded_values
 from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
 from lightning_megatron_fsdp.megatron.uneven_dtensor import attach_uneven_dtensor_metadata
 from lightning_megatron_fsdp.weights.pretrained import load_full_weights
@@ -240,15 +241,17 @@ def read_checkpoint(
         targets = {k: state[k] for k in ("state_dict", "optimizer_states") if k in state}
         # Tied entries are one object in both: stage copies them once, fill copies twice.
         into = stage(targets) if options.atomic_load else targets
+        view = dcp_view(into)  # rank-local; the targets carry every chunk (_load_targets)
         try:
             dcp.load(
-                into,
+                view,
                 storage_reader=reader,
                 planner=DefaultLoadPlanner(allow_partial_load=not strict),
                 process_group=ranks.group,
             )
         except (CheckpointException, Exception) as err:
             raise _load_failure(final, err, reader, ranks, options.atomic_load) from err
+        keep_loaded_values(into, view)
         if options.atomic_load:
             with torch.no_grad():
                 fill(targets, into)

@@ -55,6 +55,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
     package_versions,
 )
 from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
+from lightning_megatron_fsdp.megatron.checkpointable_chunks import dcp_view
 
 __all__ = [
     "PendingSave",
@@ -322,7 +323,7 @@ def write_save(pending: PendingSave, ranks: Ranks) -> Metadata:
     """
     try:
         return dcp.save(
-            pending.tensors,
+            dcp_view(pending.tensors),
             storage_writer=pending.writer,
             planner=_torch.caching_save_planner(pending.plan_key or "lightning_megatron_fsdp"),
             process_group=ranks.group,

@@ -363,7 +363,7 @@ class _ChunkList:
     chunk: ChunkStorageMetadata
 
     def __call__(self) -> list[ChunkStorageMetadata]:
-        return [self.chunk]
+        return [_fresh(self.chunk)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,14 +377,23 @@ class _WriteItems:
         local = _torch.local_tensor(obj) if isinstance(obj, DTensor) else obj
         if local.numel() == 0:
             return []
+        chunk = _fresh(self.chunk)
         return [
             WriteItem(
                 type=WriteItemType.SHARD,
-                index=MetadataIndex(fqn, self.chunk.offsets),
+                index=MetadataIndex(fqn, chunk.offsets),
                 tensor_data=TensorWriteData(
-                    chunk=self.chunk,
+                    chunk=chunk,
                     properties=TensorProperties.create_from_tensor(local),
-                    size=self.global_size,
+                    size=torch.Size(self.global_size),
                 ),
             )
         ]
+
+
+def _fresh(chunk: ChunkStorageMetadata) -> ChunkStorageMetadata:
+    """A copy of ``chunk`` per planned item, as torch's ``CheckpointableTensor`` route
+    builds one: DCP pickles the plan's objects into ``.metadata``, and a chunk shared by a
+    parameter and its optimizer state would be pickled as one object referenced twice, so
+    the two routes' ``.metadata`` would differ in bytes (not in content)."""
+    return ChunkStorageMetadata(offsets=torch.Size(chunk.offsets), sizes=torch.Size(chunk.sizes))

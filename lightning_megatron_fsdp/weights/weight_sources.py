@@ -31,6 +31,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
     read_manifest,
 )
 from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
+from lightning_megatron_fsdp.megatron.checkpointable_chunks import dcp_view, keep_loaded_values
 from lightning_megatron_fsdp.tools.export import checkpoints_inside
 from lightning_megatron_fsdp.weights import upstream_checkpoint
 
@@ -555,9 +556,10 @@ class _DcpSource(WeightSource):
         targets: dict[str, Any] = {self._dcp_key[c.key]: c.target for c in plan.copies}
         for key, container, name in plan.values:
             targets[self._dcp_key[key]] = container[name]
+        view = dcp_view(targets)
         try:
             dcp.load(
-                targets,
+                view,
                 storage_reader=self._reader(),
                 planner=DefaultLoadPlanner(allow_partial_load=True),
                 process_group=comm.group,
@@ -565,6 +567,7 @@ class _DcpSource(WeightSource):
         except CheckpointException as err:
             # DCP raises this on every rank, listing each failing rank's error.
             raise SourceError(f"DCP failed reading {self.path}: {err}") from err
+        keep_loaded_values(targets, view)
         for key, container, name in plan.values:
             container[name] = _like(container[name], targets[self._dcp_key[key]])
 
