@@ -36,7 +36,12 @@ from lightning_megatron_fsdp.checkpoint.format import (
     check_files,
     read_manifest,
 )
-from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint, is_url, open_store
+from lightning_megatron_fsdp.checkpoint.object_store import (
+    StoreCheckpoint,
+    is_url,
+    local_path,
+    open_store,
+)
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import (
     check_tensor_record,
     load_dcp_metadata,
@@ -54,7 +59,9 @@ __all__ = [
     "CheckpointInfo",
     "TensorInfo",
     "check_directory",
+    "checkpoint_location",
     "inspect_checkpoint",
+    "loaded_version",
     "ordered_keys",
     "summarise",
     "verify_checkpoint",
@@ -182,16 +189,45 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _open(checkpoint_dir: Any, storage_options: Mapping[str, Any] | None) -> tuple[Any, list[str]]:
-    """The location to inspect and notes on it: a local directory, or on an object store
-    the newest complete version of the checkpoint (the one a load takes), with one note
-    per version, complete or not."""
+def checkpoint_location(
+    checkpoint_dir: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> Path | StoreCheckpoint:
+    """The checkpoint ``checkpoint_dir`` names: a local directory, or for a URL the
+    checkpoint's prefix on its object store (:func:`loaded_version` picks the version).
+
+    Raises:
+        ImportError: The URL's filesystem is not installed (naming what to install).
+        ValueError: fsspec knows no filesystem for the URL's scheme.
+    """
     if not is_url(checkpoint_dir):
-        return Path(checkpoint_dir), []
+        return Path(local_path(checkpoint_dir))
     store, inside = open_store(os.fspath(checkpoint_dir), storage_options)
+    return StoreCheckpoint(store, inside)
+
+
+def loaded_version(location: Path | StoreCheckpoint) -> tuple[Path | StoreCheckpoint, list[str]]:
+    """What a load of ``location`` reads, and notes on it: a local directory as it is; on
+    an object store the newest complete version of the checkpoint (the one a load takes),
+    with one note per version, complete or not.
+
+    Raises:
+        NotACheckpointError: If nothing on the store has the checkpoint's prefix.
+    """
+    if not isinstance(location, StoreCheckpoint):
+        return location, []
+    store, inside = location.store, location.path
+    versions = store.versions(inside)
+    if not versions and not store.sizes(inside) and not store.fs.isfile(inside):
+        raise NotACheckpointError(
+            f"{location} does not exist: no object has this prefix. Check the URL."
+        )
     version = store.locate(inside)
     notes = [f"version {line}" for line in store.describe(inside)]
     return StoreCheckpoint(store, inside if version is None else version), notes
+
+
+def _open(checkpoint_dir: Any, storage_options: Mapping[str, Any] | None) -> tuple[Any, list[str]]:
+    return loaded_version(checkpoint_location(checkpoint_dir, storage_options))
 
 
 def _is_dir(path: Any) -> bool:
