@@ -56,7 +56,6 @@ from lightning_megatron_fsdp import (
 )
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.tools.cli import main
-from lightning_megatron_fsdp.tools.outputs import output_location, write_atomically
 from tests.harness import run_distributed
 from tests.models import lm_loss, make_batch, sharded_adam
 from tests.object_store import SeaweedServer
@@ -325,6 +324,8 @@ def test_export_lightning_reads_and_writes_the_bucket(
 def test_an_output_on_the_bucket_appears_only_when_complete(aws: SeaweedServer) -> None:
     """Parts go out while writing (bounded memory) yet nothing is visible under the name;
     a failure aborts the upload."""
+    from lightning_megatron_fsdp.tools.outputs import output_location, write_atomically
+
     bucket = aws.new_bucket()
     fs = aws.filesystem()
     name = f"s3://{bucket}/out/model.safetensors"
@@ -385,7 +386,10 @@ def test_weights_from_the_bucket_match_the_local_load_at_two_ranks(
     # Each rank fetched only the byte ranges of its rows (ranged reads of the data, counted
     # without the layout reads: the safetensors header, torch.save's pickle): less than the
     # data, and all of it together.
-    header = 8 + struct.unpack("<Q", fs.cat_file(f"{bucket}/weights/model.safetensors", 0, 8))[0]
+    header = (
+        8
+        + struct.unpack("<Q", fs.cat_file(f"{bucket}/weights/model.safetensors", start=0, end=8))[0]
+    )
     storages = {t.untyped_storage().data_ptr(): t.nbytes for t in plain.state_dict().values()}
     data = {
         "plain.pt": (sum(storages.values()), 0),
