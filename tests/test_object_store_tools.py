@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from lightning_megatron_fsdp import (
     CheckpointError,
     NotACheckpointError,
+    PretrainedWeights,
     attach_uneven_dtensor_metadata,
     consolidate_checkpoint,
     enable_cpu_execution,
@@ -169,12 +170,15 @@ def _load_weights(
     return result
 
 
-def _init_weights_from(rank: int, world_size: int, env: dict[str, str], url: str) -> Any:
-    """``MegatronFSDPStrategy(init_weights_from=<url>)``: what the model holds at start."""
-    os.environ.update(env)
+def _init_weights_from(rank: int, world_size: int, options: dict[str, str], url: str) -> Any:
+    """``MegatronFSDPStrategy(init_weights_from=PretrainedWeights(<url>, storage_options=...))``
+    with no AWS variable set: what the model holds when training starts."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        del os.environ[name]
     start = AtTrainStart()
+    weights = PretrainedWeights(url, storage_options=options)
     trainer = make_trainer(
-        world_size, megatron_strategy(init_weights_from=url), max_steps=1, callbacks=[start]
+        world_size, megatron_strategy(init_weights_from=weights), max_steps=1, callbacks=[start]
     )
     trainer.fit(PackedLit(seed=None), train_loader(world_size))
     return start.params
@@ -305,10 +309,13 @@ def test_export_lightning_reads_and_writes_the_bucket(
     out = f"s3://{bucket}/export/trained.ckpt"
     assert export_lightning_checkpoint(url, out, optimizer=True) == out
     _assert_trees_equal(_state(fs.cat(out)), reference)
+    # The console script, bucket -> local and local -> bucket (weights only).
+    assert main(["export-lightning", url, str(tmp_path / "cli.ckpt")]) == 0
     assert main(["export-lightning", str(local), f"s3://{bucket}/export/cli.ckpt"]) == 0
-    weights_only = _state(fs.cat(f"s3://{bucket}/export/cli.ckpt"))
+    weights_only = _state(tmp_path / "cli.ckpt")
     assert "optimizer_states" not in weights_only
     _assert_trees_equal(weights_only["state_dict"], reference["state_dict"])
+    _assert_trees_equal(_state(fs.cat(f"s3://{bucket}/export/cli.ckpt")), weights_only)
 
     # load_lightning_module on the exported object's URL and on the checkpoint's URL.
     for source in (out, url):
@@ -321,15 +328,30 @@ def test_export_lightning_reads_and_writes_the_bucket(
 # ---------------------------------------------------------------------- atomic upload
 
 
-def test_an_output_on_the_bucket_appears_only_when_complete(aws: SeaweedServer) -> None:
+def _options(server: SeaweedServer) -> dict[str, str]:
+    """The server's endpoint and credentials as fsspec ``storage_options``."""
+    return {
+        "endpoint_url": server.endpoint,
+        "key": server.env["AWS_ACCESS_KEY_ID"],
+        "secret": server.env["AWS_SECRET_ACCESS_KEY"],
+    }
+
+
+def test_an_output_on_the_bucket_appears_only_when_complete(
+    saved: dict[str, Any], seaweed: SeaweedServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Parts go out while writing (bounded memory) yet nothing is visible under the name;
-    a failure aborts the upload."""
+    a failure aborts the upload. The filesystem is configured by ``storage_options`` alone
+    (no AWS variable set here)."""
     from lightning_megatron_fsdp.tools.outputs import output_location, write_atomically
 
-    bucket = aws.new_bucket()
-    fs = aws.filesystem()
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    options = _options(seaweed)
+    bucket = seaweed.new_bucket()
+    fs = seaweed.filesystem()
     name = f"s3://{bucket}/out/model.safetensors"
-    output = output_location(name, None)
+    output = output_location(name, options)
     block = os.urandom(1 << 20)
 
     def write(stream: Any, fail: bool) -> None:
@@ -347,6 +369,12 @@ def test_an_output_on_the_bucket_appears_only_when_complete(aws: SeaweedServer) 
     assert pending == []  # aborted, not left to linger
     write_atomically(output, lambda s: write(s, False), overwrite=False, who="test")
     assert fs.cat(name) == block * 20
+
+    # The tools take the same storage_options, for both sides.
+    reference = consolidate_checkpoint(saved["local"], tmp_path / "ref.safetensors")
+    out = f"s3://{bucket}/out/weights.safetensors"
+    assert consolidate_checkpoint(saved["url"], out, storage_options=options) == out
+    assert fs.cat(out) == reference.read_bytes()
 
 
 # ---------------------------------------------------------------------- full weights
@@ -407,11 +435,12 @@ def test_weights_from_the_bucket_match_the_local_load_at_two_ranks(
         assert "pip install gcsfs" in errors["gcsfs"], errors
         assert errors["gcsfs"].startswith("CheckpointError: "), errors
 
-    # The strategy option: init_weights_from=<url> fills the model before training starts.
+    # The strategy option fills the model before training starts, the filesystem configured
+    # by storage_options alone (the ranks unset every AWS variable first).
     init = run_distributed(
         _init_weights_from,
         2,
-        aws.env,
+        _options(aws),
         sources["safetensors"][1],
         init_process_group=False,
         timeout=TIMEOUT,
