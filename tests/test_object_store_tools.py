@@ -24,7 +24,9 @@ Then, against the local path as the reference:
 * a missing object names the URL; a URL whose filesystem is not installed names what to
   install (``gs://``: gcsfs; ``s3://`` without s3fs: the ``[s3]`` extra), on every rank.
 
-The ranks and this process reach the server through the standard AWS variables only.
+The ranks and this process reach the server through the standard AWS variables only, except
+where ``storage_options`` is the point: ``PretrainedWeights(url, storage_options=...)`` and
+the tools' ``storage_options=`` with no AWS variable set.
 """
 
 from __future__ import annotations
