@@ -16,8 +16,9 @@ Then, against the local path as the reference:
 * an output on the bucket appears only when its streaming upload completes: while parts
   are uploaded nothing is visible under its name, and a failed export aborts the upload
   (no object, no pending multipart upload);
-* ``load_full_weights`` at 2 ranks from a ``torch.save`` file, a ``.safetensors`` file and
-  our DCP checkpoint (with optimizer state) on the bucket, and
+* ``load_full_weights`` at 2 ranks from a ``torch.save`` file, a ``.safetensors`` file, a
+  Lightning ``.ckpt`` (positional Adam state) and our DCP checkpoint (with optimizer state)
+  on the bucket, and
   ``MegatronFSDPStrategy(init_weights_from=<url>)``, fill each rank bit for bit as the
   same sources on the local disk do; each rank fetches only its rows (ranged reads,
   counted per rank);
@@ -147,7 +148,7 @@ def _load_weights(
     for name, (local, url) in sources.items():
         for where, path in (("local", local), ("bucket", url)):
             model = shard_packed_lit(PackedLit(seed=None))
-            adam = sharded_adam(model) if name == "dcp" else None
+            adam = sharded_adam(model) if name in ("dcp", "ckpt") else None
             loaded = load_full_weights(model, path, optimizers=[adam] if adam else [])
             result[name, where] = {
                 "params": param_shards(model),
@@ -389,27 +390,36 @@ def test_weights_from_the_bucket_match_the_local_load_at_two_ranks(
     plain = PackedLit(seed=SOURCE_SEED)
     torch.save(plain.state_dict(), tmp_path / "plain.pt")
     safetensors.torch.save_model(plain, os.fspath(tmp_path / "model.safetensors"))
+    # A Lightning .ckpt with torch's positional optimizer state: the trained run's export.
+    export_lightning_checkpoint(saved["local"], tmp_path / "trained.ckpt", optimizer=True)
     sources = {"dcp": (str(saved["local"]), saved["url"])}
-    for kind, name in (("torch", "plain.pt"), ("safetensors", "model.safetensors")):
+    for kind, name in (
+        ("torch", "plain.pt"),
+        ("safetensors", "model.safetensors"),
+        ("ckpt", "trained.ckpt"),
+    ):
         fs.put(str(tmp_path / name), f"{bucket}/weights/{name}")
         sources[kind] = (str(tmp_path / name), f"s3://{bucket}/weights/{name}")
     results = run_distributed(_load_weights, 2, aws.env, sources, timeout=TIMEOUT)
 
     expected = plain_state(plain)
     for name in sources:
+        trained = name in ("dcp", "ckpt")
         for where in ("local", "bucket"):
             full = assemble([r[name, where]["params"] for r in results])
-            assert_same(full, expected if name != "dcp" else saved["params"])
-            assert {r[name, where]["kind"] for r in results} == {name}
+            assert_same(full, saved["params"] if trained else expected)
+            kind = {"ckpt": "torch"}.get(name, name)
+            assert {r[name, where]["kind"] for r in results} == {kind}
             assert results[0][name, where]["missing"] == ()
+            if trained:
+                optimizer = assemble([r[name, where]["optimizer"] for r in results])
+                assert_same(optimizer, saved["optimizer"])
         for rank in results:  # bucket == local, rank by rank
             for key, (offset, values) in rank[name, "local"]["params"].items():
                 bucket_offset, bucket_values = rank[name, "bucket"]["params"][key]
                 assert bucket_offset == offset
                 np.testing.assert_array_equal(bucket_values, values, err_msg=key, strict=True)
         assert results[0][name, "bucket"]["source"] == sources[name][1]  # the URL, unmangled
-    assert_same(assemble([r["dcp", "bucket"]["optimizer"] for r in results]), saved["optimizer"])
-    assert_same(assemble([r["dcp", "local"]["optimizer"] for r in results]), saved["optimizer"])
     # The uneven case is present: some rank owns no row of some parameter.
     assert any(r["torch", "bucket"]["params"]["lm.head.bias"][1].shape[0] == 0 for r in results)
 
