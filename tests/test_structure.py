@@ -247,8 +247,9 @@ MEGATRON_ATTRIBUTES = {
 
 
 # (module, attribute) pairs that name a torch attribute of the same name, reviewed:
-# tensor_records reads ``torch.Tensor.layout`` (strided or not), not a ``GlobalLayout``.
-TORCH_NAMESAKES = {("checkpoint.records", "layout")}
+# tensor_records reads ``torch.Tensor.layout`` (strided or not), not a ``GlobalLayout``;
+# metadata_records names ``torch.layout`` and DCP's ``TensorProperties.layout`` field.
+TORCH_NAMESAKES = {("checkpoint.records", "layout"), ("checkpoint.metadata_records", "layout")}
 
 
 def test_megatron_attributes_only_in_one_module() -> None:

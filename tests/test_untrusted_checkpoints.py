@@ -10,7 +10,8 @@ sizes and CRC32Cs as an attacker would:
                       link to a copy elsewhere, a shard that is a FIFO, a huge claimed
                       shape, a DEFLATE-compressed record
     x entry point     the console script's commands, the Python loaders,
-                      init_weights_from, fit(ckpt_path) at 1 and 2 ranks
+                      init_weights_from, fit(ckpt_path) at 1 and 2 ranks, and the
+                      Fabric strategy's fabric.load and fabric.load_raw at 1 and 2 ranks
 
 Every combination must leave no marker file (a payload unpickled in full would create
 it), end within a time limit, and end in a clear refusal (a ``CheckpointError``,
@@ -308,3 +309,101 @@ def test_malformed_manifest_and_metadata_end_in_one_error(
             assert status == (0 if (directory, command) == (nested, ["inspect"]) else 1), argv
             out, err = capsys.readouterr()
             assert expected in out + err and "Traceback" not in out + err, (argv, out, err)
+
+
+# Fabric's loaders read what the Trainer's do: fabric.load as fit(ckpt_path) (optimizer
+# state and meta.pt included), fabric.load_raw as init_weights_from (the weights only).
+_FABRIC_AS = {"fabric.load": "fit(ckpt_path)", "fabric.load_raw": "init_weights_from"}
+
+
+def _fabric_entry_points(
+    rank: int,
+    world_size: int,
+    directories: dict[str, str],
+    weights_only: bool | None,
+    entries: tuple[str, ...] = tuple(_FABRIC_AS),
+    explain: bool = False,
+) -> dict[str, dict[str, str]]:
+    """``fabric.load(path, {"model", "optimizer"})`` and ``fabric.load_raw(path, model)`` on
+    each directory, each into a freshly set-up model on this rank (``explain``: a refusal's
+    message after its outcome)."""
+    import torch
+    from lightning.fabric import Fabric
+
+    from lightning_megatron_fsdp.fabric import MegatronFSDPStrategy
+    from tests.models import PackedBlock
+    from tests.test_lightning_export import ExportLM
+
+    strategy = MegatronFSDPStrategy(auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT)
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()
+    outcomes: dict[str, dict[str, str]] = {}
+    for name, directory in directories.items():
+        outcomes[name] = {}
+        for entry in entries:
+            model = fabric.setup_module(ExportLM(num_blocks=1))
+            optimizer = fabric.setup_optimizers(
+                torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+            )
+            error: BaseException | None = None
+            try:
+                if entry == "fabric.load":
+                    state = {"model": model, "optimizer": optimizer}
+                    fabric.load(directory, state, weights_only=weights_only)
+                else:
+                    fabric.load_raw(directory, model, weights_only=weights_only)
+            except BaseException as err:  # classified below; a crash fails the test
+                error = err
+            outcomes[name][entry] = _outcome(error)
+            if explain and error is not None:
+                outcomes[name][entry] += f": {error}"
+    return outcomes
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fabric_load_and_load_raw(checkpoints: dict[str, Path], world_size: int) -> None:
+    """``fabric.load`` and ``fabric.load_raw`` (the Fabric strategy) run none of a
+    checkpoint's code and refuse every attack they read, on every rank."""
+    names = [*CONTROLS, *ATTACKS]
+    results = run_distributed(
+        _fabric_entry_points,
+        world_size,
+        {n: str(checkpoints[n]) for n in names},
+        None,
+        init_process_group=False,
+        timeout=900,
+    )
+    assert all(r == results[0] for r in results), "the ranks ended differently"
+    assert sorted(results[0]) == sorted(names)
+    assert _assert_safe(
+        {
+            name: {_FABRIC_AS[entry]: outcome for entry, outcome in by_entry.items()}
+            for name, by_entry in results[0].items()
+        },
+        checkpoints["markers"],
+    ) == 2 * len(names)
+
+
+@pytest.mark.parametrize(
+    ("entry", "attack", "named"),
+    [
+        ("fabric.load", "meta_pt", "weights_only=False for fabric.load_raw, and for fabric.load's"),
+        ("fabric.load_raw", "metadata", "weights_only=False for fabric.load_raw"),
+    ],
+)
+def test_fabric_opt_in_unpickles_in_full(
+    checkpoints: dict[str, Path], tmp_path: Path, entry: str, attack: str, named: str
+) -> None:
+    """Refused by default, with an error that names the opt-in; ``weights_only=False``
+    (``fabric.load``: ``meta.pt``; ``fabric.load_raw``: the whole checkpoint) unpickles in
+    full: the payload runs, so the opt-in is real."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    attacked = {attack: str(make_attack(attack, checkpoints["intact"], tmp_path / attack, markers))}
+    (refused,) = run_distributed(
+        _fabric_entry_points, 1, attacked, None, (entry,), True, init_process_group=False
+    )
+    assert refused[attack][entry].startswith("refused") and not list(markers.iterdir())
+    assert named in refused[attack][entry]  # the refusal names the opt-in
+    run_distributed(_fabric_entry_points, 1, attacked, False, (entry,), init_process_group=False)
+    assert (markers / attack).exists(), "weights_only=False did not unpickle in full"

@@ -18,12 +18,11 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp.checkpoint.checksums import ALGORITHMS, file_digest
 from lightning_megatron_fsdp.checkpoint.confined_files import (
@@ -49,6 +48,7 @@ __all__ = [
     "Fingerprint",
     "Manifest",
     "TensorSpec",
+    "check_digests",
     "check_files",
     "compare_fingerprints",
     "finite_int_or_none",
@@ -577,17 +577,45 @@ def check_files(
         if size != record.size:
             problems.append(f"{name}: {size} bytes on disk, {record.size} in the manifest")
     if checksum_files and not problems:
-        for name in checksum_files:
-            digest = manifest.files[name].digest()
-            if digest is None:
-                continue
-            algorithm, expected = digest
-            found = file_digest(path / name, algorithm)
-            if found != expected:
-                problems.append(
-                    f"{name}: {algorithm} {found} on disk, {expected} in the manifest (the "
-                    "file changed after it was written)"
-                )
+        problems += check_digests(
+            manifest, checksum_files, lambda name, algorithm: file_digest(path / name, algorithm)
+        )
+    return problems
+
+
+def check_digests(
+    manifest: Manifest,
+    names: list[str],
+    digest_of: Callable[[str, str], str],
+    *,
+    where: str = "on disk",
+    kind: str = "file",
+) -> list[str]:
+    """Compare the digest of each of ``names`` with the manifest's.
+
+    Args:
+        manifest: The checkpoint's manifest (listing every one of ``names``).
+        names: Files to check; those without a recorded digest are skipped.
+        digest_of: ``digest_of(name, algorithm)``: the file's digest as stored, each file
+            read once.
+        where: Where messages say the file's bytes are (``"on disk"``, ``"stored"``).
+        kind: What messages call it (``"file"``, ``"object"``).
+
+    Returns:
+        One line per file whose digest differs, naming both digests.
+    """
+    problems = []
+    for name in names:
+        digest = manifest.files[name].digest()
+        if digest is None:
+            continue
+        algorithm, expected = digest
+        found = digest_of(name, algorithm)
+        if found != expected:
+            problems.append(
+                f"{name}: {algorithm} {found} {where}, {expected} in the manifest (the "
+                f"{kind} changed after it was written)"
+            )
     return problems
 
 
@@ -606,6 +634,9 @@ def is_complete_checkpoint(path: str | os.PathLike[str]) -> bool:
 
 def mesh_info(*state_dicts: Any) -> dict[str, Any] | None:
     """Return the device mesh of a DTensor in the state dicts (all share one), or ``None``."""
+    # Imported here: the offline tools import this module but never hold a DTensor.
+    from torch.distributed.tensor import DTensor
+
     stack: list[Any] = list(state_dicts)
     while stack:
         value = stack.pop()

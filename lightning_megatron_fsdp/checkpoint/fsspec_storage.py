@@ -1,21 +1,26 @@
 """DCP storage on any fsspec filesystem, with the same CRC32C records and checks as on disk.
 
 :class:`ChecksummingFsspecWriter` and :class:`VerifyingFsspecReader` are the local writer and
-reader of :mod:`~lightning_megatron_fsdp.dcp_storage` with their file access pointed at an
-fsspec filesystem: each rank uploads its shard objects through the filesystem's own
-streaming writer (parts go out as they fill, so memory stays at one part per open object)
-and the CRC32C of every record is taken from the bytes as they go out; a load reads each
-record with ranged GETs straight into its target and checks it. The objects are byte for
-byte what the local writer writes, so a checkpoint copied between a disk and a bucket
-loads either way.
+reader of :mod:`~lightning_megatron_fsdp.checkpoint.storage` with their file access pointed at
+an fsspec filesystem. A save must not need much more memory than the state it writes, so
+each rank's shard objects go up in parts filled from a bounded, reused set of buffers (on
+S3 a multipart upload handed to the client without a copy), the CRC32C of every record
+taken from the bytes as they go out; a load must not pay a request per record, so adjacent
+records are read with one ranged GET straight into their targets and each is checked
+before it is handed on. The objects are byte for byte what the local writer writes, so a
+checkpoint copied between a disk and a bucket loads either way (docs/DESIGN.md, "Object
+storage": the mechanism and the alternatives).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import posixpath
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,41 +31,207 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from typing_extensions import override
 
-from lightning_megatron_fsdp.checkpoint.checksums import stream_digest
 from lightning_megatron_fsdp.checkpoint.errors import NotACheckpointError
 from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, Manifest
 from lightning_megatron_fsdp.checkpoint.object_store import ObjectStore
 from lightning_megatron_fsdp.checkpoint.storage import (
     ChecksummingFileSystemWriter,
-    Record,
-    RecordStream,
     VerifyingFileSystemReader,
-    WrittenFile,
+    byte_view,
 )
 
 __all__ = ["ChecksummingFsspecWriter", "VerifyingFsspecReader"]
 
-_PART = 8 << 20
-"""Upload part size: an object being written holds at most about two parts in memory
-(the filesystem's default, 50 MiB for s3fs, cost four times as much per open object)."""
+_MIN_PART = 5 << 20
+"""S3's smallest upload part (but the last): the part size unless an object could need more
+than :data:`_MAX_PARTS` of them."""
 
-_RANGE = 32 << 20
-"""Largest ranged GET a load issues: a record larger than this is read in pieces, so a
-read holds at most this much beyond its target."""
+_MAX_PARTS = 10_000
+"""S3's most parts per object."""
+
+_PART_SHARE = 5
+"""The parts in flight hold at most ``1 / _PART_SHARE`` of the bytes the rank writes (at
+least one part, at most ``thread_count``), so a save's peak memory stays close to the
+rank's resident state."""
+
+_RANGE = 4 << 20
+"""Bytes per ranged GET of a load: consecutive records are read together up to this size,
+a larger record in pieces of it; a read holds at most about twice this beyond its
+targets."""
+
+
+class _Part(io.BytesIO):
+    """One upload part's buffer, allocated once at the part size and reused: the client
+    reads it as a file (no copy) and closes it when sent, which here only rewinds it."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.reset(size)
+
+    def reset(self, size: int) -> None:
+        """Empty, with room for ``size`` bytes allocated (no growth while it fills)."""
+        if self.seek(0, io.SEEK_END) < size:
+            self.seek(size - 1)
+            self.write(b"\0")
+        self.seek(0)
+
+    @override
+    def close(self) -> None:
+        """Kept open for the next part (see the class docstring)."""
+
+    def body(self) -> _Part:
+        """The part as a request body: exactly the bytes written since it was taken."""
+        length = self.tell()
+        self.truncate(length)
+        self.seek(0)
+        return self
+
+
+class _PartBudget:
+    """The upload parts a rank's writer threads may hold at once, their size, and their
+    buffers.
+
+    A thread takes a part when it starts filling one and gives it back once it is
+    uploaded, so the bytes buffered for uploads never exceed ``slots * size``; the
+    buffers are reused, so a save allocates each once.
+    """
+
+    def __init__(self, size: int, slots: int) -> None:
+        self.size = size
+        self.slots = slots
+        self._free = threading.BoundedSemaphore(slots)
+        self._parts: list[_Part] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_bytes(cls, total: int, threads: int) -> _PartBudget:
+        """The budget of a rank writing ``total`` bytes with ``threads`` threads."""
+        mib = 1 << 20
+        size = max(_MIN_PART, -(-total // (_MAX_PARTS - 1) // mib) * mib)
+        slots = max(1, min(threads, total // _PART_SHARE // size))
+        return cls(size, slots)
+
+    def take(self) -> _Part:
+        """An empty part buffer; waits while every slot is taken."""
+        self._free.acquire()
+        with self._lock:
+            part = self._parts.pop() if self._parts else None
+        if part is None:
+            return _Part(self.size)
+        part.reset(self.size)
+        return part
+
+    def give(self, part: _Part) -> None:
+        with self._lock:
+            self._parts.append(part)
+        self._free.release()
+
+
+class _S3Upload(io.RawIOBase):
+    """One S3 object written as a multipart upload whose parts are filled here and handed
+    to the client as they are (no copy on the way out), each taken from ``budget``; an
+    object smaller than one part is one PUT. Nothing is visible before :meth:`close`;
+    :meth:`discard` aborts the upload."""
+
+    def __init__(self, fs: Any, path: str, budget: _PartBudget) -> None:
+        super().__init__()
+        self._fs = fs
+        self._path = path
+        self._bucket, self._key, _ = fs.split_path(path)
+        self._budget = budget
+        self._part: _Part | None = None
+        self._upload: str | None = None
+        self._parts: list[dict[str, Any]] = []
+
+    @override
+    def write(self, data: Any) -> int:
+        view = byte_view(data)
+        size = view.nbytes
+        while view.nbytes:
+            if self._part is None:
+                self._part = self._budget.take()
+            room = self._budget.size - self._part.tell()
+            self._part.write(view[:room])
+            view = view[room:]
+            if self._part.tell() >= self._budget.size:
+                self._send()
+        return size
+
+    @override
+    def writable(self) -> bool:
+        return True
+
+    def _send(self) -> None:
+        """Upload the part being filled and give its slot back."""
+        part, self._part = self._part, None
+        assert part is not None
+        try:
+            if self._upload is None:
+                created = self._call("create_multipart_upload")
+                self._upload = created["UploadId"]
+            number = len(self._parts) + 1
+            body = part.body()
+            out = self._call("upload_part", UploadId=self._upload, PartNumber=number, Body=body)
+            self._parts.append({"PartNumber": number, "ETag": out["ETag"]})
+        finally:
+            self._budget.give(part)
+
+    def _call(self, method: str, **kwargs: Any) -> Any:
+        return self._fs.call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs)
+
+    @override
+    def close(self) -> None:
+        """Complete the upload: the object appears, whole."""
+        if self.closed:
+            return
+        if self._upload is None:
+            part, self._part = self._part, None
+            try:
+                self._call("put_object", Body=io.BytesIO() if part is None else part.body())
+            finally:
+                if part is not None:
+                    self._budget.give(part)
+        else:
+            if self._part is not None:
+                self._send()
+            self._call(
+                "complete_multipart_upload",
+                UploadId=self._upload,
+                MultipartUpload={"Parts": self._parts},
+            )
+        with contextlib.suppress(Exception):
+            self._fs.invalidate_cache(self._path)
+        super().close()
+
+    def discard(self) -> None:
+        """Abort: give the part's slot back, drop the parts uploaded; nothing appears."""
+        if self._part is not None:
+            part, self._part = self._part, None
+            self._budget.give(part)
+        if self._upload is not None:
+            with contextlib.suppress(Exception):
+                self._call("abort_multipart_upload", UploadId=self._upload)
+        super().close()
+
+
+def _is_s3(fs: Any) -> bool:
+    s3fs = sys.modules.get("s3fs")
+    return s3fs is not None and isinstance(fs, s3fs.S3FileSystem)
 
 
 class _FsspecFileSystem(FileSystemBase):
-    """DCP's file operations on an fsspec filesystem; write streams CRC32C what passes.
+    """DCP's file operations on an fsspec filesystem (the writer checksums what passes
+    through its streams, as on any file system).
 
     Paths are the filesystem's own (``bucket/key``). Object stores have no directories,
-    so ``mkdir`` creates none.
+    so ``mkdir`` creates none. On S3 an object is written by :class:`_S3Upload` within
+    :attr:`budget`; elsewhere by the filesystem's own buffered writer in parts of the
+    budget's size.
     """
 
-    def __init__(self, fs: Any, checksum: bool = False) -> None:
+    def __init__(self, fs: Any) -> None:
         self.fs = fs
-        self.checksum = checksum
-        self.files: dict[str, WrittenFile] = {}
-        self.records: dict[str, dict[int, Record]] = {}
+        self.budget = _PartBudget(_MIN_PART, 1)
 
     @override
     @contextlib.contextmanager
@@ -70,10 +241,12 @@ class _FsspecFileSystem(FileSystemBase):
             with self.fs.open(path, mode) as stream:
                 yield stream
             return
-        file = self.fs.open(path, "wb", block_size=_PART)
-        stream = RecordStream(file, self.checksum)
+        if _is_s3(self.fs):
+            file: Any = _S3Upload(self.fs, path, self.budget)
+        else:
+            file = self.fs.open(path, "wb", block_size=self.budget.size)
         try:
-            yield stream
+            yield file
         except BaseException:
             # Abort the upload (a multipart upload would otherwise complete with what was
             # written so far); the object never appears.
@@ -82,10 +255,7 @@ class _FsspecFileSystem(FileSystemBase):
             with contextlib.suppress(Exception):
                 file.closed = True
             raise
-        stream.close()
-        name = posixpath.basename(path)
-        self.files[name] = stream.written()
-        self.records[name] = {r.start: r for r in stream.records}
+        file.close()
 
     @override
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
@@ -98,10 +268,6 @@ class _FsspecFileSystem(FileSystemBase):
     @override
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         self.fs.mv(os.fspath(path), os.fspath(new_path))
-        old, new = posixpath.basename(os.fspath(path)), posixpath.basename(os.fspath(new_path))
-        if old in self.files:
-            self.files[new] = self.files.pop(old)
-            self.records[new] = self.records.pop(old)
 
     @override
     def mkdir(self, path: str | os.PathLike[str]) -> None:
@@ -142,11 +308,13 @@ class ChecksummingFsspecWriter(ChecksummingFileSystemWriter):
         kwargs["sync_files"] = False
         super().__init__(path, checksum=checksum, **kwargs)
         self.store = store
-        self.fs = _FsspecFileSystem(store.fs, checksum)
+        self._uploads = _FsspecFileSystem(store.fs)
+        self.fs = self._uploads  # wrapped: its streams checksum what passes
         self.path = path
 
     @override
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._uploads.budget = _PartBudget.for_bytes(_plan_bytes(plan), self.thread_count)
         try:
             return super().write_data(plan, planner)
         except Exception as err:
@@ -178,6 +346,8 @@ class VerifyingFsspecReader(VerifyingFileSystemReader):
             in full.
     """
 
+    batch_bytes = _RANGE  # one GET per run of adjacent records: requests cost, bytes less
+
     def __init__(
         self, store: ObjectStore, path: str, *, verify: bool = True, trust_checkpoint: bool = False
     ) -> None:
@@ -199,14 +369,17 @@ class VerifyingFsspecReader(VerifyingFileSystemReader):
         return self.store.url(posixpath.join(self.path, name))
 
     @override
+    def _file_size(self, name: str) -> int:
+        return int(self.store.fs.size(posixpath.join(self.path, name)))
+
+    @override
     def _read_whole(self, name: str) -> bytes:
         self._expected_size(name)  # only files the manifest lists
         return self.store.read_bytes(posixpath.join(self.path, name))
 
     @override
     def _file_digest(self, name: str, algorithm: str) -> str:
-        with self.store.fs.open(posixpath.join(self.path, name), "rb") as file:
-            return stream_digest(file, algorithm)
+        return self.store.digest(posixpath.join(self.path, name), algorithm)
 
     @override
     @contextlib.contextmanager
@@ -230,6 +403,16 @@ class VerifyingFsspecReader(VerifyingFileSystemReader):
             return done
 
         yield read_at
+
+
+def _plan_bytes(plan: SavePlan) -> int:
+    """The tensor bytes ``plan`` writes (byte items, small, are not counted)."""
+    total = 0
+    for item in plan.items:
+        if item.tensor_data is not None:
+            sizes = item.tensor_data.chunk.sizes
+            total += math.prod(sizes) * item.tensor_data.properties.dtype.itemsize
+    return total
 
 
 def _scatter(views: list[memoryview], at: int, data: bytes) -> None:

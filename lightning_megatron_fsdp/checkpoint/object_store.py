@@ -32,7 +32,12 @@ from lightning_megatron_fsdp.checkpoint.errors import (
     CheckpointSaveError,
     NotACheckpointError,
 )
-from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, MANIFEST_FILE, Manifest
+from lightning_megatron_fsdp.checkpoint.format import (
+    DCP_METADATA_FILE,
+    MANIFEST_FILE,
+    Manifest,
+    check_digests,
+)
 
 __all__ = [
     "ObjectStore",
@@ -211,6 +216,11 @@ class ObjectStore:
 
     def read_bytes(self, path: str) -> bytes:
         return self.fs.cat_file(path)
+
+    def digest(self, path: str, algorithm: str) -> str:
+        """The digest of the object ``path``, streamed."""
+        with self.fs.open(path, "rb") as file:
+            return stream_digest(file, algorithm)
 
     # ------------------------------------------------------------------------ versions
 
@@ -495,19 +505,14 @@ class StoreCheckpoint:
         then the digests of ``checksum_files``, each object read once."""
         problems = self.store.check_files(self.path, manifest)
         if checksum_files and not problems:
-            for name in checksum_files:
-                digest = manifest.files[name].digest()
-                if digest is None:
-                    continue
-                algorithm, expected = digest
-                with self.store.fs.open(self.file(name), "rb") as file:
-                    found = stream_digest(file, algorithm)
-                if found != expected:
-                    problems.append(
-                        f"{name}: {algorithm} {found} stored, {expected} in the manifest (the "
-                        "object changed after it was written)"
-                    )
+            problems += check_digests(
+                manifest, checksum_files, self.digest, where="stored", kind="object"
+            )
         return problems
+
+    def digest(self, name: str, algorithm: str) -> str:
+        """The digest of the object ``name``, streamed."""
+        return self.store.digest(self.file(name), algorithm)
 
 
 def open_store(
@@ -644,8 +649,7 @@ class ObjectStores:
 
     def digest(self, location: Any, name: str, algorithm: str) -> str:
         if isinstance(location, StoreCheckpoint):
-            with location.store.fs.open(location.file(name), "rb") as file:
-                return stream_digest(file, algorithm)
+            return location.digest(name, algorithm)
         return str(self.local.digest(location, name, algorithm))
 
     def read_manifest(self, location: Any) -> Manifest:

@@ -6,44 +6,44 @@ A checkpoint holds three kinds of pickle: DCP's ``.metadata`` (torch's reader ca
 when unpickled in full, so a downloaded or shared checkpoint could take over the machine
 that merely inspects it. Here ``.metadata`` goes through an allow-list unpickler (DCP's
 metadata classes and the few torch values they hold) and its fields are type-checked
-afterwards; ``meta.pt`` and byte records go through ``torch.load(weights_only=True)``,
-after their zip entries are checked to be stored uncompressed. A trusted checkpoint that
-needs more passes ``trust_checkpoint=True`` (``--trust-checkpoint``), which every refusal
-names. The allow-list and its reasoning are in docs/DESIGN.md, "Untrusted checkpoints".
+afterwards; a reader that never hands the index to DCP (the offline tools) gets it as
+``checkpoint.metadata_records`` instead of DCP's classes, through the same allow-list and
+checks, and so never imports ``torch.distributed.checkpoint``. ``meta.pt`` and byte
+records go through ``torch.load(weights_only=True)``, after their zip entries are checked
+to be stored uncompressed. A trusted checkpoint that needs more passes
+``trust_checkpoint=True`` (``--trust-checkpoint``), which every refusal names. The
+allow-list and its reasoning are in docs/DESIGN.md, "Untrusted checkpoints".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import math
 import os
 import pathlib
 import pickle
 import re
+import types
 import zipfile
 from collections import OrderedDict
-from typing import IO, Any, cast
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
-from lightning_megatron_fsdp import _torch
+from lightning_megatron_fsdp.checkpoint import metadata_records
 from lightning_megatron_fsdp.checkpoint.confined_files import check_plain_name
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = [
     "TRUST_HINT",
     "check_stored_zip",
     "check_tensor_record",
+    "is_tensor_entry",
     "load_dcp_metadata",
     "load_weights_only",
     "safe_byte_record",
@@ -52,7 +52,8 @@ __all__ = [
 TRUST_HINT = (
     "Only if you trust where the checkpoint comes from, pass trust_checkpoint=True "
     "(--trust-checkpoint on the command line; PretrainedWeights(path, weights_only=False) "
-    "for init_weights_from) to unpickle it in full: that runs any code it holds."
+    "for init_weights_from; weights_only=False for fabric.load_raw, and for fabric.load's "
+    "meta.pt) to unpickle it in full: that runs any code it holds."
 )
 
 # A planner path indexes lists by these ints (optimizer and parameter-group numbers); a
@@ -60,44 +61,72 @@ TRUST_HINT = (
 _MAX_PATH_INDEX = 1 << 20
 _DATA_ENTRY = re.compile(r"(?:^|/)data/\d+$")
 
-
-def _storage_info_class() -> type:
-    key = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
-    return cast(type, _torch.dcp_metadata_private_types()[key])
-
-
-class _NewerTensorProperties(TensorProperties):
-    """``TensorProperties`` as a newer torch pickles them, with a sixth field (``strides``),
-    read where torch's class has five: the extra field, which this torch does not use, is
-    dropped, and the object becomes a plain ``TensorProperties``."""
-
-    def __setstate__(self, state: Any) -> None:
-        TensorProperties.__setstate__(self, tuple(state)[:5])
-        self.__class__ = TensorProperties  # type: ignore[assignment]
-
-
-def _properties_class() -> type:
-    """What a pickled ``TensorProperties`` becomes: torch's class, or, where it predates
-    the ``strides`` field, one that also reads checkpoints of the torch that added it."""
-    fields = {field.name for field in dataclasses.fields(TensorProperties)}
-    return TensorProperties if "strides" in fields else _NewerTensorProperties
+_METADATA = "torch.distributed.checkpoint.metadata"
+# The DCP names a ``.metadata`` pickle may reference, by (module, name), each with the name
+# of what it becomes: the ``metadata_records`` class of that name, or DCP's own class.
+_DCP_NAMES: dict[tuple[str, str], str] = {
+    (_METADATA, "Metadata"): "Metadata",
+    (_METADATA, "TensorStorageMetadata"): "TensorStorageMetadata",
+    (_METADATA, "BytesStorageMetadata"): "BytesStorageMetadata",
+    (_METADATA, "ChunkStorageMetadata"): "ChunkStorageMetadata",
+    (_METADATA, "TensorProperties"): "TensorProperties",
+    (_METADATA, "MetadataIndex"): "MetadataIndex",
+    (_METADATA, "StorageMeta"): "StorageMeta",
+    (_METADATA, "_MEM_FORMAT_ENCODING"): "MemoryFormatEncoding",
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): "StorageInfo",
+    ("torch.serialization", "_get_layout"): "layout_by_name",
+}
 
 
-def _allowed() -> dict[tuple[str, str], Any]:
-    allowed: dict[tuple[str, str], Any] = {
-        ("torch.distributed.checkpoint.metadata", cls.__name__): cls
-        for cls in (
-            Metadata,
-            TensorStorageMetadata,
-            BytesStorageMetadata,
-            ChunkStorageMetadata,
-            TensorProperties,
-            MetadataIndex,
-            StorageMeta,
+def _properties_class(properties: type) -> type:
+    """What a pickled ``TensorProperties`` becomes: ``properties``, or, where it predates
+    the ``strides`` field (DCP's class before torch 2.15), one that also reads checkpoints
+    of the torch that added it."""
+    if "strides" in {field.name for field in dataclasses.fields(properties)}:
+        return properties
+
+    class _NewerTensorProperties(properties):  # type: ignore[misc, valid-type]
+        """``TensorProperties`` as a newer torch pickles them, with a sixth field
+        (``strides``): the extra field, which this torch does not use, is dropped, and the
+        object becomes a plain ``TensorProperties``."""
+
+        def __setstate__(self, state: Any) -> None:
+            properties.__setstate__(self, tuple(state)[:5])
+            self.__class__ = properties
+
+    return _NewerTensorProperties
+
+
+@functools.cache
+def _types(records: bool) -> types.SimpleNamespace:
+    """What each of :data:`_DCP_NAMES` becomes, by its name there: ``metadata_records``
+    (imports nothing more), or DCP's own classes (imports ``torch.distributed.checkpoint``)."""
+    if records:
+        return types.SimpleNamespace(
+            **{name: getattr(metadata_records, name) for name in _DCP_NAMES.values()}
         )
-    }
-    allowed[("torch.distributed.checkpoint.metadata", "TensorProperties")] = _properties_class()
-    allowed.update(_torch.dcp_metadata_private_types())
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    from lightning_megatron_fsdp import _torch
+
+    private = _torch.dcp_metadata_private_types()
+    if not private.keys() <= _DCP_NAMES.keys():
+        raise AssertionError(f"_torch names DCP types {set(private) - set(_DCP_NAMES)} unlisted")
+    return types.SimpleNamespace(
+        **{
+            name: private[key] if key in private else getattr(dcp_metadata, key[1])
+            for key, name in _DCP_NAMES.items()
+        }
+    )
+
+
+@functools.cache
+def _allowed(records: bool) -> dict[tuple[str, str], Any]:
+    """The allow-list: DCP's names (resolved as :func:`_types` says) and the few torch,
+    ``pathlib`` and builtin values DCP's metadata holds."""
+    resolved = _types(records)
+    allowed = {key: getattr(resolved, name) for key, name in _DCP_NAMES.items()}
+    allowed[(_METADATA, "TensorProperties")] = _properties_class(resolved.TensorProperties)
     allowed[("torch", "Size")] = torch.Size
     for name, value in vars(torch).items():
         if isinstance(value, torch.dtype | type(torch.strided) | type(torch.contiguous_format)):
@@ -111,31 +140,42 @@ def _allowed() -> dict[tuple[str, str], Any]:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` that resolves only the allow-listed globals."""
+    """``pickle.Unpickler`` that resolves the allow-listed globals as ``allowed`` says and
+    refuses every other one, unless ``trust`` (then it resolves them as ``pickle`` does)."""
 
-    allowed: dict[tuple[str, str], Any] = {}
+    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any], *, trust: bool) -> None:
+        super().__init__(io.BytesIO(data))
+        self._allowed = allowed
+        self._trust = trust
 
     def find_class(self, module: str, name: str) -> Any:
-        try:
-            return self.allowed[(module, name)]
-        except KeyError:
-            raise pickle.UnpicklingError(
-                f"it references {module}.{name}, which is not among the DCP metadata types "
-                "this library accepts from a checkpoint"
-            ) from None
+        found = self._allowed.get((module, name))
+        if found is not None:
+            return found
+        if self._trust:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"it references {module}.{name}, which is not among the DCP metadata types "
+            "this library accepts from a checkpoint"
+        )
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("it holds a persistent id, which DCP metadata never has")
 
 
-def load_dcp_metadata(data: bytes, *, source: str, trust: bool = False) -> Metadata:
+def load_dcp_metadata(
+    data: bytes, *, source: str, trust: bool = False, records: bool = False
+) -> Metadata:
     """Unpickle DCP's ``.metadata`` without running code from it, then check its fields.
 
     Args:
         data: The file's bytes (already checked against the manifest, when there is one).
         source: The file, for error messages.
-        trust: Unpickle in full (plain ``pickle.loads``) instead; the fields are checked
-            either way, except ``planner_data``.
+        trust: Unpickle in full (any global the pickle names) instead; the fields are
+            checked either way, except ``planner_data``.
+        records: Build ``metadata_records``' classes instead of DCP's, for a reader that
+            never hands the metadata to DCP; ``torch.distributed.checkpoint`` is then not
+            imported. The same names are allowed and the same fields checked.
 
     Returns:
         The metadata; every field has the type DCP's readers rely on, every storage entry
@@ -146,10 +186,8 @@ def load_dcp_metadata(data: bytes, *, source: str, trust: bool = False) -> Metad
             message names it and ``trust_checkpoint``), does not unpickle, or a field is
             malformed.
     """
-    if not _MetadataUnpickler.allowed:
-        _MetadataUnpickler.allowed = _allowed()
     try:
-        metadata = pickle.loads(data) if trust else _MetadataUnpickler(io.BytesIO(data)).load()
+        metadata = _MetadataUnpickler(data, _allowed(records), trust=trust).load()
     except pickle.UnpicklingError as err:
         raise CheckpointCorruptedError(
             f"{source}: refused to unpickle: {err}. Nothing from it was run. {TRUST_HINT}"
@@ -159,13 +197,24 @@ def load_dcp_metadata(data: bytes, *, source: str, trust: bool = False) -> Metad
             f"{source}: unreadable as DCP metadata ({type(err).__name__}: {err}); the file "
             "is corrupt or was not written by torch.distributed.checkpoint."
         ) from err
-    problem = _metadata_problem(metadata, check_planner_data=not trust)
+    problem = _metadata_problem(metadata, _types(records), check_planner_data=not trust)
     if problem is not None:
         raise CheckpointCorruptedError(
             f"{source}: malformed DCP metadata: {problem}. The checkpoint is damaged or "
             "crafted; use another one."
         )
     return metadata
+
+
+def is_tensor_entry(entry: Any) -> bool:
+    """Whether ``entry``, a value of the ``state_dict_metadata`` of what
+    :func:`load_dcp_metadata` returned, describes a tensor (else a byte record), whichever
+    classes it was read into. Imports nothing that its argument's classes did not."""
+    if isinstance(entry, metadata_records.TensorStorageMetadata):
+        return True
+    if isinstance(entry, metadata_records.BytesStorageMetadata):
+        return False
+    return isinstance(entry, _types(False).TensorStorageMetadata)
 
 
 def _is_int(value: Any, low: int = 0, high: int | None = None) -> bool:
@@ -176,9 +225,12 @@ def _is_size(value: Any) -> bool:
     return isinstance(value, torch.Size | tuple | list) and all(_is_int(v) for v in value)
 
 
-def _metadata_problem(metadata: Any, *, check_planner_data: bool) -> str | None:
-    """What is wrong with an unpickled ``Metadata``'s fields, or ``None``."""
-    if type(metadata) is not Metadata:
+def _metadata_problem(
+    metadata: Any, dcp: types.SimpleNamespace, *, check_planner_data: bool
+) -> str | None:
+    """What is wrong with an unpickled ``Metadata``'s fields (of the classes ``dcp``
+    holds), or ``None``."""
+    if type(metadata) is not dcp.Metadata:
         return f"it holds a {type(metadata).__name__}, expected DCP's Metadata"
     if not isinstance(metadata.state_dict_metadata, dict):
         return "state_dict_metadata is not a dict"
@@ -186,12 +238,12 @@ def _metadata_problem(metadata: Any, *, check_planner_data: bool) -> str | None:
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(key, str):
             return f"a state_dict_metadata key is a {type(key).__name__}, expected str"
-        if type(entry) is BytesStorageMetadata:
+        if type(entry) is dcp.BytesStorageMetadata:
             continue
-        if type(entry) is not TensorStorageMetadata:
+        if type(entry) is not dcp.TensorStorageMetadata:
             return f"{key!r} is a {type(entry).__name__}, expected tensor or bytes metadata"
         properties = entry.properties
-        if type(properties) is not TensorProperties or not isinstance(
+        if type(properties) is not dcp.TensorProperties or not isinstance(
             properties.dtype, torch.dtype
         ):
             return f"{key!r}: its properties carry no torch dtype"
@@ -199,7 +251,7 @@ def _metadata_problem(metadata: Any, *, check_planner_data: bool) -> str | None:
             return f"{key!r}: its size or chunk list is malformed"
         for chunk in entry.chunks:
             if (
-                type(chunk) is not ChunkStorageMetadata
+                type(chunk) is not dcp.ChunkStorageMetadata
                 or not _is_size(chunk.offsets)
                 or not _is_size(chunk.sizes)
                 or not len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
@@ -213,16 +265,15 @@ def _metadata_problem(metadata: Any, *, check_planner_data: bool) -> str | None:
             tensors[(key, tuple(chunk.offsets))] = nbytes
     if not isinstance(metadata.storage_data, dict):
         return "storage_data is not a dict (not written by a FileSystemWriter)"
-    storage_info = _storage_info_class()
     for index, info in metadata.storage_data.items():
         if (
-            type(index) is not MetadataIndex
+            type(index) is not dcp.MetadataIndex
             or not isinstance(index.fqn, str)
             or not (index.offset is None or _is_size(index.offset))
             or not (index.index is None or _is_int(index.index))
         ):
             return "a storage_data key is not a well-formed MetadataIndex"
-        if type(info) is not storage_info:
+        if type(info) is not dcp.StorageInfo:
             return f"{index.fqn!r}: its storage entry is a {type(info).__name__}"
         try:
             check_plain_name(info.relative_path, what=f"{index.fqn!r}'s file")
@@ -251,7 +302,7 @@ def _metadata_problem(metadata: Any, *, check_planner_data: bool) -> str | None:
         )
     meta = metadata.storage_meta
     if meta is not None and (
-        type(meta) is not StorageMeta
+        type(meta) is not dcp.StorageMeta
         or not all(
             v is None or isinstance(v, str | os.PathLike)
             for v in (meta.checkpoint_id, meta.save_id, meta.load_id)

@@ -74,6 +74,7 @@ __all__ = [
     "RecordStream",
     "VerifyingFileSystemReader",
     "WrittenFile",
+    "byte_view",
 ]
 
 RECORD_ATTR = "lmf_record"
@@ -104,6 +105,14 @@ class Record:
     storages: tuple[tuple[int, int], ...]  # (local header, payload), relative to start
 
 
+def byte_view(data: Any) -> memoryview:
+    """``data`` (any contiguous buffer) as a flat view of its bytes, without a copy."""
+    view = memoryview(data)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
 class RecordStream(io.RawIOBase):
     """A binary output file that CRC32Cs bytes as they pass and cuts them into records.
 
@@ -129,9 +138,7 @@ class RecordStream(io.RawIOBase):
 
     @override
     def write(self, data: Any) -> int:
-        view = memoryview(data)
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
+        view = byte_view(data)
         size = view.nbytes
         self._sniff(view, size)
         if self._checksum:
@@ -216,9 +223,9 @@ class RecordStream(io.RawIOBase):
 
 
 class _RecordingFileSystem(FileSystemBase):
-    """A DCP file system (torch's local one, or whichever the user put in ``writer.fs``)
-    whose write streams are wrapped in :class:`RecordStream`\\ s, so records and files
-    are checksummed whatever the file system underneath."""
+    """A DCP file system (torch's local one, an fsspec one, or whichever the user put in
+    ``writer.fs``) whose write streams are wrapped in :class:`RecordStream`\\ s, so records
+    and files are checksummed whatever the file system underneath."""
 
     def __init__(self, inner: FileSystemBase, checksum: bool) -> None:
         self.inner = inner
@@ -234,13 +241,13 @@ class _RecordingFileSystem(FileSystemBase):
                 yield inner
                 return
             stream = RecordStream(inner, self.checksum)
-            try:
-                yield stream
-            finally:
-                stream.close()
-                name = Path(path).name
-                self.files[name] = stream.written()
-                self.records[name] = {r.start: r for r in stream.records}
+            # On an exception the inner stream's own context closes or aborts the file
+            # (closing it here would complete an object store's upload of a part).
+            yield stream
+            stream.close()
+            name = Path(path).name
+            self.files[name] = stream.written()
+            self.records[name] = {r.start: r for r in stream.records}
 
     @override
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
@@ -420,6 +427,9 @@ class ReadProgress:
     last: str | None = None
     current: str | None = None
     """The record being read when the reader stopped: its target may hold part of it."""
+    also: int = 0
+    """Records after :attr:`current` read in the same request, whose targets may hold
+    unchecked bytes too."""
 
     def describe(self) -> str:
         """E.g. ``"wrote 7 of 24 records (last 'w'); 'v' failed, its target may hold
@@ -431,7 +441,12 @@ class ReadProgress:
         text = f"wrote {self.written} of {self.total} records"
         if self.last:
             text += f" (last {self.last!r})"
-        if self.current:
+        if self.current and self.also:
+            text += (
+                f"; {self.current!r} failed, its target and those of the {self.also} "
+                "record(s) read with it may hold unverified bytes"
+            )
+        elif self.current:
             text += f"; {self.current!r} failed, its target may hold unverified bytes"
         return text
 
@@ -553,8 +568,8 @@ class VerifyingFileSystemReader(FileSystemReader):
         return CheckpointCorruptedError(f"{self._display(name)}: {what}")
 
     # Storage access: the local filesystem here (confined), ``self.fs`` when the user
-    # replaced it; ``fsspec_storage`` overrides ``_display``, ``_file_digest``, ``_read_whole``
-    # and ``_opened``.
+    # replaced it; ``fsspec_storage`` overrides ``_display``, ``_file_digest``, ``_file_size``,
+    # ``_read_whole`` and ``_opened``.
 
     def _display(self, name: str) -> str:
         """``name`` inside the checkpoint, as messages show it."""
@@ -562,6 +577,10 @@ class VerifyingFileSystemReader(FileSystemReader):
 
     def _file_digest(self, name: str, algorithm: str) -> str:
         return file_digest(Path(self.path) / name, algorithm)
+
+    def _file_size(self, name: str) -> int:
+        """The size of ``name`` where there is no manifest to say it."""
+        return regular_size(self.path, name)
 
     @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -614,7 +633,7 @@ class VerifyingFileSystemReader(FileSystemReader):
             if name not in sizes:
                 try:
                     expected = self._expected_size(name)
-                    sizes[name] = regular_size(self.path, name) if expected is None else expected
+                    sizes[name] = self._file_size(name) if expected is None else expected
                 except OSError as err:
                     raise self._corrupted(name, str(err)) from err
             if info.offset + info.length > sizes[name]:
@@ -654,6 +673,11 @@ class VerifyingFileSystemReader(FileSystemReader):
     def _annotation(self, item: ReadItem) -> dict[str, Any]:
         return getattr(self.storage_data[item.storage_index], RECORD_ATTR, None) or {}
 
+    batch_bytes = 0
+    """Consecutive records of a file are read together while their bytes stay within this
+    (a larger record alone): one request per batch where requests cost more than bytes.
+    ``0``: one record per read."""
+
     @override
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self.progress = ReadProgress(started=True, total=len(plan.items))
@@ -664,14 +688,51 @@ class VerifyingFileSystemReader(FileSystemReader):
         for name, items in per_file.items():
             items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
             with self._opened(name) as read_at:
-                for item in items:
-                    self.progress.current = item.dest_index.fqn
-                    self._read_record(read_at, name, item, planner)
-                    self.progress.written += 1
-                    self.progress.last, self.progress.current = item.dest_index.fqn, None
+                for batch in self._batches(items):
+                    self._read_batch(read_at, name, batch, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _batches(self, items: list[ReadItem]) -> Iterator[list[ReadItem]]:
+        """``items`` (sorted by offset) in runs of adjacent records of at most
+        :attr:`batch_bytes` (a larger record alone)."""
+        batch: list[ReadItem] = []
+        end = size = 0
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            if batch and (info.offset != end or size + info.length > self.batch_bytes):
+                yield batch
+                batch, size = [], 0
+            batch.append(item)
+            end, size = info.offset + info.length, size + info.length
+        if batch:
+            yield batch
+
+    def _read_batch(
+        self, read_at: _ReadAt, name: str, batch: list[ReadItem], planner: LoadPlanner
+    ) -> None:
+        """Read a run of adjacent records with one ``read_at``, then check each and hand it
+        to its target, in order."""
+        progress = self.progress
+        progress.current, progress.also = batch[0].dest_index.fqn, len(batch) - 1
+        buffers: list[Any] = []
+        finishers = []
+        for item in batch:
+            pieces, finish = self._prepare(name, item, planner)
+            buffers += pieces
+            finishers.append(finish)
+        start = self.storage_data[batch[0].storage_index].offset
+        got = read_at(buffers, start)
+        for index, (item, finish) in enumerate(zip(batch, finishers, strict=True)):
+            progress.current, progress.also = item.dest_index.fqn, len(batch) - 1 - index
+            info = self.storage_data[item.storage_index]
+            if got < info.offset + info.length - start:
+                raise self._truncated(name, item)
+            finish()
+            progress.written += 1
+            progress.last = item.dest_index.fqn
+        progress.current, progress.also = None, 0
 
     @contextlib.contextmanager
     def _opened(self, name: str) -> Iterator[_ReadAt]:
@@ -700,9 +761,11 @@ class VerifyingFileSystemReader(FileSystemReader):
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
             return cast(bytes, stream.read())
 
-    def _read_record(
-        self, read_at: _ReadAt, name: str, item: ReadItem, planner: LoadPlanner
-    ) -> None:
+    def _prepare(
+        self, name: str, item: ReadItem, planner: LoadPlanner
+    ) -> tuple[list[Any], Callable[[], None]]:
+        """Where ``item``'s record is to be read (buffers covering it, in order) and what
+        checks it and hands it to its target once it is there."""
         info = self.storage_data[item.storage_index]
         annotation = self._annotation(item)
         expected = annotation.get("crc32c") if self.verify else None
@@ -712,17 +775,25 @@ class VerifyingFileSystemReader(FileSystemReader):
             and annotation.get("byteorder") == sys.byteorder
             and not info.transform_descriptors
         ):
-            self._read_payload(read_at, name, item, planner, annotation, expected)
-            return
+            return self._prepare_payload(name, item, planner, annotation, expected)
         data = bytearray(info.length)
-        if read_at([data], info.offset) != info.length:
-            raise self._truncated(name, item)
+        return [data], functools.partial(self._finish_record, name, item, planner, data, expected)
+
+    def _finish_record(
+        self,
+        name: str,
+        item: ReadItem,
+        planner: LoadPlanner,
+        data: bytearray,
+        expected: int | None,
+    ) -> None:
+        info = self.storage_data[item.storage_index]
         if expected is not None and (found := crc32c(data)) != expected:
             raise self._mismatch(name, item, found, expected)
         stream = self.transforms.transform_load_stream(
             item, info.transform_descriptors or (), io.BytesIO(data)
         )
-        where = f"{Path(self.path) / name}: {self._where(item)}"
+        where = f"{self._display(name)}: {self._where(item)}"
         if item.type == LoadItemType.BYTE_IO:
             record = safe_byte_record(stream.read(-1), source=where, trust=self.trust_checkpoint)
             planner.load_bytes(item, io.BytesIO(record))
@@ -743,17 +814,16 @@ class VerifyingFileSystemReader(FileSystemReader):
         target.copy_(source)
         planner.commit_tensor(item, target)
 
-    def _read_payload(
+    def _prepare_payload(
         self,
-        read_at: _ReadAt,
         name: str,
         item: ReadItem,
         planner: LoadPlanner,
         annotation: dict[str, Any],
         expected: int | None,
-    ) -> None:
-        """Read a tensor record in one ``preadv``: header, payload, trailer; the payload
-        straight into the target when it is this exact chunk, else into a buffer."""
+    ) -> tuple[list[Any], Callable[[], None]]:
+        """A tensor record read as header, payload, trailer: the payload straight into the
+        target when it is this exact chunk, else into a buffer."""
         info = self.storage_data[item.storage_index]
         key = (item.storage_index.fqn, tuple(item.storage_index.offset or ()))
         if key not in self._chunks:
@@ -775,26 +845,29 @@ class VerifyingFileSystemReader(FileSystemReader):
         chunk = target if direct else torch.empty(sizes, dtype=dtype)
         head, tail = bytearray(payload), bytearray(info.length - payload - nbytes)
         body = _tensor_bytes(chunk)
-        if read_at([head, body, tail], info.offset) != info.length:
-            raise self._truncated(name, item)
-        if expected is not None:
-            found = crc32c(tail, crc32c(body, crc32c(head)))
-            if found != expected:
-                raise self._mismatch(name, item, found, expected)
-        if not _is_storage_header(head, header, payload):
-            raise self._corrupted(
-                name,
-                f"{item.storage_index.fqn!r}: no zip entry data/<n> starts the payload at "
-                f"record offset {payload}; the record is not a torch.save of one tensor",
-            )
-        if not direct:
-            source = _torch.narrow_tensor_by_index(chunk, item.storage_offsets, item.lengths)
-            if target.size() != source.size():
-                raise AssertionError(
-                    f"req {item.storage_index} mismatch sizes {target.size()} vs {source.size()}"
+
+        def finish() -> None:
+            if expected is not None:
+                found = crc32c(tail, crc32c(body, crc32c(head)))
+                if found != expected:
+                    raise self._mismatch(name, item, found, expected)
+            if not _is_storage_header(head, header, payload):
+                raise self._corrupted(
+                    name,
+                    f"{item.storage_index.fqn!r}: no zip entry data/<n> starts the payload at "
+                    f"record offset {payload}; the record is not a torch.save of one tensor",
                 )
-            target.copy_(source)
-        planner.commit_tensor(item, target)
+            if not direct:
+                source = _torch.narrow_tensor_by_index(chunk, item.storage_offsets, item.lengths)
+                if target.size() != source.size():
+                    raise AssertionError(
+                        f"req {item.storage_index} mismatch sizes {target.size()} vs "
+                        f"{source.size()}"
+                    )
+                target.copy_(source)
+            planner.commit_tensor(item, target)
+
+        return [head, body, tail], finish
 
     def _where(self, item: ReadItem) -> str:
         info = self.storage_data[item.storage_index]

@@ -13,17 +13,11 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.distributed import ReduceOp
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.fabric.utilities.seed import reset_seed
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
@@ -52,23 +46,16 @@ from lightning_megatron_fsdp.fabric.precision import (
 from lightning_megatron_fsdp.megatron import _megatron
 from lightning_megatron_fsdp.megatron._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.megatron.gather import bind_full_tensor
-from lightning_megatron_fsdp.megatron.mesh import (
-    MeshRequest,
-    build_device_mesh,
-    check_mesh_fits_world,
-    mesh_ndim,
-    validate_device_mesh,
-)
 from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
-from lightning_megatron_fsdp.megatron.sharding import AutoWrapPolicy, validate_auto_wrap_policy
-from lightning_megatron_fsdp.megatron.sharding_modes import ShardingMode, resolve_sharding_mode
+from lightning_megatron_fsdp.megatron.sharding import AutoWrapPolicy
+from lightning_megatron_fsdp.megatron.sharding_modes import ShardingMode
 from lightning_megatron_fsdp.strategies.exact_resume import ExactResume
 from lightning_megatron_fsdp.strategies.model_setup import (
     ModelSharder,
-    join_process_group,
     move_unsharded_state,
     save_sharded_checkpoint,
 )
+from lightning_megatron_fsdp.strategies.options import StrategyOptions, StrategyOptionsMixin
 from lightning_megatron_fsdp.strategies.precision import (
     clip_sharded_grad_norm_,
     clip_sharded_grad_value_,
@@ -81,7 +68,7 @@ __all__ = ["MegatronFSDPStrategy"]
 _STRATEGY = "MegatronFSDPStrategy (Fabric)"
 
 
-class MegatronFSDPStrategy(ParallelStrategy):
+class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
     """Lightning Fabric strategy for NVIDIA Megatron-FSDP (``megatron_fsdp.experimental``).
 
     ``Fabric(strategy=MegatronFSDPStrategy(...))``, or ``Fabric(strategy="megatron_fsdp")``
@@ -139,25 +126,16 @@ class MegatronFSDPStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision=precision,
         )
-        self._auto_wrap_policy = validate_auto_wrap_policy(auto_wrap_policy, _STRATEGY)
-        self._mesh_request: MeshRequest = validate_device_mesh(device_mesh, _STRATEGY)
-        self._sharding_mode = resolve_sharding_mode(
-            sharding_strategy, mesh_ndim(self._mesh_request), _STRATEGY
+        self._options = StrategyOptions.validate(
+            _STRATEGY,
+            auto_wrap_policy=auto_wrap_policy,
+            device_mesh=device_mesh,
+            sharding_strategy=sharding_strategy,
+            mixed_precision_policy=mixed_precision_policy,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
         )
-        if mixed_precision_policy is not None and not isinstance(
-            mixed_precision_policy, MixedPrecisionPolicy
-        ):
-            raise TypeError(
-                f"{_STRATEGY}: mixed_precision_policy must be a megatron_fsdp."
-                f"MixedPrecisionPolicy, got {type(mixed_precision_policy).__name__}."
-            )
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise TypeError(f"{_STRATEGY}: timeout must be a datetime.timedelta, got {timeout!r}.")
-        self._mixed_precision_policy = mixed_precision_policy
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
         self._num_nodes = 1
-        self._device_mesh: DeviceMesh | None = None
         self._sharder = ModelSharder(_STRATEGY)
         self._models: list[nn.Module] = []
         self._exact_resume = ExactResume(_STRATEGY)
@@ -165,11 +143,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ properties
 
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+    _mesh_missing_hint = "is created when the processes have joined; call fabric.launch() first."
 
     @property
     def num_nodes(self) -> int:
@@ -181,51 +155,9 @@ class MegatronFSDPStrategy(ParallelStrategy):
         self._num_nodes = num_nodes
 
     @property
-    def num_processes(self) -> int:
-        """Processes (devices) on this node."""
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank is a data-parallel rank, HSDP replicas and shards alike.
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        """The process group backend (resolved in ``setup_environment``)."""
-        return self._process_group_backend
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """The data-parallel mesh (1-D FSDP or 2-D HSDP).
-
-        Raises:
-            RuntimeError: Before ``fabric.launch()`` has joined the processes.
-        """
-        if self._device_mesh is None:
-            raise RuntimeError(
-                f"{_STRATEGY}.device_mesh is created when the processes have joined; call "
-                "fabric.launch() first."
-            )
-        return self._device_mesh
-
-    @property
-    def sharding_mode(self) -> ShardingMode:
-        """The validated ``sharding_strategy``."""
-        return self._sharding_mode
-
-    @property
-    def placements(self) -> Placements:
-        """Megatron-FSDP placements of :attr:`sharding_mode` for :attr:`device_mesh`."""
-        return self._sharding_mode.placements
-
-    @property
-    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
-        """The user's policy, or the one the precision flag implies."""
-        if self._mixed_precision_policy is not None:
-            return self._mixed_precision_policy
-        return self.precision.mixed_precision_policy()
+    def _megatron_precision(self) -> MegatronFSDPFabricPrecision:
+        return self.precision
 
     @property  # type: ignore[override]
     @override
@@ -266,36 +198,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         """Join the process group (once per process; it lives until the process ends), build
         the mesh."""
         super().setup_environment()
-        world = self.num_nodes * self.num_processes
-        detail = f"num_nodes={self.num_nodes} x devices={self.num_processes}"
-        check_mesh_fits_world(self._mesh_request, world, detail, _STRATEGY)
-        reset_seed()
-        self._set_world_ranks()
-        self._process_group_backend = self._process_group_backend or (
-            _lightning.default_process_group_backend(self.root_device)
-        )
-        assert self.cluster_environment is not None
-        join_process_group(
-            self.cluster_environment, self._process_group_backend, self.root_device, self._timeout
-        )
-        if self.precision.device_type is None:
-            self.precision.device_type = self.root_device.type
-        self._device_mesh = build_device_mesh(
-            self._mesh_request,
-            model=nn.Module(),
-            world_size=dist.get_world_size(),
-            device_type=self.root_device.type,
-            timeout=self._timeout,
-            where=_STRATEGY,
-        )
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank
-            )
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self._join_processes(nn.Module())
 
     # ------------------------------------------------------------------ model setup
 
@@ -329,22 +232,15 @@ class MegatronFSDPStrategy(ParallelStrategy):
         parameters directly; modules already sharded (``shard_module``) are left alone.
         """
         self._sharder.shard_model(
-            module, self._auto_wrap_policy, self._shard_unit, self.root_device, self.placements
+            module,
+            self._options.auto_wrap_policy,
+            self._shard_unit,
+            self.root_device,
+            self.placements,
         )
         bind_full_tensor(module, gradients=False)  # p.full_tensor() works
         self._models.append(module)
         return module
-
-    def _shard_unit(self, module: nn.Module) -> None:
-        plugin = self.precision
-        self._sharder.shard(
-            module,
-            self.device_mesh,
-            self.placements,
-            device=self.root_device,
-            compute_dtype=plugin.compute_dtype if plugin.casts_parameters else None,
-            mixed_precision_policy=self.mixed_precision_policy,
-        )
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -466,23 +362,6 @@ class MegatronFSDPStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _lightning.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _lightning.distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _lightning.distributed_is_initialized():
-            return obj
-        container = [obj]
-        dist.broadcast_object_list(container, src, group=_group.WORLD)
-        return container[0]
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -611,17 +490,6 @@ class MegatronFSDPStrategy(ParallelStrategy):
             self.accelerator.teardown()
         if self._checkpoint_io is not None:
             self._checkpoint_io.teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _lightning.StrategyRegistry) -> None:
-        if cls.strategy_name in strategy_registry:
-            return
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="Megatron-FSDP (megatron_fsdp.experimental) fully sharded training",
-        )
 
 
 class _MicrobatchControl(_lightning.BackwardSyncControl):

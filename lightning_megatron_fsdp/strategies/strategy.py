@@ -15,20 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
@@ -43,22 +38,14 @@ from lightning_megatron_fsdp.checkpoint.load import load_into_sharded_model
 from lightning_megatron_fsdp.megatron import _megatron
 from lightning_megatron_fsdp.megatron._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.megatron.gather import bind_full_tensor, lightning_grad_norm_explained
-from lightning_megatron_fsdp.megatron.mesh import (
-    MeshRequest,
-    build_device_mesh,
-    check_mesh_fits_world,
-    mesh_ndim,
-    validate_device_mesh,
-)
 from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
 from lightning_megatron_fsdp.megatron.sharding import (
     AutoWrapPolicy,
     check_optimizer_parameters,
     fsdp_placements,
     hsdp_placements,
-    validate_auto_wrap_policy,
 )
-from lightning_megatron_fsdp.megatron.sharding_modes import ShardingMode, resolve_sharding_mode
+from lightning_megatron_fsdp.megatron.sharding_modes import ShardingMode
 from lightning_megatron_fsdp.strategies.exact_resume import ExactResume
 from lightning_megatron_fsdp.strategies.join import (
     UnevenBatchJoin,
@@ -68,10 +55,10 @@ from lightning_megatron_fsdp.strategies.join import (
 from lightning_megatron_fsdp.strategies.launcher import resolving_last_launcher
 from lightning_megatron_fsdp.strategies.model_setup import (
     ModelSharder,
-    join_process_group,
     move_unsharded_state,
     save_sharded_checkpoint,
 )
+from lightning_megatron_fsdp.strategies.options import StrategyOptions, StrategyOptionsMixin
 from lightning_megatron_fsdp.strategies.precision import (
     MegatronFSDPPrecision,
     reject_closure_optimizer,
@@ -91,7 +78,7 @@ __all__ = ["AutoWrapPolicy", "MegatronFSDPStrategy", "fsdp_placements", "hsdp_pl
 _STRATEGY = "MegatronFSDPStrategy"
 
 
-class MegatronFSDPStrategy(ParallelStrategy):
+class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
     """Lightning strategy for NVIDIA Megatron-FSDP (``megatron_fsdp.experimental``).
 
     ``Trainer(strategy=MegatronFSDPStrategy())`` or ``Trainer(strategy="megatron_fsdp")``.
@@ -176,31 +163,22 @@ class MegatronFSDPStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.checkpoint_io = checkpoint_io  # through the setter, which validates it
-        self._auto_wrap_policy = validate_auto_wrap_policy(auto_wrap_policy, _STRATEGY)
-        self._mesh_request: MeshRequest = validate_device_mesh(device_mesh, _STRATEGY)
-        self._sharding_mode = resolve_sharding_mode(
-            sharding_strategy, mesh_ndim(self._mesh_request), _STRATEGY
+        self._options = StrategyOptions.validate(
+            _STRATEGY,
+            auto_wrap_policy=auto_wrap_policy,
+            device_mesh=device_mesh,
+            sharding_strategy=sharding_strategy,
+            mixed_precision_policy=mixed_precision_policy,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
         )
-        if mixed_precision_policy is not None and not isinstance(
-            mixed_precision_policy, MixedPrecisionPolicy
-        ):
-            raise TypeError(
-                f"{_STRATEGY}: mixed_precision_policy must be a megatron_fsdp."
-                f"MixedPrecisionPolicy, got {type(mixed_precision_policy).__name__}."
-            )
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise TypeError(f"{_STRATEGY}: timeout must be a datetime.timedelta, got {timeout!r}.")
         if not isinstance(allow_weights_only_resume, bool):
             raise TypeError(
                 f"{_STRATEGY}: allow_weights_only_resume must be a bool, got "
                 f"{allow_weights_only_resume!r}."
             )
-        self._mixed_precision_policy = mixed_precision_policy
         self._init_weights_from = as_pretrained_weights(init_weights_from)
         self.allow_weights_only_resume = allow_weights_only_resume
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._device_mesh: DeviceMesh | None = None
         self._sharder = ModelSharder(_STRATEGY)
         self._join: UnevenBatchJoin | None = None
         self._exact_resume = ExactResume(_STRATEGY)
@@ -208,16 +186,10 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ properties
 
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        """Processes (devices) on this node."""
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+    _mesh_missing_hint = (
+        "is created in setup_environment(), when the processes have joined; access it "
+        "from configure_model() or later."
+    )
 
     @property
     @override
@@ -227,45 +199,8 @@ class MegatronFSDPStrategy(ParallelStrategy):
 
     @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank is a data-parallel rank, HSDP replicas and shards alike.
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        """The process group backend (resolved in ``setup_environment``)."""
-        return self._process_group_backend
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """The data-parallel mesh (1-D FSDP or 2-D HSDP).
-
-        Raises:
-            RuntimeError: Before ``setup_environment`` has created it.
-        """
-        if self._device_mesh is None:
-            raise RuntimeError(
-                f"{_STRATEGY}.device_mesh is created in setup_environment(), when the "
-                "processes have joined; access it from configure_model() or later."
-            )
-        return self._device_mesh
-
-    @property
-    def sharding_mode(self) -> ShardingMode:
-        """The validated ``sharding_strategy``."""
-        return self._sharding_mode
-
-    @property
-    def placements(self) -> Placements:
-        """Megatron-FSDP placements of :attr:`sharding_mode` for :attr:`device_mesh`."""
-        return self._sharding_mode.placements
-
-    @property
-    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
-        """The user's policy, or the one the precision flag implies."""
-        if self._mixed_precision_policy is not None:
-            return self._mixed_precision_policy
-        return self.precision_plugin.mixed_precision_policy()
+    def _megatron_precision(self) -> MegatronFSDPPrecision:
+        return self.precision_plugin
 
     @property  # type: ignore[override]
     @override
@@ -350,42 +285,8 @@ class MegatronFSDPStrategy(ParallelStrategy):
         with Python (:mod:`~lightning_megatron_fsdp.strategies.interpreter_exit`).
         """
         super().setup_environment()
-        world = self.num_nodes * self.num_processes
-        detail = f"num_nodes={self.num_nodes} x devices={self.num_processes}"
-        check_mesh_fits_world(self._mesh_request, world, detail, _STRATEGY)
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
-        assert self.cluster_environment is not None
-        join_process_group(
-            self.cluster_environment, self._process_group_backend, self.root_device, self._timeout
-        )
-        if self.precision_plugin.device_type is None:
-            self.precision_plugin.device_type = self.root_device.type
         assert self.lightning_module is not None
-        self._device_mesh = build_device_mesh(
-            self._mesh_request,
-            model=self.lightning_module,
-            world_size=dist.get_world_size(),
-            device_type=self.root_device.type,
-            timeout=self._timeout,
-            where=_STRATEGY,
-        )
-        self.lightning_module._device_mesh = self._device_mesh
-
-    def set_world_ranks(self) -> None:
-        """Tell the cluster environment (and ``rank_zero_only``) this process's ranks."""
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank
-            )
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
-    def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or _lightning.default_process_group_backend(
-            self.root_device
-        )
+        self.lightning_module._device_mesh = self._join_processes(self.lightning_module)
 
     # ------------------------------------------------------------------ model setup
 
@@ -457,20 +358,12 @@ class MegatronFSDPStrategy(ParallelStrategy):
             ValueError: If ``module`` is already sharded or a tie crosses unit boundaries.
             TypeError: If a meta-device module has no ``reset_parameters``.
         """
-        plugin = self.precision_plugin
-        self._sharder.shard(
-            module,
-            self.device_mesh,
-            self.placements,
-            device=self.root_device,
-            compute_dtype=plugin.compute_dtype if plugin.casts_parameters else None,
-            mixed_precision_policy=self.mixed_precision_policy,
-        )
+        self._shard_unit(module)
 
     def _shard_model(self, model: pl.LightningModule) -> None:
         """Shard ``model`` bottom-up (see ``sharding.plan_units``)."""
         self._sharder.shard_model(
-            model, self._auto_wrap_policy, self.shard, self.root_device, self.placements
+            model, self._options.auto_wrap_policy, self.shard, self.root_device, self.placements
         )
 
     # ------------------------------------------------------------------ steps
@@ -577,7 +470,7 @@ class MegatronFSDPStrategy(ParallelStrategy):
         no-shard defer a reduction to the last micro-batch (``microbatch``).
         """
         model = self.lightning_module
-        if model is not None and self._sharding_mode.defers_gradient_reduction:
+        if model is not None and self.sharding_mode.defers_gradient_reduction:
             with _megatron.microbatch(model, is_last=False):
                 yield
         else:
@@ -649,23 +542,6 @@ class MegatronFSDPStrategy(ParallelStrategy):
         )
 
     # ------------------------------------------------------------------ collectives
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not _lightning.distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _lightning.distributed_is_initialized():
-            return obj
-        container = [obj]
-        dist.broadcast_object_list(container, src, group=_group.WORLD)
-        return container[0]
 
     @override
     def reduce(
@@ -870,17 +746,6 @@ class MegatronFSDPStrategy(ParallelStrategy):
             self.accelerator.teardown()
         if self._checkpoint_io is not None:
             self._checkpoint_io.teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _lightning.StrategyRegistry) -> None:
-        if cls.strategy_name in strategy_registry:
-            return
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="Megatron-FSDP (megatron_fsdp.experimental) fully sharded training",
-        )
 
 
 # ---------------------------------------------------------------------- helpers

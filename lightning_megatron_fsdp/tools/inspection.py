@@ -12,14 +12,9 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    TensorStorageMetadata,
-)
 
 from lightning_megatron_fsdp.checkpoint.checksums import bytes_digest
 from lightning_megatron_fsdp.checkpoint.confined_files import FileWindow, open_regular, read_regular
@@ -44,12 +39,20 @@ from lightning_megatron_fsdp.checkpoint.object_store import (
 )
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import (
     check_tensor_record,
+    is_tensor_entry,
     load_dcp_metadata,
     load_weights_only,
 )
 from lightning_megatron_fsdp.weights.upstream_checkpoint import FORMAT_NAME as UPSTREAM_FORMAT_NAME
 from lightning_megatron_fsdp.weights.upstream_checkpoint import NOTE as UPSTREAM_NOTE
 from lightning_megatron_fsdp.weights.upstream_checkpoint import is_upstream_checkpoint
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorStorageMetadata,
+    )
 
 __all__ = [
     "MAX_EXAMPLES",
@@ -277,10 +280,16 @@ def read_checked(path: Any, name: str, manifest: Manifest | None, *, digest: boo
 
 
 def _read_metadata(
-    path: Any, manifest: Manifest | None = None, *, digest: bool = True, trust: bool = False
+    path: Any,
+    manifest: Manifest | None = None,
+    *,
+    digest: bool = True,
+    trust: bool = False,
+    records: bool = False,
 ) -> Metadata:
     """Parse ``<path>/.metadata`` safely, after its size and checksum (see
-    :func:`read_checked`).
+    :func:`read_checked`); with ``records``, into ``metadata_records`` (see
+    :func:`load_dcp_metadata`).
 
     Raises:
         CheckpointCorruptedError: If it is missing, differs from the manifest, or does not
@@ -295,7 +304,7 @@ def _read_metadata(
         ) from err
     except OSError as err:
         raise CheckpointCorruptedError(f"{DCP_METADATA_FILE}: {err}") from err
-    return load_dcp_metadata(data, source=DCP_METADATA_FILE, trust=trust)
+    return load_dcp_metadata(data, source=DCP_METADATA_FILE, trust=trust, records=records)
 
 
 def _read_meta(
@@ -393,7 +402,7 @@ def _record_problems(path: Any, metadata: Metadata) -> list[str]:
     chunks = {
         (fqn, tuple(chunk.offsets)): math.prod(chunk.sizes) * entry.properties.dtype.itemsize
         for fqn, entry in metadata.state_dict_metadata.items()
-        if isinstance(entry, TensorStorageMetadata)
+        if is_tensor_entry(entry)
         for chunk in entry.chunks
     }
     bad: dict[str, list[str]] = {}
@@ -517,7 +526,7 @@ def _tiling_problems(metadata: Metadata) -> list[str]:
     stored = {(index.fqn, tuple(index.offset or ())) for index in metadata.storage_data}
     problems = []
     for key, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
+        if is_tensor_entry(md):
             problem = _tiling_problem(key, md, stored)
             if problem is not None:
                 problems.append(f"{DCP_METADATA_FILE}: tensor {key!r}: {problem}.")
@@ -542,7 +551,7 @@ def _metadata_fingerprints(
     for key, md in metadata.state_dict_metadata.items():
         spec = (
             TensorSpec(tuple(md.size), _dtype_name(md.properties.dtype))
-            if isinstance(md, TensorStorageMetadata)
+            if is_tensor_entry(md)
             else TensorSpec(None, None)
         )
         path = tuple(paths.get(key, ()))
@@ -615,8 +624,15 @@ class CheckedCheckpoint:
     manifest: Manifest | None = None
 
 
-def check_directory(path: Any, *, checksums: bool, trust: bool = False) -> CheckedCheckpoint:
-    """Collect every problem of ``path`` as a checkpoint (see :func:`verify_checkpoint`)."""
+def check_directory(
+    path: Any, *, checksums: bool, trust: bool = False, records: bool = False
+) -> CheckedCheckpoint:
+    """Collect every problem of ``path`` as a checkpoint (see :func:`verify_checkpoint`).
+
+    The parsed metadata is DCP's, ready for ``dcp.load``; with ``records``, plain records
+    of the same fields for a caller that only reads it (``metadata_records``: then
+    ``torch.distributed.checkpoint`` is not imported).
+    """
     try:
         manifest: Manifest | None = _manifest_of(path)
     except NotACheckpointError as err:
@@ -641,7 +657,9 @@ def check_directory(path: Any, *, checksums: bool, trust: bool = False) -> Check
     damaged = {problem.partition(":")[0] for problem in problems}
     if DCP_METADATA_FILE not in listed_missing | damaged:  # else check_files said so already
         try:
-            metadata = _read_metadata(path, manifest, digest=checksums, trust=trust)
+            metadata = _read_metadata(
+                path, manifest, digest=checksums, trust=trust, records=records
+            )
         except CheckpointCorruptedError as err:
             problems.append(str(err))
     if metadata is not None:
@@ -691,7 +709,7 @@ def verify_checkpoint(
         key concerned; empty if the checkpoint is complete and intact.
     """
     path, _ = _open(checkpoint_dir, storage_options)
-    return check_directory(path, checksums=checksums, trust=trust_checkpoint).problems
+    return check_directory(path, checksums=checksums, trust=trust_checkpoint, records=True).problems
 
 
 def inspect_checkpoint(
@@ -733,7 +751,7 @@ def inspect_checkpoint(
             raise
         manifest = None
         notes.append(str(err))
-    metadata = _read_metadata(path, manifest, trust=trust_checkpoint)
+    metadata = _read_metadata(path, manifest, trust=trust_checkpoint, records=True)
     meta, meta_note = _read_meta(path, manifest)
     if meta_note is not None:
         notes.append(meta_note)
@@ -745,7 +763,7 @@ def inspect_checkpoint(
     objects = []
     for key in ordered_keys(metadata, manifest):
         md = metadata.state_dict_metadata[key]
-        if isinstance(md, TensorStorageMetadata):
+        if is_tensor_entry(md):
             tensors.append(TensorInfo(key, tuple(md.size), md.properties.dtype, len(md.chunks)))
         else:
             objects.append(key)

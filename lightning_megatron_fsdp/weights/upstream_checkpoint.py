@@ -7,9 +7,10 @@ inspecting and verifying them work.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch.distributed.checkpoint.metadata import Metadata
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = ["FORMAT_NAME", "NOTE", "internal_keys", "is_upstream_checkpoint"]
 
