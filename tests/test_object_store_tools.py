@@ -340,6 +340,14 @@ def _options(server: SeaweedServer) -> dict[str, str]:
     }
 
 
+def reference_ckpt(saved: dict[str, Any], tmp_path: Path) -> Path:
+    """The weights of the local export-lightning of the saved checkpoint, as a file."""
+    exported = export_lightning_checkpoint(saved["local"], tmp_path / "reference.ckpt")
+    path = tmp_path / "reference_state.pt"
+    torch.save(_state(exported)["state_dict"], path)
+    return path
+
+
 def test_an_output_on_the_bucket_appears_only_when_complete(
     saved: dict[str, Any], seaweed: SeaweedServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -378,6 +386,10 @@ def test_an_output_on_the_bucket_appears_only_when_complete(
     out = f"s3://{bucket}/out/weights.safetensors"
     assert consolidate_checkpoint(saved["url"], out, storage_options=options) == out
     assert fs.cat(out) == reference.read_bytes()
+    ckpt = f"s3://{bucket}/out/model.ckpt"
+    assert export_lightning_checkpoint(saved["url"], ckpt, storage_options=options) == ckpt
+    exported = _state(fs.cat(ckpt))
+    _assert_trees_equal(exported["state_dict"], _state(reference_ckpt(saved, tmp_path)))
 
 
 # ---------------------------------------------------------------------- full weights
