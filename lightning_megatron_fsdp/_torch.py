@@ -34,6 +34,7 @@ __all__ = [
     "SYNC_WITHOUT_FD_CALLS_OS_SYNC",
     "OwnWriteLoopWriter",
     "caching_save_planner",
+    "checkpoint_offset",
     "create_file_view",
     "dcp_metadata_private_types",
     "dtensor_with_local",
@@ -136,6 +137,14 @@ def serialization_skips_data() -> bool:
 def storage_alignment() -> int:
     """The payload alignment ``torch.save`` uses in its zip files."""
     return int(torch.serialization._get_storage_alignment())
+
+
+def checkpoint_offset(tensor: torch.Tensor) -> int | None:
+    """Where the bytes of the storage of a tensor that ``torch.load(map_location="meta")``
+    returned start in its file (the tensor itself may start later in its storage);
+    ``None`` where torch does not say."""
+    offset = getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
+    return None if offset is None else int(offset)
 
 
 def has_backward_hooks(tensor: torch.Tensor) -> bool:

@@ -211,6 +211,17 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _TRAINED
 
 
+def _tensors_in(tree: Any, place: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Tensor]]:
+    """Every tensor in a nest of dicts, lists and tuples, with its place."""
+    if isinstance(tree, Tensor):
+        return [(place, tree)]
+    if isinstance(tree, dict):
+        return [t for key, value in tree.items() for t in _tensors_in(value, (*place, key))]
+    if isinstance(tree, list | tuple):
+        return [t for i, value in enumerate(tree) for t in _tensors_in(value, (*place, i))]
+    return []
+
+
 def _logits(module: torch.nn.Module) -> np.ndarray:
     with _one_thread(), torch.no_grad():
         return module(probe_tokens()).numpy()
@@ -259,6 +270,15 @@ def test_export_loads_with_load_from_checkpoint(trained: dict[str, Any], tmp_pat
     assert raw[EXPORT_INFO_KEY]["versions"]["torch"] == torch.__version__
     assert "optimizer_states" not in raw and "loops" in raw and "lr_schedulers" in raw
     assert set(raw["state_dict"]) == set(ExportLM(num_blocks=BLOCKS).state_dict())
+    # Every tensor meta.pt holds (the callbacks' kth_value, the ranks' random states) is
+    # exported as saved, not as the zeros torch.save reserves for its data.
+    held = _tensors_in(torch.load(checkpoint / "meta.pt", weights_only=False))
+    assert any("kth_value" in place for place, _ in held), [place for place, _ in held]
+    for place, tensor in held:
+        exported = raw
+        for key in place:
+            exported = exported[key]
+        torch.testing.assert_close(exported, tensor, rtol=0, atol=0, msg=str(place))
 
     # The directory itself, through load_lightning_module (a temporary export), and the file.
     scratch = tmp_path / "scratch"

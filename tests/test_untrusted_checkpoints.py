@@ -258,7 +258,7 @@ def test_refusals_name_the_opt_in_which_unpickles_in_full(
 def test_an_export_never_renames_a_swapped_temporary_file(tmp_path: Path) -> None:
     """Whoever can write to the output folder swaps the temporary file for their own while
     the export writes it: the export fails and the output is never their file."""
-    from lightning_megatron_fsdp.tools.export import write_atomically
+    from lightning_megatron_fsdp.tools.outputs import write_atomically
 
     output = tmp_path / "out.pt"
 

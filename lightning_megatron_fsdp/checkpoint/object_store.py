@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 _URL_RE = re.compile(r"^(?P<protocol>[A-Za-z][A-Za-z0-9+.\-]*)://")
 _LOCAL_PROTOCOLS = ("file", "local")
+# Read-ahead of a digest's stream: fsspec's default block is far larger than a checksum needs.
+DIGEST_BLOCK_BYTES = 8 << 20
 _VERSION_RE = re.compile(r"^v(?P<number>\d{8})-(?P<token>[0-9a-f]{8,32})$")
 
 # What to install for a scheme whose fsspec filesystem is missing.
@@ -218,8 +220,8 @@ class ObjectStore:
         return self.fs.cat_file(path)
 
     def digest(self, path: str, algorithm: str) -> str:
-        """The digest of the object ``path``, streamed."""
-        with self.fs.open(path, "rb") as file:
+        """The digest of the object ``path``, streamed in bounded blocks."""
+        with self.fs.open(path, "rb", block_size=DIGEST_BLOCK_BYTES) as file:
             return stream_digest(file, algorithm)
 
     # ------------------------------------------------------------------------ versions

@@ -112,7 +112,9 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             (``.pt``/``.pth``/``.bin``), a Lightning ``.ckpt`` file, a ``.safetensors``
             file, a consolidated export, or a DCP checkpoint directory (ours at any world
             size or mesh, Lightning ``ModelParallelStrategy``'s, or megatron-fsdp's own
-            ``save_checkpoint``). Each rank reads only the rows it owns. A path, or a
+            ``save_checkpoint``), locally or on an object store (a URL such as
+            ``s3://bucket/model.safetensors``, read in place with ranged GETs). Each rank
+            reads only the rows it owns. A path or URL, or a
             :class:`~lightning_megatron_fsdp.weights.pretrained.PretrainedWeights` for key prefixes
             and non-strict loading. Applied once per model; a ``ckpt_path`` restore
             overrides it.

@@ -1,7 +1,8 @@
 """The ``lightning-megatron-fsdp`` console script: ``consolidate``, ``export-lightning`` and
 ``inspect`` checkpoints offline, in one process without a GPU or a process group, importing
-neither Lightning nor megatron-fsdp. Exit status 0 on success, 1 when a checkpoint or output
-is rejected, 2 for a usage error.
+neither Lightning nor megatron-fsdp; every path may be a URL (``s3://...``), configured by the
+filesystem's own settings (the ``AWS_*`` variables for s3fs). Exit status 0 on success, 1 when
+a checkpoint or output is rejected, 2 for a usage error.
 """
 
 from __future__ import annotations
@@ -250,6 +251,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
+    from lightning_megatron_fsdp.tools.outputs import output_location, output_size
 
     try:
         if args.command == "export-lightning":
@@ -279,12 +281,12 @@ def _export(args: argparse.Namespace) -> int:
                 verify_checksums=not args.skip_checksums,
                 trust_checkpoint=args.trust_checkpoint,
             )
-    except (CheckpointError, OSError, ValueError) as err:
+    except (CheckpointError, ImportError, OSError, ValueError) as err:
         if args.debug:
             raise
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {output} ({_format_bytes(output.stat().st_size)})")
+    print(f"wrote {output} ({_format_bytes(output_size(output_location(output, None)))})")
     return 0
 
 

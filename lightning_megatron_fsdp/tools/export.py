@@ -1,12 +1,15 @@
 """Offline export of a checkpoint to one file (safetensors or ``torch.save``, chosen by the
 suffix), at any world size, without a process group, a GPU or memory for the whole model:
 :func:`consolidate_checkpoint` checks the checkpoint, then streams one full tensor at a time
-into the output, which appears by an atomic rename. The writers and checks here are shared
-with :mod:`lightning_checkpoint`.
+into the output, front to back, so that the output can be a local file (renamed into place
+when complete) or an object on a store (a streaming upload that completes when the file is
+whole, :mod:`~lightning_megatron_fsdp.tools.outputs`); the checkpoint can be on either too.
+The writers and checks here are shared with :mod:`lightning_checkpoint`.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import io
@@ -15,11 +18,10 @@ import math
 import os
 import struct
 import sys
-import uuid
 import warnings
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,13 +36,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from lightning_megatron_fsdp import _torch
-from lightning_megatron_fsdp.checkpoint.confined_files import (
-    FileWindow,
-    create_exclusive,
-    open_regular,
-)
+from lightning_megatron_fsdp.checkpoint.confined_files import FileWindow, open_regular
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
 from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, MANIFEST_FILE
+from lightning_megatron_fsdp.checkpoint.fsspec_storage import VerifyingFsspecReader
+from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import check_tensor_record
 from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
 from lightning_megatron_fsdp.tools.inspection import (
@@ -49,22 +49,31 @@ from lightning_megatron_fsdp.tools.inspection import (
     OPTIMIZER_PREFIX,
     CheckedCheckpoint,
     check_directory,
+    checkpoint_location,
+    loaded_version,
     ordered_keys,
     summarise,
+)
+from lightning_megatron_fsdp.tools.outputs import (
+    Output,
+    StoreObject,
+    check_output,
+    output_location,
+    write_atomically,
 )
 
 __all__ = [
     "ExportEntry",
     "StreamingReader",
+    "TorchFile",
     "TreePlace",
-    "check_output",
     "checkpoints_inside",
     "consolidate_checkpoint",
     "load_object",
     "parse_dtype",
     "refuse_problems",
     "select_entries",
-    "write_atomically",
+    "streaming_reader",
     "write_torch",
 ]
 
@@ -204,7 +213,7 @@ class StreamingReader(VerifyingFileSystemReader):
         )
         view = _torch.create_file_view(stream, info.offset, info.length)
         stored = torch.load(view, map_location="meta", weights_only=True)
-        offset = getattr(stored.untyped_storage(), "_checkpoint_offset", None)
+        offset = _torch.checkpoint_offset(stored)
         source = _torch.narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         nbytes = target.numel() * target.element_size()
@@ -236,6 +245,30 @@ class StreamingReader(VerifyingFileSystemReader):
         return True
 
 
+class _StoreStreamingReader(VerifyingFsspecReader):
+    """:class:`StreamingReader` for a checkpoint on an object store: the fsspec reader,
+    which reads each tensor record with ranged GETs straight into its target, here without
+    verifying again (the checkpoint was checked before) and with the parsed metadata
+    reused."""
+
+    def __init__(self, location: StoreCheckpoint, metadata: Metadata, *, trust: bool) -> None:
+        super().__init__(location.store, location.path, verify=False, trust_checkpoint=trust)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+
+def streaming_reader(
+    location: Path | StoreCheckpoint, metadata: Metadata, *, trust: bool = False
+) -> VerifyingFileSystemReader:
+    """The reader an export reads ``location``'s tensors through, one at a time: a
+    :class:`StreamingReader` on a local directory, ranged GETs on an object store."""
+    if isinstance(location, StoreCheckpoint):
+        return _StoreStreamingReader(location, metadata, trust=trust)
+    return StreamingReader(location, metadata, trust=trust)
+
+
 def parse_dtype(
     dtype: torch.dtype | str | None, who: str = "consolidate_checkpoint"
 ) -> torch.dtype | None:
@@ -251,7 +284,7 @@ def parse_dtype(
     )
 
 
-def _output_format(output: Path) -> str:
+def _output_format(output: Output) -> str:
     suffix = output.suffix.lower()
     if suffix == _SAFETENSORS_SUFFIX:
         return "safetensors"
@@ -264,29 +297,9 @@ def _output_format(output: Path) -> str:
     )
 
 
-def check_output(
-    output: Path, checkpoint: Path, *, overwrite: bool, who: str = "consolidate_checkpoint"
+def refuse_problems(
+    checked: CheckedCheckpoint, checkpoint: Path | StoreCheckpoint, who: str
 ) -> None:
-    """Refuse outputs we must not write, before anything is read or written."""
-    if output.is_dir():
-        raise IsADirectoryError(f"{who}: output {output} is a directory; expected a file path.")
-    if output.exists() and not overwrite:
-        raise FileExistsError(
-            f"{who}: output {output} already exists; nothing was written. "
-            "Pass overwrite=True (--overwrite) to replace it, or choose another path."
-        )
-    if not output.parent.is_dir():
-        raise FileNotFoundError(
-            f"{who}: the output's directory {output.parent} does not exist; create it first."
-        )
-    if checkpoint.is_dir() and output.parent.resolve() == checkpoint.resolve():
-        raise ValueError(
-            f"{who}: output {output} lies inside the checkpoint directory; a "
-            "new file there would make the checkpoint fail verification. Write it elsewhere."
-        )
-
-
-def refuse_problems(checked: CheckedCheckpoint, checkpoint: Path, who: str) -> None:
     """Raise one error listing every problem :func:`check_directory` found, if any.
 
     Raises:
@@ -311,12 +324,18 @@ def refuse_problems(checked: CheckedCheckpoint, checkpoint: Path, who: str) -> N
     )
 
 
-def checkpoints_inside(path: Path) -> list[str]:
+def checkpoints_inside(path: Path | StoreCheckpoint) -> list[str]:
     """Complete checkpoints directly inside ``path`` (by name), if ``path`` is not one.
 
     A user who points at ``ModelCheckpoint``'s ``dirpath`` instead of one checkpoint in
     it gets their names in the error.
     """
+    if isinstance(path, StoreCheckpoint):
+        store = path.store
+        if store.locate(path.path) is not None:
+            return []
+        names = [n for n in store.children(path.path) if not n.startswith(".")]
+        return sorted(n for n in names if store.locate(store.join(path.path, n)) is not None)
     if not path.is_dir() or (path / MANIFEST_FILE).exists():
         return []
     with os.scandir(path) as children:
@@ -324,44 +343,11 @@ def checkpoints_inside(path: Path) -> list[str]:
     return sorted(name for name in names if (path / name / MANIFEST_FILE).is_file())
 
 
-def write_atomically(
-    output: Path, write: Callable[[IO[bytes]], None], *, overwrite: bool, who: str
-) -> None:
-    """Run ``write(stream)`` on a new hidden file next to ``output``, fsync it, rename it
-    into place; remove it on any error, so ``output`` is either complete or untouched.
-
-    The file is created with ``O_EXCL | O_NOFOLLOW`` and only ever used through the
-    descriptor that created it; before the rename, the name must still be that file
-    (someone who can write to the folder could otherwise swap in their own).
-
-    Args:
-        output: The final path.
-        write: Writes (and may seek and re-read) the open temporary file it is given.
-        overwrite: Replace an ``output`` that appeared meanwhile.
-        who: The public function, for error messages.
-    """
-    temporary = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:12]}"
-    try:
-        with open(create_exclusive(temporary), "w+b") as stream:
-            write(stream)
-            stream.flush()
-            os.fsync(stream.fileno())
-            mine, now = os.fstat(stream.fileno()), os.stat(temporary, follow_symlinks=False)
-            if (mine.st_dev, mine.st_ino) != (now.st_dev, now.st_ino):
-                raise FileExistsError(
-                    f"{who}: the temporary file {temporary} was replaced while exporting "
-                    "(another process writes to the output folder); nothing was written. "
-                    "Export into a folder only you can write to."
-                )
-        if output.exists() and not overwrite:
-            raise FileExistsError(
-                f"{who}: output {output} appeared while exporting; nothing "
-                "was written. Pass overwrite=True (--overwrite) to replace it."
-            )
-        os.replace(temporary, output)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            temporary.unlink()
+def _file(location: Path | StoreCheckpoint, name: str) -> str:
+    """``name`` inside a checkpoint, as messages show it."""
+    if isinstance(location, StoreCheckpoint):
+        return f"{location}/{name}"
+    return str(location / name)
 
 
 def select_entries(
@@ -369,7 +355,7 @@ def select_entries(
     dtype: torch.dtype | None,
     *,
     include_optimizer: bool,
-    path: Path,
+    path: Path | StoreCheckpoint,
     strip_prefix: str | None = None,
     who: str = "consolidate_checkpoint",
 ) -> list[ExportEntry]:
@@ -423,12 +409,12 @@ def select_entries(
         )
     if not any(e.key.startswith(MODEL_PREFIX) for e in entries):
         raise NotACheckpointError(
-            f"{path / DCP_METADATA_FILE}: no model tensors (keys starting with "
+            f"{_file(path, DCP_METADATA_FILE)}: no model tensors (keys starting with "
             f"{MODEL_PREFIX!r}); expected a checkpoint written by MegatronFSDPCheckpointIO."
         )
     if include_optimizer and not any(e.key.startswith(OPTIMIZER_PREFIX) for e in entries):
         raise ValueError(
-            f"{path / DCP_METADATA_FILE}: no optimizer state (keys starting with "
+            f"{_file(path, DCP_METADATA_FILE)}: no optimizer state (keys starting with "
             f"{OPTIMIZER_PREFIX!r}); the checkpoint was saved weights-only. Export without "
             "optimizer state (drop --optimizer)."
         )
@@ -459,7 +445,7 @@ def _quiet_no_dist() -> Iterator[None]:
             raise CheckpointCorruptedError(f"reading the checkpoint failed: {err}") from err
 
 
-def _load_tensor(reader: StreamingReader, entry: ExportEntry) -> torch.Tensor:
+def _load_tensor(reader: VerifyingFileSystemReader, entry: ExportEntry) -> torch.Tensor:
     """Read one full tensor, in its saved dtype, from its chunks: the only full copy.
 
     Every chunk is read straight into place (:class:`StreamingReader`), so this costs
@@ -489,7 +475,7 @@ def _write_tensor(stream: IO[bytes], tensor: torch.Tensor, dtype: torch.dtype) -
     return crc
 
 
-def load_object(reader: StreamingReader, entry: ExportEntry) -> Any:
+def load_object(reader: VerifyingFileSystemReader, entry: ExportEntry) -> Any:
     """The non-tensor object saved under ``entry.key``, read alone through ``reader``."""
     holder: dict[str, Any] = {entry.key: None}
     with _quiet_no_dist():
@@ -503,54 +489,65 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def _write_safetensors(
-    stream: IO[bytes], entries: list[ExportEntry], reader: StreamingReader, objects: dict[str, Any]
-) -> None:
-    """Stream ``entries`` into ``stream`` in the safetensors format.
+class SafetensorsFile:
+    """A safetensors file planned before any tensor is read (its header, hence its size,
+    known), then written front to back, one tensor in memory at a time.
 
     Format: ``<u64 little-endian N><N bytes of JSON header><data>``; the header maps each
     name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` relative to the data, and
     ``__metadata__`` to string pairs. Offsets must tile the data exactly.
+
+    Raises:
+        ValueError: If a tensor's dtype or an object cannot be stored in safetensors.
     """
-    if sys.byteorder != "little":
-        raise NotImplementedError("safetensors export needs a little-endian machine.")
-    tensors = [e for e in entries if e.dtype is not None]
-    # Largest element first: with an 8-byte-aligned header every tensor is then aligned to
-    # its element size, which zero-copy loaders expect.
-    tensors.sort(key=lambda e: -e.dtype.itemsize)  # type: ignore[union-attr]
-    header: dict[str, Any] = {}
-    offset = 0
-    for entry in tensors:
-        assert entry.dtype is not None
-        code = _SAFETENSORS_DTYPES.get(entry.dtype)
-        if code is None:
-            raise ValueError(
-                f"consolidate_checkpoint: tensor {entry.key!r} has dtype {entry.dtype}, which "
-                "safetensors cannot store; export to .pt instead."
-            )
-        header[entry.name] = {
-            "dtype": code,
-            "shape": list(entry.shape),
-            "data_offsets": [offset, offset + entry.nbytes],
-        }
-        offset += entry.nbytes
-    metadata = {"format": "pt"}
-    for name, value in objects.items():
-        try:
-            metadata[name] = json.dumps(value)
-        except (TypeError, ValueError) as err:
-            raise ValueError(
-                f"consolidate_checkpoint: entry {name!r} is a {type(value).__name__}, which "
-                "neither safetensors nor its JSON metadata can hold; export to .pt instead."
-            ) from err
-    header["__metadata__"] = metadata
-    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    encoded += b" " * (-len(encoded) % 8)
-    stream.write(struct.pack("<Q", len(encoded)))
-    stream.write(encoded)
-    for entry in tensors:
-        assert entry.dtype is not None
-        _write_tensor(stream, _load_tensor(reader, entry), entry.dtype)
+
+    def __init__(self, entries: list[ExportEntry], objects: dict[str, Any]) -> None:
+        if sys.byteorder != "little":
+            raise NotImplementedError("safetensors export needs a little-endian machine.")
+        tensors = [e for e in entries if e.dtype is not None]
+        # Largest element first: with an 8-byte-aligned header every tensor is then aligned
+        # to its element size, which zero-copy loaders expect.
+        tensors.sort(key=lambda e: -e.dtype.itemsize)  # type: ignore[union-attr]
+        header: dict[str, Any] = {}
+        offset = 0
+        for entry in tensors:
+            assert entry.dtype is not None
+            code = _SAFETENSORS_DTYPES.get(entry.dtype)
+            if code is None:
+                raise ValueError(
+                    f"consolidate_checkpoint: tensor {entry.key!r} has dtype {entry.dtype}, "
+                    "which safetensors cannot store; export to .pt instead."
+                )
+            header[entry.name] = {
+                "dtype": code,
+                "shape": list(entry.shape),
+                "data_offsets": [offset, offset + entry.nbytes],
+            }
+            offset += entry.nbytes
+        metadata = {"format": "pt"}
+        for name, value in objects.items():
+            try:
+                metadata[name] = json.dumps(value)
+            except (TypeError, ValueError) as err:
+                raise ValueError(
+                    f"consolidate_checkpoint: entry {name!r} is a {type(value).__name__}, "
+                    "which neither safetensors nor its JSON metadata can hold; export to .pt "
+                    "instead."
+                ) from err
+        header["__metadata__"] = metadata
+        encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        self._header = encoded + b" " * (-len(encoded) % 8)
+        self._tensors = tensors
+        self.size = 8 + len(self._header) + offset
+        """The file's size in bytes."""
+
+    def write(self, stream: IO[bytes], reader: VerifyingFileSystemReader) -> None:
+        """Write the file to ``stream`` (any writable stream: it is never sought)."""
+        stream.write(struct.pack("<Q", len(self._header)))
+        stream.write(self._header)
+        for entry in self._tensors:
+            assert entry.dtype is not None
+            _write_tensor(stream, _load_tensor(reader, entry), entry.dtype)
 
 
 TreePlace = tuple[Any, ...]
@@ -564,90 +561,248 @@ def _at(tree: Any, place: TreePlace) -> Any:
     return tree
 
 
+class _Skeleton(io.RawIOBase):
+    """A file in memory that keeps the bytes written to it and only the extent of those
+    sought over: what ``torch.save`` under ``skip_data`` writes (the pickle, zip headers and
+    directory) in a few KiB, whatever the tensors' size. The holes read as zeros.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._starts: list[int] = []
+        self._pieces: list[bytearray] = []
+        self._position = 0
+        self.size = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._position = base + offset
+        return self._position
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if view.nbytes:
+            self._put(self._position, view)
+        self._position += view.nbytes
+        self.size = max(self.size, self._position)
+        return view.nbytes
+
+    def _put(self, at: int, view: memoryview) -> None:
+        i = bisect.bisect_right(self._starts, at) - 1
+        if i >= 0 and at <= self._starts[i] + len(self._pieces[i]):  # in or after piece i
+            piece = self._pieces[i]
+            piece[at - self._starts[i] : at - self._starts[i] + view.nbytes] = view
+        else:
+            i += 1
+            self._starts.insert(i, at)
+            self._pieces.insert(i, bytearray(view))
+        if (
+            i + 1 < len(self._starts)
+            and self._starts[i] + len(self._pieces[i]) > self._starts[i + 1]
+        ):
+            raise AssertionError(
+                "torch.save skeleton: a write reached bytes written before; torch's "
+                "serialization changed in a way this exporter does not support."
+            )
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(view.nbytes, self.size - self._position))
+        view[:n] = bytes(n)
+        for start, piece in zip(self._starts, self._pieces, strict=True):
+            lo, hi = max(start, self._position), min(start + len(piece), self._position + n)
+            if lo < hi:
+                view[lo - self._position : hi - self._position] = piece[lo - start : hi - start]
+        self._position += n
+        return n
+
+    def written(self, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)``, which must all have been written (no hole).
+
+        Raises:
+            AssertionError: If a hole lies inside (torch's format changed).
+        """
+        covered = 0
+        for piece_start, piece in zip(self._starts, self._pieces, strict=True):
+            covered += max(0, min(piece_start + len(piece), stop) - max(piece_start, start))
+        if covered != stop - start:
+            raise AssertionError(
+                f"torch.save skeleton: bytes [{start}, {stop}) are not all written: a tensor "
+                "inside an object other than a dict, list or tuple, or torch's serialization "
+                "changed in a way this exporter does not support."
+            )
+        self.seek(start)
+        return self.read(stop - start)
+
+    def patch(self, at: int, data: bytes) -> None:
+        """Overwrite written bytes at ``at``."""
+        self.written(at, at + len(data))
+        self.seek(at)
+        self.write(data)
+
+
+class TorchFile:
+    """A ``torch.save`` file of ``tree`` planned before any tensor is read (its layout,
+    hence its size, known), then written front to back, one tensor in memory at a time.
+
+    ``tree`` is any picklable nest of dicts and lists; at each place of ``places`` it will
+    hold that entry's full tensor (whatever is there now is replaced); tensors it already
+    holds (``meta.pt``'s random states, a callback's ``kth_value``) are written as they
+    are. ``torch.save`` under ``skip_data`` writes the pickle and reserves each storage's
+    record (for the entries from fake tensors: no memory) into a :class:`_Skeleton`;
+    ``torch.load(map_location="meta")`` of it reports each storage's byte offset.
+    :meth:`write` copies the skeleton to the output with each storage's bytes in its
+    record, and the zip CRC-32 that ``skip_data`` leaves at zero, computed while the bytes
+    go out, in the data descriptor and the central directory that follow them (torch's
+    zip writer puts no CRC before the data).
+    """
+
+    def __init__(self, tree: dict[str, Any], places: list[tuple[ExportEntry, TreePlace]]) -> None:
+        skeleton = _Skeleton()
+        with _torch.fake_tensor_mode():
+            for entry, place in places:
+                assert entry.dtype is not None
+                _at(tree, place[:-1])[place[-1]] = torch.empty(entry.shape, dtype=entry.dtype)
+        with torch.serialization.skip_data(materialize_fake_tensors=True):
+            torch.save(tree, skeleton)
+        for _, place in places:  # drop the fakes: the caller's tree holds no tensor of ours
+            _at(tree, place[:-1])[place[-1]] = None
+        skeleton.seek(0)
+        # Our own skeleton, whose objects came out of the checkpoint already unpickled.
+        placed = torch.load(skeleton, map_location="meta", weights_only=False)
+        records: dict[int, ExportEntry | torch.Tensor] = {}
+        for entry, place in places:
+            stored = _at(placed, place)
+            offset = _torch.checkpoint_offset(stored)
+            if offset is None or stored.untyped_storage().nbytes() != entry.nbytes:
+                raise AssertionError(
+                    f"torch.save skeleton: record of {entry.name!r} has offset {offset} and "
+                    f"{stored.untyped_storage().nbytes()} bytes, expected {entry.nbytes}; "
+                    "torch's serialization changed in a way this exporter does not support."
+                )
+            records[offset] = entry
+        for held, stored in _tensor_pairs(tree, placed):
+            offset = _torch.checkpoint_offset(stored)
+            if offset is None:
+                raise AssertionError(
+                    "torch.save skeleton: a tensor's record has no offset; torch's "
+                    "serialization changed in a way this exporter does not support."
+                )
+            records.setdefault(offset, held)
+        self._skeleton = skeleton
+        self._records = sorted(records.items(), key=lambda r: (r[0], _nbytes(r[1])))
+        self._crc_places = _crc_places(skeleton, {o for o, r in self._records if _nbytes(r)})
+        self.size = skeleton.size
+        """The file's size in bytes."""
+
+    def write(self, stream: IO[bytes], reader: VerifyingFileSystemReader) -> None:
+        """Write the file to ``stream`` (any writable stream: it is never sought)."""
+        position = 0
+        for offset, record in self._records:
+            stream.write(self._skeleton.written(position, offset))
+            if isinstance(record, ExportEntry):
+                assert record.dtype is not None
+                crc = _write_tensor(stream, _load_tensor(reader, record), record.dtype)
+            else:
+                crc = _write_tensor(stream, _storage_bytes(record), torch.uint8)
+            for at in self._crc_places.get(offset, ()) if _nbytes(record) else ():
+                self._skeleton.patch(at, struct.pack("<I", crc))
+            position = offset + _nbytes(record)
+        stream.write(self._skeleton.written(position, self._skeleton.size))
+
+
+def _nbytes(record: ExportEntry | torch.Tensor) -> int:
+    """Bytes of a record's payload: an entry's tensor, or a held tensor's whole storage."""
+    if isinstance(record, ExportEntry):
+        return record.nbytes
+    return int(record.untyped_storage().nbytes())
+
+
+def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole storage of ``tensor`` (what ``torch.save`` writes), as CPU bytes."""
+    storage = tensor.untyped_storage().cpu()
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def _tensor_pairs(tree: Any, placed: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each tensor ``tree`` holds in its dicts, lists and tuples, with its counterpart
+    in ``placed``, the same tree loaded back from the skeleton. (A tensor inside another
+    object is not reached: its record then stays a hole, which :meth:`_Skeleton.written`
+    refuses to copy.)"""
+    if isinstance(tree, torch.Tensor):
+        if isinstance(placed, torch.Tensor):
+            yield tree, placed
+    elif isinstance(tree, Mapping) and isinstance(placed, Mapping):
+        for key, value in tree.items():
+            if key in placed:
+                yield from _tensor_pairs(value, placed[key])
+    elif isinstance(tree, list | tuple) and isinstance(placed, list | tuple):
+        for value, loaded in zip(tree, placed, strict=False):
+            yield from _tensor_pairs(value, loaded)
+
+
 def write_torch(
     stream: IO[bytes],
     tree: dict[str, Any],
     places: list[tuple[ExportEntry, TreePlace]],
-    reader: StreamingReader,
+    reader: VerifyingFileSystemReader,
 ) -> None:
-    """Write ``tree`` to the new, empty file ``stream`` as a ``torch.save`` file, one
-    tensor in memory at a time.
+    """Write ``tree`` to ``stream`` as a ``torch.save`` file, one tensor in memory at a
+    time (:class:`TorchFile`)."""
+    TorchFile(tree, places).write(stream, reader)
 
-    ``tree`` is any picklable nest of dicts and lists; at each place of ``places`` it will
-    hold that entry's full tensor (whatever is there now is replaced). ``torch.save``
-    under ``skip_data`` writes the pickle and reserves each tensor's record from fake
-    tensors (no memory). ``torch.load(map_location="meta")`` of that skeleton reports each
-    storage's byte offset, where the real bytes are then written. The zip CRC-32 that
-    ``skip_data`` leaves at zero is computed while writing and patched in.
+
+def _crc_places(skeleton: _Skeleton, data_offsets: set[int]) -> dict[int, list[int]]:
+    """Where the CRC-32 of each record whose data starts at one of ``data_offsets`` goes:
+    its data descriptor (``PK\\x07\\x08``, crc, sizes) right after the payload and its
+    central directory entry (offset 16). Both follow the payload in the file.
+
+    Raises:
+        AssertionError: If a record keeps its CRC in the local header, before the data
+            (torch's zip writer sets general-purpose flag bit 3), or is not found.
     """
-    with _torch.fake_tensor_mode():
-        for entry, place in places:
-            assert entry.dtype is not None
-            _at(tree, place[:-1])[place[-1]] = torch.empty(entry.shape, dtype=entry.dtype)
-    with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(tree, stream)
-    for _, place in places:  # drop the fakes: the caller's tree holds no tensor of ours
-        _at(tree, place[:-1])[place[-1]] = None
-    # Our own file, read back through the descriptor that wrote it (never by name), whose
-    # objects came out of the checkpoint already unpickled.
-    stream.flush()
-    stream.seek(0)
-    placed = torch.load(stream, map_location="meta", weights_only=False)
-    crc_by_offset: dict[int, int] = {}
-    for entry, place in places:
-        assert entry.dtype is not None
-        meta_tensor = _at(placed, place)
-        storage = meta_tensor.untyped_storage()
-        offset = getattr(storage, "_checkpoint_offset", None)
-        if offset is None or storage.nbytes() != entry.nbytes:
-            raise AssertionError(
-                f"torch.save skeleton: record of {entry.name!r} has offset {offset} and "
-                f"{storage.nbytes()} bytes, expected {entry.nbytes}; torch's serialization "
-                "changed in a way this exporter does not support."
-            )
-        stream.seek(offset)
-        crc = _write_tensor(stream, _load_tensor(reader, entry), entry.dtype)
-        if entry.nbytes:
-            crc_by_offset[offset] = crc
-    _patch_zip_crcs(stream, crc_by_offset)
-
-
-def _patch_zip_crcs(stream: IO[bytes], crc_by_offset: dict[int, int]) -> None:
-    """Write each record's CRC-32 into its data descriptor and central directory entry.
-
-    torch's zip writer sets general-purpose flag bit 3, so the CRC lives in the data
-    descriptor after the payload (``PK\\x07\\x08``, crc, sizes) and in the central
-    directory entry (offset 16), not in the local header.
-    """
-    stream.seek(0)
-    archive = zipfile.ZipFile(stream)  # type: ignore[arg-type]
+    skeleton.seek(0)
+    archive = zipfile.ZipFile(skeleton)  # type: ignore[arg-type]
     position = archive.start_dir
-    remaining = dict(crc_by_offset)
+    places: dict[int, list[int]] = {}
     for info in archive.infolist():
-        stream.seek(position)
-        central = stream.read(46)
+        central = skeleton.written(position, position + 46)
         if central[:4] != b"PK\x01\x02":
             raise AssertionError(f"zip central directory entry expected at {position}.")
         name_len, extra_len, comment_len = struct.unpack("<3H", central[28:34])
-        stream.seek(info.header_offset)
-        local = stream.read(30)
+        local = skeleton.written(info.header_offset, info.header_offset + 30)
         local_name_len, local_extra_len = struct.unpack("<2H", local[26:30])
         data_offset = info.header_offset + 30 + local_name_len + local_extra_len
-        crc = remaining.pop(data_offset, None)
-        if crc is not None:
-            if info.flag_bits & 0x08:
-                stream.seek(data_offset + info.file_size)
-                if stream.read(4) != b"PK\x07\x08":
-                    raise AssertionError(f"zip data descriptor of {info.filename} not found.")
-                stream.write(struct.pack("<I", crc))
-            else:
-                stream.seek(info.header_offset + 14)
-                stream.write(struct.pack("<I", crc))
-            stream.seek(position + 16)
-            stream.write(struct.pack("<I", crc))
+        if data_offset in data_offsets:
+            descriptor = data_offset + info.file_size
+            if not info.flag_bits & 0x08 or (
+                skeleton.written(descriptor, descriptor + 4) != b"PK\x07\x08"
+            ):
+                raise AssertionError(
+                    f"zip record {info.filename} has no data descriptor after its data; "
+                    "torch's zip writer changed in a way this exporter does not support."
+                )
+            places[data_offset] = [descriptor + 4, position + 16]
         position += 46 + name_len + extra_len + comment_len
-    if remaining:
-        raise AssertionError(f"zip records at offsets {sorted(remaining)} not found.")
+    if set(places) != data_offsets:
+        raise AssertionError(
+            f"zip records at offsets {sorted(data_offsets - set(places))} not found."
+        )
+    return places
 
 
 def consolidate_checkpoint(
@@ -660,7 +815,8 @@ def consolidate_checkpoint(
     overwrite: bool = False,
     verify_checksums: bool = True,
     trust_checkpoint: bool = False,
-) -> Path:
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path | str:
     """Write a checkpoint's full, unsharded tensors to one ``.safetensors`` or ``.pt`` file.
 
     Runs offline in one process: no process group (it issues no collective, so it is also
@@ -668,7 +824,10 @@ def consolidate_checkpoint(
     is about the largest tensor (casts run in small blocks), whatever the model
     size. Nothing is written unless the whole export succeeds: the data goes to a hidden
     temporary file next to ``output_path``, which is renamed into place at the end and
-    removed on any error.
+    removed on any error. Either side may be a URL (``s3://...``, any fsspec filesystem):
+    a checkpoint there is read with ranged GETs (its newest complete version, as a load
+    takes it), and an output there is a streaming upload, whose object appears only when
+    the upload completes (see :func:`~lightning_megatron_fsdp.tools.outputs.write_atomically`).
 
     The output's keys are the model FQNs, so ``model.load_state_dict(torch.load(path))``
     (or ``safetensors.torch.load_file``) loads it into the unsharded model; see the module
@@ -683,9 +842,10 @@ def consolidate_checkpoint(
     :func:`~lightning_megatron_fsdp.export_lightning_checkpoint`.
 
     Args:
-        checkpoint_dir: A checkpoint directory written by ``MegatronFSDPCheckpointIO``.
-        output_path: Output file; ``.safetensors`` writes safetensors, ``.pt``, ``.pth``
-            or ``.bin`` writes a ``torch.save`` file.
+        checkpoint_dir: A checkpoint directory written by ``MegatronFSDPCheckpointIO``,
+            or its URL.
+        output_path: Output file or URL; ``.safetensors`` writes safetensors, ``.pt``,
+            ``.pth`` or ``.bin`` writes a ``torch.save`` file.
         dtype: Cast floating-point model tensors to this dtype (``torch.bfloat16`` or
             ``"bf16"``, ``"fp16"``, ``"fp32"``); ``None`` keeps the saved dtypes.
             Integer tensors and optimizer state are never cast.
@@ -701,31 +861,36 @@ def consolidate_checkpoint(
             completeness and chunk tiling are always checked.
         trust_checkpoint: Unpickle ``.metadata`` and byte records in full. By default
             nothing from the checkpoint is run (see the README, "Untrusted checkpoints").
+        storage_options: Options of a URL's fsspec filesystem (both sides); without them
+            the filesystem's own configuration applies (for s3fs the ``AWS_*`` variables).
 
     Returns:
-        ``output_path`` as a ``Path``.
+        ``output_path`` as a ``Path``; a URL as the string given.
 
     Raises:
         NotACheckpointError: If the directory has no readable manifest (not a complete
-            checkpoint written by ``MegatronFSDPCheckpointIO``); the message lists every
-            problem found.
+            checkpoint written by ``MegatronFSDPCheckpointIO``), or a URL names nothing;
+            the message lists every problem found.
+        ImportError: If a URL's filesystem is not installed (naming what to install).
         CheckpointCorruptedError: If files are missing, truncated or fail their checksum,
             or ``.metadata`` disagrees with them or with the manifest; the message lists
             each problem and the file it concerns.
         FileExistsError: If ``output_path`` exists and ``overwrite`` is false.
         FileNotFoundError: If the output's directory does not exist.
-        IsADirectoryError: If ``output_path`` is a directory.
+        IsADirectoryError: If ``output_path`` is a directory (a prefix holding objects).
+        OSError: If a read or the upload fails.
         ValueError: For an unsupported suffix or ``dtype``, an output inside the
             checkpoint, an entry the output format cannot hold, or a ``strip_prefix``
             that is malformed, matches no model key, or comes with ``include_optimizer``.
     """
     who = "consolidate_checkpoint"
-    checkpoint = Path(checkpoint_dir)
-    output = Path(output_path)
+    named = checkpoint_location(checkpoint_dir, storage_options)
+    output = output_location(output_path, storage_options)
     out_dtype = parse_dtype(dtype)
     output_format = _output_format(output)
     _check_strip_prefix(strip_prefix, include_optimizer=include_optimizer)
-    check_output(output, checkpoint, overwrite=overwrite)
+    check_output(output, named, overwrite=overwrite)
+    checkpoint, _ = loaded_version(named)
     checked = check_directory(checkpoint, checksums=verify_checksums, trust=trust_checkpoint)
     refuse_problems(checked, checkpoint, who)
     entries = select_entries(
@@ -736,8 +901,9 @@ def consolidate_checkpoint(
         strip_prefix=strip_prefix,
     )
     assert checked.metadata is not None  # select_entries checked it
-    reader = StreamingReader(checkpoint, checked.metadata, trust=trust_checkpoint)
+    reader = streaming_reader(checkpoint, checked.metadata, trust=trust_checkpoint)
     objects = {e.name: load_object(reader, e) for e in entries if e.dtype is None}
+    file: SafetensorsFile | TorchFile
     if output_format == "safetensors":
         for entry in entries:
             if entry.dtype is None and entry.key.startswith(MODEL_PREFIX):
@@ -746,17 +912,18 @@ def consolidate_checkpoint(
                     f"{type(objects[entry.name]).__name__}, not a tensor; safetensors holds "
                     "only tensors. Export to .pt instead."
                 )
-
-    def write(stream: IO[bytes]) -> None:
-        if output_format == "safetensors":
-            _write_safetensors(stream, entries, reader, objects)
-        else:
-            tree = {e.name: objects.get(e.name) for e in entries}
-            places = [(e, (e.name,)) for e in entries if e.dtype is not None]
-            write_torch(stream, tree, places, reader)
-
-    write_atomically(output, write, overwrite=overwrite, who=who)
-    return output
+        file = SafetensorsFile(entries, objects)
+    else:
+        tree = {e.name: objects.get(e.name) for e in entries}
+        file = TorchFile(tree, [(e, (e.name,)) for e in entries if e.dtype is not None])
+    write_atomically(
+        output,
+        lambda stream: file.write(stream, reader),
+        overwrite=overwrite,
+        who=who,
+        size=file.size,
+    )
+    return str(output) if isinstance(output, StoreObject) else output
 
 
 def _check_strip_prefix(strip_prefix: str | None, *, include_optimizer: bool) -> None:

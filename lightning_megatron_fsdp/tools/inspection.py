@@ -31,7 +31,12 @@ from lightning_megatron_fsdp.checkpoint.format import (
     check_files,
     read_manifest,
 )
-from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint, is_url, open_store
+from lightning_megatron_fsdp.checkpoint.object_store import (
+    StoreCheckpoint,
+    is_url,
+    local_path,
+    open_store,
+)
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import (
     check_tensor_record,
     is_tensor_entry,
@@ -57,7 +62,9 @@ __all__ = [
     "CheckpointInfo",
     "TensorInfo",
     "check_directory",
+    "checkpoint_location",
     "inspect_checkpoint",
+    "loaded_version",
     "ordered_keys",
     "summarise",
     "verify_checkpoint",
@@ -185,16 +192,45 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _open(checkpoint_dir: Any, storage_options: Mapping[str, Any] | None) -> tuple[Any, list[str]]:
-    """The location to inspect and notes on it: a local directory, or on an object store
-    the newest complete version of the checkpoint (the one a load takes), with one note
-    per version, complete or not."""
+def checkpoint_location(
+    checkpoint_dir: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> Path | StoreCheckpoint:
+    """The checkpoint ``checkpoint_dir`` names: a local directory, or for a URL the
+    checkpoint's prefix on its object store (:func:`loaded_version` picks the version).
+
+    Raises:
+        ImportError: The URL's filesystem is not installed (naming what to install).
+        ValueError: fsspec knows no filesystem for the URL's scheme.
+    """
     if not is_url(checkpoint_dir):
-        return Path(checkpoint_dir), []
+        return Path(local_path(checkpoint_dir))
     store, inside = open_store(os.fspath(checkpoint_dir), storage_options)
+    return StoreCheckpoint(store, inside)
+
+
+def loaded_version(location: Path | StoreCheckpoint) -> tuple[Path | StoreCheckpoint, list[str]]:
+    """What a load of ``location`` reads, and notes on it: a local directory as it is; on
+    an object store the newest complete version of the checkpoint (the one a load takes),
+    with one note per version, complete or not.
+
+    Raises:
+        NotACheckpointError: If nothing on the store has the checkpoint's prefix.
+    """
+    if not isinstance(location, StoreCheckpoint):
+        return location, []
+    store, inside = location.store, location.path
+    versions = store.versions(inside)
+    if not versions and not store.sizes(inside) and not store.fs.isfile(inside):
+        raise NotACheckpointError(
+            f"{location} does not exist: no object has this prefix. Check the URL."
+        )
     version = store.locate(inside)
     notes = [f"version {line}" for line in store.describe(inside)]
     return StoreCheckpoint(store, inside if version is None else version), notes
+
+
+def _open(checkpoint_dir: Any, storage_options: Mapping[str, Any] | None) -> tuple[Any, list[str]]:
+    return loaded_version(checkpoint_location(checkpoint_dir, storage_options))
 
 
 def _is_dir(path: Any) -> bool:
@@ -377,14 +413,15 @@ def _record_problems(path: Any, metadata: Metadata) -> list[str]:
             by_file.setdefault(info.relative_path, []).append((index, info, nbytes))
     for name, records in sorted(by_file.items()):
         if isinstance(path, StoreCheckpoint):
-            for index, info, nbytes in records:
-                data = path.store.fs.cat_file(
-                    path.file(name), start=info.offset, end=info.offset + info.length
-                )
-                try:
-                    check_tensor_record(io.BytesIO(data), nbytes, source=f"{index.fqn!r}")
-                except CheckpointCorruptedError as err:
-                    bad.setdefault(name, []).append(str(err))
+            # Only each record's zip headers and directory are read (small ranged GETs
+            # through a read-ahead of _ZIP_BLOCK), never its payload.
+            with path.store.fs.open(path.file(name), "rb", block_size=_ZIP_BLOCK) as stream:
+                for index, info, nbytes in records:
+                    window = io.BufferedReader(_StreamWindow(stream, info.offset, info.length))
+                    try:
+                        check_tensor_record(window, nbytes, source=f"{index.fqn!r}")
+                    except CheckpointCorruptedError as err:
+                        bad.setdefault(name, []).append(str(err))
             continue
         try:
             fd = open_regular(path, name)
@@ -404,6 +441,46 @@ def _record_problems(path: Any, metadata: Metadata) -> list[str]:
         summarise(f"{name}: {len(lines)} records are not plain torch.save zips", lines)
         for name, lines in sorted(bad.items())
     ]
+
+
+_ZIP_BLOCK = 64 << 10
+"""Read-ahead of the object a record's zip structure is read from: one GET covers a zip
+directory, another the local header at the record's start."""
+
+
+class _StreamWindow(io.RawIOBase):
+    """A read-only, seekable view of bytes ``[offset, offset + length)`` of a seekable
+    binary file (an fsspec file), for ``zipfile``: reads never leave the window."""
+
+    def __init__(self, file: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._file, self._offset, self._length, self._position = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        if base + offset < 0:
+            raise OSError(f"seek to {base + offset}, before the start of the window")
+        self._position = base + offset
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        count = max(0, min(view.nbytes, self._length - self._position))
+        if count == 0:
+            return 0
+        self._file.seek(self._offset + self._position)
+        n = self._file.readinto(view[:count])
+        self._position += n
+        return int(n)
 
 
 def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:

@@ -18,20 +18,33 @@ import torch
 
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
 from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, META_FILE, Manifest
+from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
+from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
 from lightning_megatron_fsdp.tools.export import (
     ExportEntry,
-    StreamingReader,
+    TorchFile,
     TreePlace,
-    check_output,
     load_object,
     parse_dtype,
     refuse_problems,
     select_entries,
-    write_atomically,
-    write_torch,
+    streaming_reader,
 )
-from lightning_megatron_fsdp.tools.inspection import MODEL_PREFIX, check_directory, read_checked
+from lightning_megatron_fsdp.tools.inspection import (
+    MODEL_PREFIX,
+    check_directory,
+    checkpoint_location,
+    loaded_version,
+    read_checked,
+)
+from lightning_megatron_fsdp.tools.outputs import (
+    Output,
+    StoreObject,
+    check_output,
+    output_location,
+    write_atomically,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -57,7 +70,8 @@ def export_lightning_checkpoint(
     overwrite: bool = False,
     verify_checksums: bool = True,
     trust_checkpoint: bool = False,
-) -> Path:
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path | str:
     """Write one of our checkpoint directories as a single-file Lightning checkpoint.
 
     ``Model.load_from_checkpoint(output_path)`` then works in one process, with no GPU
@@ -65,12 +79,15 @@ def export_lightning_checkpoint(
     ``DataModule.load_from_checkpoint`` for datamodule hyper-parameters. Runs offline
     like :func:`~lightning_megatron_fsdp.consolidate_checkpoint` (no collective), with
     peak memory about the largest tensor plus ``meta.pt``'s contents; the output is
-    written to a hidden temporary file and renamed into place only when complete.
+    written to a hidden temporary file and renamed into place only when complete. Either
+    side may be a URL, as for ``consolidate_checkpoint`` (an output there appears when
+    its streaming upload completes).
 
     Args:
-        checkpoint_dir: A checkpoint directory written by ``MegatronFSDPStrategy``.
-        output_path: The file to write, conventionally ``*.ckpt``; any suffix but
-            ``.safetensors`` (which holds no hyper-parameters).
+        checkpoint_dir: A checkpoint directory written by ``MegatronFSDPStrategy``, or
+            its URL.
+        output_path: The file (or URL) to write, conventionally ``*.ckpt``; any suffix
+            but ``.safetensors`` (which holds no hyper-parameters).
         optimizer: Also write ``"optimizer_states"``, converted to torch's positional
             ``Optimizer.state_dict`` format (see the module docstring), so a
             single-device or DDP run can resume from the file. Without it the file has
@@ -83,25 +100,28 @@ def export_lightning_checkpoint(
         trust_checkpoint: Unpickle ``meta.pt``, ``.metadata`` and byte records in full
             (hyper-parameters that are objects of your classes need it). By default
             nothing from the checkpoint runs.
+        storage_options: Options of a URL's fsspec filesystem (both sides).
 
     Returns:
-        ``output_path`` as a ``Path``.
+        ``output_path`` as a ``Path``; a URL as the string given.
 
     Raises:
-        NotACheckpointError: If ``checkpoint_dir`` is a file (already single-file) or a
-            directory without a readable manifest.
+        NotACheckpointError: If ``checkpoint_dir`` is a file (already single-file), a
+            directory without a readable manifest, or a URL naming nothing.
         CheckpointCorruptedError: If the checkpoint is damaged (missing, truncated or
             altered files, chunk gaps) or ``meta.pt`` does not unpickle.
         FileExistsError: If ``output_path`` exists and ``overwrite`` is false.
         FileNotFoundError: If the output's directory does not exist.
+        ImportError: If a URL's filesystem is not installed (naming what to install).
         IsADirectoryError: If ``output_path`` is a directory.
         ValueError: For a ``.safetensors`` output, a bad ``dtype``, an output inside the
             checkpoint, ``optimizer`` on a weights-only checkpoint, or optimizer state
             that does not map onto its parameter groups.
     """
-    return _export(
-        Path(checkpoint_dir),
-        Path(output_path),
+    output = output_location(output_path, storage_options)
+    _export(
+        checkpoint_location(checkpoint_dir, storage_options),
+        output,
         optimizer=optimizer,
         dtype=dtype,
         overwrite=overwrite,
@@ -109,6 +129,7 @@ def export_lightning_checkpoint(
         trust_checkpoint=trust_checkpoint,
         who="export_lightning_checkpoint",
     )
+    return str(output) if isinstance(output, StoreObject) else output
 
 
 def load_lightning_module(
@@ -118,23 +139,26 @@ def load_lightning_module(
     tmp_dir: str | os.PathLike[str] | None = None,
     verify_checksums: bool = True,
     trust_checkpoint: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> ModuleT:
     """``module_class.load_from_checkpoint`` for a single file or one of our directories.
 
-    A file is passed to Lightning unchanged. A checkpoint directory is first exported
-    with :func:`export_lightning_checkpoint` (weights only) to a temporary file, which
-    is deleted once loaded: that costs disk space for the weights, in ``tmp_dir``. To
-    load the same checkpoint repeatedly, export it once and load the file instead.
+    A file is passed to Lightning unchanged (on an object store, as the object's stream).
+    A checkpoint directory (local or a URL) is first exported with
+    :func:`export_lightning_checkpoint` (weights only) to a temporary local file, which is
+    deleted once loaded: that costs disk space for the weights, in ``tmp_dir``. To load
+    the same checkpoint repeatedly, export it once and load the file instead.
 
     Args:
         module_class: The LightningModule class (the one that was trained).
         checkpoint: A ``.ckpt`` file or a checkpoint directory written by
-            ``MegatronFSDPStrategy``.
+            ``MegatronFSDPStrategy``, or the URL of either.
         tmp_dir: Where the temporary file goes; the system default if ``None``.
         verify_checksums: For a directory: check every file's checksum first.
         trust_checkpoint: For a directory: unpickle its pickles in full (see
             :func:`export_lightning_checkpoint`).
+        storage_options: Options of a URL's fsspec filesystem.
         **kwargs: Passed to ``load_from_checkpoint`` (``map_location``, ``strict``,
             ``weights_only``, ``hparams_file``, hyper-parameter overrides).
 
@@ -143,21 +167,32 @@ def load_lightning_module(
 
     Raises:
         FileNotFoundError: If ``checkpoint`` does not exist.
+        ImportError: If a URL's filesystem is not installed (naming what to install).
         NotACheckpointError | CheckpointCorruptedError: If a directory is not a complete,
             intact checkpoint of ours (see :func:`export_lightning_checkpoint`).
     """
-    path = Path(checkpoint)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"load_lightning_module: {path} does not exist; expected a .ckpt file or a "
-            "checkpoint directory written by MegatronFSDPStrategy."
-        )
-    if not path.is_dir():
-        return module_class.load_from_checkpoint(path, **kwargs)
+    location = checkpoint_location(checkpoint, storage_options)
+    missing = (
+        f"load_lightning_module: {location} does not exist; expected a .ckpt file or a "
+        "checkpoint directory written by MegatronFSDPStrategy."
+    )
+    if isinstance(location, StoreCheckpoint):
+        fs = location.store.fs
+        fs.invalidate_cache(location.path)
+        if not fs.exists(location.path):
+            raise FileNotFoundError(missing)
+        if fs.isfile(location.path):
+            with fs.open(location.path, "rb") as stream:
+                return module_class.load_from_checkpoint(stream, **kwargs)
+    elif not location.exists():
+        raise FileNotFoundError(missing)
+    elif not location.is_dir():
+        return module_class.load_from_checkpoint(location, **kwargs)
     with tempfile.TemporaryDirectory(prefix="lmf-export-", dir=tmp_dir) as scratch:
-        exported = _export(
-            path,
-            Path(scratch) / "model.ckpt",
+        exported = Path(scratch) / "model.ckpt"
+        _export(
+            location,
+            exported,
             optimizer=False,
             dtype=None,
             overwrite=False,
@@ -171,9 +206,15 @@ def load_lightning_module(
 # ---------------------------------------------------------------------------------------
 
 
+def _is_file(location: Path | StoreCheckpoint) -> bool:
+    if isinstance(location, StoreCheckpoint):
+        return bool(location.store.fs.isfile(location.path))
+    return location.is_file()
+
+
 def _export(
-    checkpoint: Path,
-    output: Path,
+    named: Path | StoreCheckpoint,
+    output: Output,
     *,
     optimizer: bool,
     dtype: torch.dtype | str | None,
@@ -181,7 +222,7 @@ def _export(
     verify_checksums: bool,
     who: str,
     trust_checkpoint: bool = False,
-) -> Path:
+) -> None:
     out_dtype = parse_dtype(dtype, who)
     if output.suffix.lower() == _SAFETENSORS_SUFFIX:
         raise ValueError(
@@ -189,20 +230,21 @@ def _export(
             "hyper-parameters a Lightning checkpoint needs. Write a .ckpt file, or use "
             "consolidate_checkpoint (lightning-megatron-fsdp consolidate) for bare weights."
         )
-    if checkpoint.is_file():
+    if _is_file(named):
         raise NotACheckpointError(
-            f"{who}: {checkpoint} is a file, expected a checkpoint directory written by "
+            f"{who}: {named} is a file, expected a checkpoint directory written by "
             "MegatronFSDPStrategy. A single-file Lightning checkpoint needs no export: load "
             "it with Model.load_from_checkpoint(path)."
         )
-    check_output(output, checkpoint, overwrite=overwrite, who=who)
+    check_output(output, named, overwrite=overwrite, who=who)
+    checkpoint, _ = loaded_version(named)
     checked = check_directory(checkpoint, checksums=verify_checksums, trust=trust_checkpoint)
     refuse_problems(checked, checkpoint, who)
     entries = select_entries(
         checked, out_dtype, include_optimizer=optimizer, path=checkpoint, who=who
     )
     assert checked.metadata is not None and checked.manifest is not None  # checked above
-    reader = StreamingReader(checkpoint, checked.metadata, trust=trust_checkpoint)
+    reader = streaming_reader(checkpoint, checked.metadata, trust=trust_checkpoint)
     tree, places = _lightning_tree(
         _read_meta_in_full(checkpoint, who, checked.manifest, trust_checkpoint, verify_checksums),
         entries,
@@ -211,17 +253,18 @@ def _export(
         checked.manifest,
         who,
     )
+    file = TorchFile(tree, places)
     write_atomically(
         output,
-        lambda stream: write_torch(stream, tree, places, reader),
+        lambda stream: file.write(stream, reader),
         overwrite=overwrite,
         who=who,
+        size=file.size,
     )
-    return output
 
 
 def _read_meta_in_full(
-    checkpoint: Path, who: str, manifest: Manifest, trust: bool, digest: bool
+    checkpoint: Path | StoreCheckpoint, who: str, manifest: Manifest, trust: bool, digest: bool
 ) -> dict[str, Any]:
     """Every entry of ``meta.pt`` (weights-only unless ``trust``), read only after its size
     and checksum match the manifest.
@@ -230,13 +273,13 @@ def _read_meta_in_full(
         CheckpointCorruptedError: If it differs from the manifest or does not unpickle to a
             dict.
     """
-    file = checkpoint / META_FILE
+    file = f"{checkpoint}/{META_FILE}"
     try:
         data = read_checked(checkpoint, META_FILE, manifest, digest=digest)
     except (CheckpointCorruptedError, OSError) as err:
         raise CheckpointCorruptedError(f"{who}: {err}") from err
     try:
-        meta = load_weights_only(data, source=str(file), trust=trust)
+        meta = load_weights_only(data, source=file, trust=trust)
     except CheckpointCorruptedError as err:
         raise CheckpointCorruptedError(
             f"{who}: {META_FILE} does not unpickle ({err}). It holds the hyper-parameters "
@@ -279,7 +322,7 @@ def _lightning_tree(
     meta: dict[str, Any],
     entries: list[ExportEntry],
     paths: Mapping[str, Any],
-    reader: StreamingReader,
+    reader: VerifyingFileSystemReader,
     manifest: Manifest,
     who: str,
 ) -> tuple[dict[str, Any], list[tuple[ExportEntry, TreePlace]]]:

@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.agreement import Ranks
 from lightning_megatron_fsdp.checkpoint.format import OPTIMIZER_PREFIX, listed
+from lightning_megatron_fsdp.checkpoint.object_store import is_url, local_path
 from lightning_megatron_fsdp.megatron import _megatron
 from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
 from lightning_megatron_fsdp.megatron.uneven_dtensor import (
@@ -72,7 +73,10 @@ class PretrainedWeights:
     Args:
         path: A ``torch.save`` state dict (``.pt``/``.pth``/``.bin``), a Lightning
             ``.ckpt`` file, a ``.safetensors`` file, a consolidated export, or a DCP
-            checkpoint directory (ours, or Lightning ``ModelParallelStrategy``'s).
+            checkpoint directory (ours, or Lightning ``ModelParallelStrategy``'s); or the
+            URL of any of them on an object store (``s3://bucket/model.safetensors``,
+            ``s3://bucket/run/ckpts/last.ckpt``: the newest complete version), read in
+            place with ranged GETs, each rank fetching only its own rows.
         strict: Refuse model FQNs missing from the source and source keys the model does
             not have. Shapes and dtypes of keys on both sides are checked either way.
         strip_prefix: Removed from the start of every source key before matching (for
@@ -83,6 +87,9 @@ class PretrainedWeights:
         weights_only: ``torch.load``'s ``weights_only`` for ``torch.save`` files. Keep
             ``True`` unless you trust the file and it holds objects the safe unpickler
             refuses.
+        storage_options: Options of a URL's fsspec filesystem (s3fs: ``endpoint_url``,
+            ``key``, ``secret``, ...); without them the filesystem's own configuration
+            applies (the ``AWS_*`` variables).
 
     Raises:
         TypeError: If an option has the wrong type.
@@ -94,6 +101,7 @@ class PretrainedWeights:
     strip_prefix: str = ""
     add_prefix: str = ""
     weights_only: bool = True
+    storage_options: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike):
@@ -112,6 +120,11 @@ class PretrainedWeights:
                 raise TypeError(
                     f"PretrainedWeights: {name} must be a str, got {getattr(self, name)!r}."
                 )
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise TypeError(
+                "PretrainedWeights: storage_options must be a mapping of fsspec filesystem "
+                f"options (e.g. {{'endpoint_url': ...}}), got {self.storage_options!r:.200}."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +132,7 @@ class FullWeightsLoad:
     """What :func:`load_full_weights` loaded (identical on every rank).
 
     Attributes:
-        source: The source path.
+        source: The source path (absolute), or its URL as given.
         kind: ``"torch"``, ``"safetensors"`` or ``"dcp"``.
         loaded: Model FQNs filled from the source (every FQN of a tied parameter).
         missing: Model FQNs the source does not hold (left as they were; only with
@@ -128,7 +141,7 @@ class FullWeightsLoad:
         optimizers: Number of optimizers whose state was loaded.
     """
 
-    source: Path
+    source: Path | str
     kind: str
     loaded: tuple[str, ...]
     missing: tuple[str, ...]
@@ -183,6 +196,7 @@ def apply_pretrained_weights(model: nn.Module, weights: PretrainedWeights) -> bo
         strip_prefix=weights.strip_prefix,
         add_prefix=weights.add_prefix,
         weights_only=weights.weights_only,
+        storage_options=weights.storage_options,
     )
     setattr(model, _APPLIED_ATTR, weights)
     return True
@@ -197,6 +211,7 @@ def load_full_weights(
     strip_prefix: str = "",
     add_prefix: str = "",
     weights_only: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> FullWeightsLoad:
     """Fill a Megatron-FSDP sharded model from full weights, each rank reading its own rows.
@@ -210,7 +225,9 @@ def load_full_weights(
             ``MegatronFSDPStrategy``); plain buffers are filled too.
         source: See :class:`PretrainedWeights` ``path``. The format is chosen by what the
             path is: a directory holding ``.metadata`` is DCP, ``.safetensors`` is
-            safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` files are ``torch.save``.
+            safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` files are ``torch.save``; on
+            an object store likewise (a prefix holding checkpoint versions or DCP
+            objects is DCP).
         optimizers: Optimizers over ``model``'s sharded parameters whose state to load
             too, by parameter FQN (``optimizer_states[i]`` / ``optimizer_<i>`` of the
             source for ``optimizers[i]``). Their state is created first if they never
@@ -220,6 +237,7 @@ def load_full_weights(
         strip_prefix: See :class:`PretrainedWeights`.
         add_prefix: See :class:`PretrainedWeights`.
         weights_only: See :class:`PretrainedWeights`.
+        storage_options: See :class:`PretrainedWeights`.
         process_group: Ranks that load together; the default group when ``None``. Its
             timeout bounds every collective here.
 
@@ -228,7 +246,8 @@ def load_full_weights(
 
     Raises:
         CheckpointError: On every rank, if any rank cannot read the source (missing,
-            unknown format, unreadable), naming the rank(s). Raised before any value is
+            unknown format, unreadable, a URL whose filesystem is not installed: the
+            message names what to install), naming the rank(s). Raised before any value is
             written, unless reading fails halfway (then the message says the model is
             partly overwritten).
         CheckpointMismatchError: On every rank, before any value is written, listing
@@ -242,6 +261,7 @@ def load_full_weights(
         strip_prefix=strip_prefix,
         add_prefix=add_prefix,
         weights_only=weights_only,
+        storage_options=storage_options,
     )
     if not _megatron.fsdp_modules(model):
         raise ValueError(
@@ -257,7 +277,11 @@ def load_full_weights(
                 f"got {type(optimizer).__name__}."
             )
     comm = Ranks.of(process_group)
-    path = Path(os.path.abspath(os.fspath(source)))
+    path: Path | str = (
+        os.fspath(source)
+        if is_url(source)
+        else Path(os.path.abspath(local_path(os.fspath(source))))
+    )
 
     # Every rank, whatever it finds below: the step may run collective optimizer hooks.
     for optimizer in optimizers:
@@ -268,7 +292,7 @@ def load_full_weights(
     reader: WeightSource | None = None
     plan: WeightsPlan | None = None
     try:
-        reader = open_source(path, weights_only)
+        reader = open_source(path, weights_only, storage_options)
         plan = _plan(model, optimizers, reader, options)
         problems = plan.problems
     except SourceError as err:

@@ -1,21 +1,34 @@
 """Where full weights come from (``torch.save`` files and Lightning ``.ckpt``, safetensors, DCP
-directories: ours, FSDP2's, megatron-fsdp's), behind one small interface,
-:class:`WeightSource`, that reads each rank's planned rows into its targets; the ranks agree
-on problems so a bad source raises the same error on every rank.
+directories: ours, FSDP2's, megatron-fsdp's), on a local disk or on an object store (a URL),
+behind one small interface, :class:`WeightSource`, that reads each rank's planned rows into
+its targets; the ranks agree on problems so a bad source raises the same error on every rank.
+
+On an object store nothing is downloaded whole: a file's layout comes from its header
+(safetensors) or from unpickling it without its data (``torch.load(map_location="meta")``
+places every storage in the file), and each rank fetches the byte ranges of its own rows
+with ranged GETs; a DCP checkpoint is read through the verifying fsspec reader from its
+newest complete version, each rank fetching the records that hold its rows.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import json
+import math
 import os
+import posixpath
+import struct
+import sys
+import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.agreement import Problem, Ranks
 from lightning_megatron_fsdp.checkpoint.errors import (
     CheckpointError,
@@ -29,6 +42,13 @@ from lightning_megatron_fsdp.checkpoint.format import (
     OPTIMIZER_PREFIX,
     check_files,
     read_manifest,
+)
+from lightning_megatron_fsdp.checkpoint.fsspec_storage import VerifyingFsspecReader
+from lightning_megatron_fsdp.checkpoint.object_store import (
+    ObjectStore,
+    StoreCheckpoint,
+    is_url,
+    open_store,
 )
 from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
 from lightning_megatron_fsdp.megatron.checkpointable_chunks import dcp_view, keep_loaded_values
@@ -103,7 +123,7 @@ class SourceError(Exception):
 
 
 def agree_on_problems(
-    ranks: Ranks, path: Path, problems: list[tuple[int, str]], aftermath: str
+    ranks: Ranks, path: Path | str, problems: list[tuple[int, str]], aftermath: str
 ) -> None:
     """All-gather every rank's ``(kind, text)`` problems; if any rank has one, raise it on
     every rank (:meth:`~lightning_megatron_fsdp.agreement.Ranks.agree`).
@@ -185,7 +205,7 @@ class WeightSource(abc.ABC):
 
     kind = ""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | str) -> None:
         self.path = path
         self.model_keys: list[str] = []
         # Filled by optimizer_count: optimizer entries that cannot be matched to FQNs.
@@ -218,7 +238,7 @@ class WeightSource(abc.ABC):
 class _FlatSource(WeightSource):
     """A source whose tensors are read by rows, rank-locally: torch.save and safetensors."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | str) -> None:
         super().__init__(path)
         self._optimizer_keys: dict[int, list[str]] = {}
 
@@ -271,23 +291,9 @@ class _TorchSource(_FlatSource):
 
     kind = "torch"
 
-    def __init__(self, path: Path, weights_only: bool) -> None:
+    def __init__(self, path: Path | str, weights_only: bool) -> None:
         super().__init__(path)
-        try:
-            loaded = torch.load(path, mmap=True, weights_only=weights_only, map_location="cpu")
-        except Exception as err:
-            hint = (
-                " If the file holds objects the weights-only unpickler refuses and you trust "
-                "it, pass weights_only=False."
-                if weights_only
-                else ""
-            )
-            raise SourceError(
-                f"{path}: torch.load(mmap=True, weights_only={weights_only}) failed: "
-                f"{type(err).__name__}: {str(err).rstrip('.')}.{hint} Files written with the "
-                "legacy (non-zip) torch.save format cannot be memory-mapped: re-save them with "
-                "torch.save."
-            ) from err
+        loaded = self._load(weights_only)
         if not isinstance(loaded, Mapping):
             raise SourceError(
                 f"{path}: expected a state dict (a mapping of names to tensors) or a Lightning "
@@ -306,6 +312,18 @@ class _TorchSource(_FlatSource):
             for k, v in self._flat.items()
             if isinstance(v, torch.Tensor) and not k.startswith(OPTIMIZER_PREFIX)
         ]
+
+    def _load(self, weights_only: bool) -> Any:
+        """The file's object, its tensors memory-mapped."""
+        try:
+            return torch.load(self.path, mmap=True, weights_only=weights_only, map_location="cpu")
+        except Exception as err:
+            raise SourceError(
+                f"{self.path}: torch.load(mmap=True, weights_only={weights_only}) failed: "
+                f"{type(err).__name__}: {str(err).rstrip('.')}.{_unpickling_hint(weights_only)} "
+                "Files written with the legacy (non-zip) torch.save format cannot be "
+                "memory-mapped: re-save them with torch.save."
+            ) from err
 
     def spec(self, key: str) -> SourceTensorSpec:
         tensor = self._flat[key]
@@ -475,22 +493,12 @@ class _DcpSource(WeightSource):
 
     kind = "dcp"
 
-    def __init__(self, path: Path, weights_only: bool = True) -> None:
+    def __init__(self, path: Path | str, weights_only: bool = True) -> None:
         super().__init__(path)
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self._trust = not weights_only
-
-        if (path / MANIFEST_FILE).exists():
-            try:
-                damaged = check_files(path, read_manifest(path))
-            except (NotACheckpointError, OSError) as err:
-                raise SourceError(str(err)) from err
-            if damaged:
-                raise SourceError(
-                    f"{path} is an incomplete or damaged checkpoint: {'; '.join(damaged)}. Use "
-                    "another checkpoint."
-                )
+        self._check_complete()
         try:
             metadata = self._reader().read_metadata()
         except Exception as err:
@@ -526,6 +534,26 @@ class _DcpSource(WeightSource):
                 if k.startswith(OPTIMIZER_PREFIX)
             }
         )
+
+    def _check_complete(self) -> None:
+        """A directory of ours must be complete: its manifest parses and every file has
+        its recorded size.
+
+        Raises:
+            SourceError: Naming what is wrong.
+        """
+        assert isinstance(self.path, Path)
+        if not (self.path / MANIFEST_FILE).exists():
+            return
+        try:
+            damaged = check_files(self.path, read_manifest(self.path))
+        except (NotACheckpointError, OSError) as err:
+            raise SourceError(str(err)) from err
+        if damaged:
+            raise SourceError(
+                f"{self.path} is an incomplete or damaged checkpoint: {'; '.join(damaged)}. "
+                "Use another checkpoint."
+            )
 
     def _reader(self) -> VerifyingFileSystemReader:
         """The reader of every load from this directory: nothing from it runs, files are
@@ -582,12 +610,352 @@ def _dcp_optimizer_key(key: str) -> str | None:
     return None
 
 
-def open_source(path: Path, weights_only: bool) -> WeightSource:
-    """Open ``path`` by what it is.
+def _unpickling_hint(weights_only: bool) -> str:
+    return (
+        " If the file holds objects the weights-only unpickler refuses and you trust it, "
+        "pass weights_only=False."
+        if weights_only
+        else ""
+    )
+
+
+_RANGE = 32 << 20
+"""Largest ranged GET: a larger read goes in pieces, so a read holds at most this much
+beyond the tensor it fills."""
+
+_HEADER_LIMIT = 100 << 20
+"""Largest safetensors header read (the safetensors package's own limit)."""
+
+
+class _ObjectRanges:
+    """Ranged reads of one object on a store.
+
+    Args:
+        fs: The fsspec filesystem.
+        path: The object's path in it.
+        url: The object's URL, for messages.
+    """
+
+    def __init__(self, fs: Any, path: str, url: str) -> None:
+        self.fs, self.path, self.url = fs, path, url
+
+    def read(self, start: int, stop: int) -> bytearray:
+        """Bytes ``[start, stop)``.
+
+        Raises:
+            SourceError: If the object ends first.
+        """
+        out = bytearray(stop - start)
+        done = 0
+        while done < len(out):
+            want = min(_RANGE, len(out) - done)
+            data = self.fs.cat_file(self.path, start=start + done, end=start + done + want)
+            if not data:
+                raise SourceError(
+                    f"{self.url} ends at byte {start + done}; bytes up to {stop} were "
+                    "expected (a truncated upload?)."
+                )
+            out[done : done + len(data)] = data
+            done += len(data)
+        return out
+
+
+def _tensor_from(data: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """``data`` (native byte order) as a tensor of ``dtype`` and ``shape``, without a copy."""
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class _StoreTorchSource(_TorchSource):
+    """A ``torch.save`` file or Lightning ``.ckpt`` on an object store.
+
+    It is unpickled without its data (``map_location="meta"``: a few ranged GETs for the
+    pickle and the zip directory), which gives every tensor's storage and its offset in
+    the file; a read then fetches exactly the bytes the asked-for rows span.
+    """
+
+    def __init__(self, url: str, fs: Any, path: str, weights_only: bool) -> None:
+        self._object = _ObjectRanges(fs, path, url)
+        super().__init__(url, weights_only)
+
+    def _load(self, weights_only: bool) -> Any:
+        fs, path = self._object.fs, self._object.path
+        try:
+            with fs.open(path, "rb", block_size=1 << 20) as stream:
+                if not zipfile.is_zipfile(stream):
+                    raise SourceError(
+                        f"{self.path}: not a zip archive: a file written with the legacy "
+                        "(non-zip) torch.save format cannot be read in place on an object "
+                        "store. Re-save it with torch.save."
+                    )
+                stream.seek(0)
+                names = zipfile.ZipFile(stream).namelist()
+                orders = [n for n in names if n.count("/") == 1 and n.endswith("/byteorder")]
+                if orders:
+                    with zipfile.ZipFile(stream).open(orders[0]) as record:
+                        order = record.read().decode(errors="replace")
+                    if order != sys.byteorder:
+                        raise SourceError(
+                            f"{self.path} was saved on a {order}-endian machine; this one is "
+                            f"{sys.byteorder}-endian. Load it with torch.load and re-save it."
+                        )
+                stream.seek(0)
+                return torch.load(stream, map_location="meta", weights_only=weights_only)
+        except SourceError:
+            raise
+        except FileNotFoundError as err:
+            raise SourceError(f"{self.path} does not exist.") from err
+        except Exception as err:
+            raise SourceError(
+                f"{self.path}: torch.load(map_location='meta', weights_only={weights_only}) "
+                f"failed: {type(err).__name__}: {str(err).rstrip('.')}."
+                f"{_unpickling_hint(weights_only)}"
+            ) from err
+
+    def _fetch(self, tensor: Any) -> Any:
+        """A tensor of the file (a meta view of its storage) with its bytes fetched."""
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_meta:
+            return tensor
+        if tensor.numel() == 0:
+            return torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
+        base = _torch.checkpoint_offset(tensor)
+        size = tensor.element_size()
+        first = tensor.storage_offset()
+        span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+        if base is None or (first + span) * size > tensor.untyped_storage().nbytes():
+            raise SourceError(
+                f"{self.path}: torch.load did not place a tensor's bytes in the file "
+                f"(offset {base}); torch's serialization changed in a way this reader does "
+                "not support. Copy the file to a local disk and load it from there."
+            )
+        data = self._object.read(base + first * size, base + (first + span) * size)
+        flat = torch.frombuffer(data, dtype=torch.uint8).view(tensor.dtype)
+        return flat.as_strided(tuple(tensor.shape), tuple(tensor.stride()))
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        return self._fetch(self._flat[key][start:stop])
+
+    def whole(self, key: str) -> torch.Tensor:
+        return self._fetch(self._flat[key])
+
+    def value(self, key: str) -> Any:
+        return self._fetch(self._flat[key])
+
+
+class _StoreSafetensorsSource(_FlatSource):
+    """A ``.safetensors`` file on an object store: its header is read (two ranged GETs),
+    then each read fetches the bytes of the asked-for rows (tensors are row-major and
+    contiguous). The safetensors package is not needed.
+    """
+
+    kind = "safetensors"
+
+    def __init__(self, url: str, fs: Any, path: str) -> None:
+        super().__init__(url)
+        self._object = _ObjectRanges(fs, path, url)
+        try:
+            size = int(fs.size(path))
+        except FileNotFoundError as err:
+            raise SourceError(f"{url} does not exist.") from err
+        if size < 8:
+            raise SourceError(f"{url}: {size} bytes, not a safetensors file.")
+        (length,) = struct.unpack("<Q", self._object.read(0, 8))
+        if length > min(size - 8, _HEADER_LIMIT):
+            raise SourceError(
+                f"{url}: not a readable safetensors file (a header of {length} bytes in a "
+                f"{size}-byte file)."
+            )
+        try:
+            header = json.loads(self._object.read(8, 8 + length))
+            self._metadata = dict(header.pop("__metadata__", None) or {})
+            self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+            for key, entry in header.items():
+                begin, end = (int(v) for v in entry["data_offsets"])
+                shape = tuple(int(n) for n in entry["shape"])
+                self._entries[key] = (str(entry["dtype"]), shape, begin, end)
+        except (ValueError, TypeError, KeyError, AttributeError) as err:
+            raise SourceError(
+                f"{url}: not a readable safetensors file (its header does not parse: "
+                f"{type(err).__name__}: {err})."
+            ) from err
+        self._data = 8 + length
+        self._size = size
+        self.model_keys = [k for k in self._entries if not k.startswith(OPTIMIZER_PREFIX)]
+
+    def spec(self, key: str) -> SourceTensorSpec:
+        """Shape and dtype of ``key``, which the load needs.
+
+        Raises:
+            SourceError: If torch has no dtype for its safetensors dtype, or its bytes do
+                not fit its shape or the file.
+        """
+        code, shape, begin, end = self._entries[key]
+        dtype = _SAFETENSORS_DTYPES.get(code)
+        if dtype is None:
+            raise SourceError(
+                f"{self.path}: tensor {key!r} has safetensors dtype {code}, which this loader "
+                f"cannot read into torch {torch.__version__} (readable: "
+                f"{', '.join(sorted(_SAFETENSORS_DTYPES))}); the model needs it. Convert "
+                "that tensor to a supported dtype, or load into a model without it."
+            )
+        if end - begin != math.prod(shape) * dtype.itemsize or self._data + end > self._size:
+            raise SourceError(
+                f"{self.path}: tensor {key!r} spans bytes [{begin}, {end}) of the data, which "
+                f"does not match its shape {shape} and dtype {code} or lies past the end of "
+                "the file; the file is damaged."
+            )
+        return SourceTensorSpec(shape, dtype)
+
+    def has(self, key: str) -> bool:
+        return key in self._entries or key in self._metadata
+
+    def optimizer_count(self, group_fqns: list[list[list[str]]]) -> int:
+        keys = [k for k in (*self._entries, *self._metadata) if k.startswith(OPTIMIZER_PREFIX)]
+        return self._index_optimizer_keys(iter(keys))
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        spec = self.spec(key)
+        row = math.prod(spec.shape[1:]) * spec.dtype.itemsize
+        at = self._data + self._entries[key][2]
+        data = self._object.read(at + start * row, at + stop * row)
+        return _tensor_from(data, spec.dtype, (stop - start, *spec.shape[1:]))
+
+    def whole(self, key: str) -> torch.Tensor:
+        spec = self.spec(key)
+        _, _, begin, end = self._entries[key]
+        data = self._object.read(self._data + begin, self._data + end)
+        return _tensor_from(data, spec.dtype, spec.shape)
+
+    def value(self, key: str) -> Any:
+        return json.loads(self._metadata[key])
+
+
+class _StoreDcpReader(VerifyingFsspecReader):
+    """The verifying fsspec reader, which also reads a DCP checkpoint of another writer
+    (no manifest): each file's size then comes from the store's listing."""
+
+    _listing: dict[str, int] | None = None
+
+    def _expected_size(self, name: str) -> int | None:
+        if self._checkpoint_manifest() is not None:
+            return super()._expected_size(name)
+        if self._listing is None:
+            self._listing = self.store.sizes(self.path)
+        if name not in self._listing:
+            raise self._corrupted(name, f"missing; {DCP_METADATA_FILE} stores data there")
+        return self._listing[name]
+
+
+class _StoreDcpSource(_DcpSource):
+    """A DCP checkpoint on an object store: one version of ours (complete: its manifest
+    and every object's size checked when it was picked), or a prefix holding another
+    writer's DCP files. Each rank's ``dcp.load`` fetches the records its rows lie in.
+    """
+
+    def __init__(self, url: str, store: ObjectStore, location: str, weights_only: bool) -> None:
+        self._store, self._location = store, location
+        super().__init__(url, weights_only)
+
+    def _check_complete(self) -> None:
+        """Checked when the version was picked (:func:`_open_url`)."""
+
+    def _reader(self) -> VerifyingFileSystemReader:
+        return _StoreDcpReader(self._store, self._location, trust_checkpoint=self._trust)
+
+
+def _open_url(
+    url: str, weights_only: bool, storage_options: Mapping[str, Any] | None
+) -> WeightSource:
+    """Open the object or checkpoint ``url`` names.
+
+    Raises:
+        SourceError: If its filesystem is not installed (naming what to install), it does
+            not exist, or it is no supported format.
+    """
+    try:
+        store, inside = open_store(url, storage_options)
+    except (ImportError, ValueError) as err:
+        raise SourceError(str(err)) from err
+    fs = store.fs
+    try:
+        with contextlib.suppress(Exception):  # another process may have written since
+            fs.invalidate_cache(inside)
+        if fs.isfile(inside):
+            suffix = posixpath.splitext(inside)[1]
+            if suffix == _SAFETENSORS_SUFFIX:
+                return _StoreSafetensorsSource(url, fs, inside)
+            if suffix in _TORCH_SUFFIXES:
+                return _StoreTorchSource(url, fs, inside, weights_only)
+            raise SourceError(
+                f"{url}: unsupported suffix {suffix!r}. Expected a torch.save file "
+                f"({', '.join(_TORCH_SUFFIXES)}), {_SAFETENSORS_SUFFIX}, or a DCP checkpoint."
+            )
+        location = store.locate(inside)  # the newest complete version of ours
+        if location is None:
+            location = _foreign_or_raise(url, store, inside)
+        return _StoreDcpSource(url, store, location, weights_only)
+    except SourceError:
+        raise
+    except (OSError, CheckpointError) as err:
+        raise SourceError(f"{url}: {type(err).__name__}: {err}") from err
+
+
+def _foreign_or_raise(url: str, store: ObjectStore, inside: str) -> str:
+    """``inside`` if it holds another writer's DCP files (no manifest, no versions).
+
+    Raises:
+        SourceError: Saying what is there instead: saves of ours that did not finish, a
+            damaged copy, a prefix of checkpoints, or nothing.
+    """
+    sizes = store.sizes(inside)
+    versions = store.versions(inside)
+    if DCP_METADATA_FILE in sizes and MANIFEST_FILE not in sizes and not versions:
+        return inside
+    if MANIFEST_FILE in sizes:
+        try:
+            damaged = store.check_files(inside, store.read_manifest(inside))
+        except NotACheckpointError as err:
+            raise SourceError(str(err)) from err
+        raise SourceError(
+            f"{url} is an incomplete or damaged checkpoint: {'; '.join(damaged)}. Use "
+            "another checkpoint."
+        )
+    if versions:
+        try:
+            store.require(inside)
+        except NotACheckpointError as err:
+            raise SourceError(str(err)) from err
+    inside_checkpoints = checkpoints_inside(StoreCheckpoint(store, inside))
+    if inside_checkpoints:
+        raise SourceError(
+            f"{url} is a prefix of checkpoints {inside_checkpoints[:5]}, not one: pass one of "
+            f"them, e.g. {url.rstrip('/')}/{inside_checkpoints[-1]}."
+        )
+    if sizes or store.children(inside):
+        raise SourceError(
+            f"{url} holds no {DCP_METADATA_FILE}: not a DCP checkpoint. Expected a DCP "
+            "checkpoint, or a .pt/.pth/.bin/.ckpt/.safetensors object."
+        )
+    raise SourceError(f"{url} does not exist: no object has this name or prefix. Check the URL.")
+
+
+def open_source(
+    path: Path | str, weights_only: bool, storage_options: Mapping[str, Any] | None = None
+) -> WeightSource:
+    """Open ``path`` (a local path, or a URL: see :func:`_open_url`) by what it is.
+
+    Args:
+        path: The source.
+        weights_only: As for :class:`~lightning_megatron_fsdp.weights.pretrained.PretrainedWeights`.
+        storage_options: Options of a URL's fsspec filesystem.
 
     Raises:
         SourceError: If it does not exist or is no supported format.
     """
+    if is_url(path):
+        return _open_url(os.fspath(path), weights_only, storage_options)
+    path = Path(path)
     if path.is_dir():
         if not (path / DCP_METADATA_FILE).is_file():
             inside = checkpoints_inside(path)
