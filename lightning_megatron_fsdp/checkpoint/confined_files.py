@@ -195,11 +195,15 @@ def create_exclusive(path: str | os.PathLike[str], mode: int = 0o644) -> int:
 
 class FileWindow(io.RawIOBase):
     """A read-only, seekable view of bytes ``[offset, offset + length)`` of an open file,
-    for parsers that want a file (``zipfile``): reads never leave the window."""
+    for parsers that want a file (``zipfile``): reads never leave the window.
 
-    def __init__(self, fd: int, offset: int, length: int) -> None:
+    ``source`` is a descriptor (read with ``preadv``) or a seekable binary file object
+    (an fsspec file: seek, then ``readinto``).
+    """
+
+    def __init__(self, source: int | Any, offset: int, length: int) -> None:
         super().__init__()
-        self._fd, self._offset, self._length, self._position = fd, offset, length, 0
+        self._source, self._offset, self._length, self._position = source, offset, length, 0
 
     def readable(self) -> bool:
         return True
@@ -222,6 +226,11 @@ class FileWindow(io.RawIOBase):
         count = max(0, min(view.nbytes, self._length - self._position))
         if count == 0:
             return 0
-        n = os.preadv(self._fd, [view[:count]], self._offset + self._position)
+        at = self._offset + self._position
+        if isinstance(self._source, int):
+            n = os.preadv(self._source, [view[:count]], at)
+        else:
+            self._source.seek(at)
+            n = int(self._source.readinto(view[:count]))
         self._position += n
         return n

@@ -417,7 +417,7 @@ def _record_problems(path: Any, metadata: Metadata) -> list[str]:
             # through a read-ahead of _ZIP_BLOCK), never its payload.
             with path.store.fs.open(path.file(name), "rb", block_size=_ZIP_BLOCK) as stream:
                 for index, info, nbytes in records:
-                    window = io.BufferedReader(_StreamWindow(stream, info.offset, info.length))
+                    window = io.BufferedReader(FileWindow(stream, info.offset, info.length))
                     try:
                         check_tensor_record(window, nbytes, source=f"{index.fqn!r}")
                     except CheckpointCorruptedError as err:
@@ -446,41 +446,6 @@ def _record_problems(path: Any, metadata: Metadata) -> list[str]:
 _ZIP_BLOCK = 64 << 10
 """Read-ahead of the object a record's zip structure is read from: one GET covers a zip
 directory, another the local header at the record's start."""
-
-
-class _StreamWindow(io.RawIOBase):
-    """A read-only, seekable view of bytes ``[offset, offset + length)`` of a seekable
-    binary file (an fsspec file), for ``zipfile``: reads never leave the window."""
-
-    def __init__(self, file: Any, offset: int, length: int) -> None:
-        super().__init__()
-        self._file, self._offset, self._length, self._position = file, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
-        if base + offset < 0:
-            raise OSError(f"seek to {base + offset}, before the start of the window")
-        self._position = base + offset
-        return self._position
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        count = max(0, min(view.nbytes, self._length - self._position))
-        if count == 0:
-            return 0
-        self._file.seek(self._offset + self._position)
-        n = self._file.readinto(view[:count])
-        self._position += n
-        return int(n)
 
 
 def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
