@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from lightning_megatron_fsdp.checkpoint.errors import NotACheckpointError
 from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, Manifest
-from lightning_megatron_fsdp.checkpoint.object_store import ObjectStore
+from lightning_megatron_fsdp.checkpoint.object_store import ObjectStore, abort_upload
 from lightning_megatron_fsdp.checkpoint.storage import (
     ChecksummingFileSystemWriter,
     VerifyingFileSystemReader,
@@ -248,12 +248,7 @@ class _FsspecFileSystem(FileSystemBase):
         try:
             yield file
         except BaseException:
-            # Abort the upload (a multipart upload would otherwise complete with what was
-            # written so far); the object never appears.
-            with contextlib.suppress(Exception):
-                file.discard()
-            with contextlib.suppress(Exception):
-                file.closed = True
+            abort_upload(file)  # the object never appears
             raise
         file.close()
 

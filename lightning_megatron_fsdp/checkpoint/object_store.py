@@ -44,6 +44,7 @@ __all__ = [
     "ObjectStores",
     "StoreCheckpoint",
     "StoreVersion",
+    "abort_upload",
     "is_url",
     "local_path",
     "open_store",
@@ -87,6 +88,16 @@ def url_protocol(path: Any) -> str | None:
 def is_url(path: Any) -> bool:
     """Whether ``path`` names a location on a non-local fsspec filesystem."""
     return url_protocol(path) is not None
+
+
+def abort_upload(file: Any) -> None:
+    """Abandon an fsspec file open for writing without completing it: ``close()`` would
+    complete a multipart upload with what was written so far, so the object is discarded and
+    the file marked closed (its finaliser then uploads nothing). Never raises."""
+    with contextlib.suppress(Exception):
+        file.discard()
+    with contextlib.suppress(Exception):
+        file.closed = True
 
 
 def local_path(path: Any) -> Any:

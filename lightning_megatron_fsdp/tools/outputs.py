@@ -22,6 +22,7 @@ from lightning_megatron_fsdp.checkpoint.confined_files import create_exclusive
 from lightning_megatron_fsdp.checkpoint.object_store import (
     ObjectStore,
     StoreCheckpoint,
+    abort_upload,
     is_url,
     local_path,
     open_store,
@@ -245,11 +246,7 @@ def _upload(
                     "Pass overwrite=True (--overwrite) to replace it."
                 )
     except BaseException:
-        # Never close() here: closing completes the upload with what was written so far.
-        with contextlib.suppress(Exception):
-            file.discard()
-        with contextlib.suppress(Exception):
-            file.closed = True
+        abort_upload(file)  # never close(): that completes the upload with what was written
         raise
     try:
         file.close()  # completes the upload: the object appears, whole
