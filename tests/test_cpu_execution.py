@@ -15,8 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from megatron_fsdp.experimental import fully_shard
 from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp import (
@@ -163,6 +165,32 @@ def test_proxy_keeps_real_cuda_streams() -> None:
     assert_ran_on_cuda([stream.device], 1)
     assert proxy.cuda.current_stream(device) == torch.cuda.current_stream(device)
     assert not isinstance(proxy.cuda.stream(stream), contextlib.nullcontext)
+
+
+def _shard_onto_a_cuda_mesh(rank: int, world_size: int) -> dict[str, Any]:
+    """``shard_module`` of a module built on CPU, on a CUDA mesh: what the strategies do
+    with a LightningModule on a GPU (it is built on CPU; megatron-fsdp allocates the shards
+    on the mesh's device)."""
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda")  # touches no CUDA device
+    error = None
+    try:
+        shard_module(torch.nn.Linear(4, 4), mesh)
+    except Exception as err:  # no CUDA here: nowhere to allocate the shards
+        error = f"{type(err).__name__}: {err}"
+    return {
+        "adapter_enabled": cpu_execution_enabled(),
+        "cuda": torch.cuda.is_available(),
+        "error": error,
+    }
+
+
+def test_a_cpu_built_module_sharded_onto_a_cuda_mesh_leaves_the_adapter_off() -> None:
+    """The adapter follows the mesh's device, not where the module was built: a CUDA run
+    keeps megatron-fsdp's real streams (0.7's context is the CUDA ``fully_shard_context``)."""
+    (facts,) = run_distributed(_shard_onto_a_cuda_mesh, 1, timeout=TIMEOUT)
+    assert facts["adapter_enabled"] is False, facts
+    if not facts["cuda"]:
+        assert facts["error"] is not None and "CUDA" in facts["error"], facts
 
 
 # ---------------------------------------------------------------------------------------

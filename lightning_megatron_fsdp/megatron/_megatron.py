@@ -582,7 +582,7 @@ class ShardingContext:
     before its root's first forward cannot claim a context of its own.
 
     Args:
-        device: The device the units' parameters live on.
+        device: The device the units' shards live on (the mesh's).
         eager_roots: On 0.6.1, build the roots' contexts in :meth:`close` (a scope that
             holds a whole model); leave them lazy for a lone unit that a later parent may
             still contain.

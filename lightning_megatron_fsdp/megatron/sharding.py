@@ -103,10 +103,11 @@ def sharding_scope() -> Iterator[None]:
         _SCOPE.open, _SCOPE.context = False, None
 
 
-def _device_of(module: nn.Module) -> torch.device:
-    for tensor in module.parameters():
-        return tensor.device
-    return torch.device("cpu")
+def _shard_device(mesh: DeviceMesh) -> torch.device:
+    """Where megatron-fsdp puts a unit's shards: on the mesh's device type (its ``DBuffer``
+    allocates there), wherever the module was built. A LightningModule is built on CPU and
+    sharded onto a CUDA mesh; its parameters' device would wrongly mean CPU execution."""
+    return torch.device(mesh.device_type)
 
 
 def shard_module(
@@ -120,8 +121,9 @@ def shard_module(
 
     Owns every parameter of ``module`` that no child unit owns. A parameter registered
     under several names (a tied embedding and head) stays one parameter with one main
-    weight and one optimizer state, on megatron-fsdp 0.6.1 as on 0.7. On a non-CUDA
-    device the CPU adapter is enabled first.
+    weight and one optimizer state, on megatron-fsdp 0.6.1 as on 0.7. The shards go to
+    the mesh's device, wherever ``module`` was built; on a non-CUDA mesh the CPU adapter is
+    enabled first.
 
     Args:
         module: Module whose parameters not yet owned by a child unit get sharded.
@@ -149,7 +151,7 @@ def shard_module(
                 "unit: shard the modules that share it together (for a tied embedding and "
                 "head, leave both to their common parent)."
             )
-    device = _device_of(module)
+    device = _shard_device(mesh)
     if device.type != "cuda":
         enable_cpu_execution()
     if placements is None:
