@@ -19,6 +19,7 @@ This module also holds the helpers ``tests/test_portability_resharding.py`` impo
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from lightning_megatron_fsdp import (
     shard_module,
     sharding_scope,
 )
+from lightning_megatron_fsdp.checkpoint.format import META_FILE
 from lightning_megatron_fsdp.strategies.strategy import fsdp_placements
 from lightning_megatron_fsdp.weights.pretrained import (
     PretrainedWeights,
@@ -52,6 +54,7 @@ from lightning_megatron_fsdp.weights.pretrained import (
 )
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import VOCAB, PackedBlock, bf16_policy, build_packed_lm, dp_mesh
+from tests.untrusted_attacks import reseal
 
 ROWS = 24  # two steps per epoch at a global batch of 12
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks: every world size sees the same batches
@@ -728,3 +731,79 @@ def test_fsdp2_checkpoint_resumes_under_megatron_and_our_export_loads_back(
             assert (result[name]["lr"], result[name]["betas"]) == (LR, (0.9, 0.999))
         assert_same(assemble([r[name]["params"] for r in loaded]), final)
         assert_same(assemble([r[name]["optimizer"] for r in loaded]), final_optimizer)
+
+
+# ---------------------------------------------------------------------- GPU -> CPU
+
+# In meta.pt's pickle, the location of every storage torch.save wrote from CPU memory (one
+# string, memoised), and what it writes for storages on the first GPU.
+_CPU_LOCATION = b"X\x03\x00\x00\x00cpu"
+_CUDA_LOCATION = b"X\x06\x00\x00\x00cuda:0"
+
+
+class _TensorState(Callback):
+    """Callback state holding a tensor on the training device, as ``ModelCheckpoint``'s
+    best score does (a CUDA tensor in a GPU run); records what a resume restored."""
+
+    def __init__(self) -> None:
+        self.score = torch.tensor(0.0)
+        self.restored: Tensor | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.score = torch.tensor(float(trainer.global_step) + 0.5)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"score": self.score}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.restored = state_dict["score"]
+
+
+def _fit_with_tensor_state(
+    rank: int, world_size: int, root: str, ckpt_path: str | None
+) -> dict[str, Any]:
+    state = _TensorState()
+    saving = ModelCheckpoint(root, save_last=True, save_top_k=0, every_n_train_steps=2)
+    trainer = make_trainer(
+        world_size,
+        megatron_strategy(),
+        max_steps=4 if ckpt_path else 2,
+        callbacks=[state, saving],
+        enable_checkpointing=True,
+    )
+    trainer.fit(PackedLit(), train_loader(world_size), ckpt_path=ckpt_path)
+    restored = state.restored
+    return {"restored": None if restored is None else (restored.device.type, float(restored))}
+
+
+def _as_saved_on_a_gpu(meta_pt: Path) -> None:
+    """Rewrite ``meta.pt`` as a GPU run's rank 0 writes it: its tensors on ``cuda:0``."""
+    with zipfile.ZipFile(meta_pt) as source:
+        entries = [(info, source.read(info)) for info in source.infolist()]
+    with zipfile.ZipFile(meta_pt, "w") as target:
+        for info, data in entries:
+            if info.filename.endswith("/data.pkl"):
+                assert data.count(_CPU_LOCATION) == 1, "one memoised location string"
+                data = data.replace(_CPU_LOCATION, _CUDA_LOCATION)
+            target.writestr(info, data)  # stored, as torch.save writes every entry
+
+
+def test_a_checkpoint_saved_on_a_gpu_resumes_on_cpu(tmp_path: Path) -> None:
+    """``meta.pt`` (Lightning's non-tensor state: callbacks, loops, random states) is loaded
+    onto CPU, as Lightning's own ``TorchCheckpointIO`` loads a checkpoint: a GPU run's
+    checkpoint resumes on a machine without one, and on GPUs no rank gets tensors on rank
+    0's device (a monitored score compared with its own device's metric would fail)."""
+    root = tmp_path / "run"
+    run_distributed(
+        _fit_with_tensor_state, 2, str(root), None, init_process_group=False, timeout=120
+    )
+    last = root / "last.ckpt"
+    _as_saved_on_a_gpu(last / META_FILE)
+    reseal(last)
+    if not torch.cuda.is_available():  # the file is a GPU's: torch.load as is cannot map it
+        with pytest.raises(RuntimeError, match="deserialize object on a CUDA device"):
+            torch.load(last / META_FILE, weights_only=True)
+    results = run_distributed(
+        _fit_with_tensor_state, 2, str(root), str(last), init_process_group=False, timeout=120
+    )
+    assert [r["restored"] for r in results] == [("cpu", 2.5)] * 2

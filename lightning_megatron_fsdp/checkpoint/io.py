@@ -421,7 +421,9 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         Args:
             path: The checkpoint directory; the same on every rank. If a crash left it
                 renamed aside (see the module docstring), it is restored first.
-            map_location: ``torch.load``'s ``map_location`` for ``meta.pt``.
+            map_location: ``torch.load``'s ``map_location`` for ``meta.pt``; CPU by
+                default, as Lightning's ``TorchCheckpointIO`` (``None``: where they were
+                saved, rank 0's device).
             weights_only: For ``meta.pt``; ``None``: ``not trust_checkpoint``.
             state: Targets, filled in place: ``{"state_dict": model_sd}`` plus
                 ``"optimizer_states": [osd, ...]`` unless loading weights only. ``None``

@@ -171,7 +171,7 @@ def read_checkpoint(
     ranks: Ranks,
     options: LoadOptions,
     *,
-    map_location: Any = None,
+    map_location: Any = "cpu",
     weights_only: bool | None = None,
     strict: bool = True,
     error: BaseException | None = None,
@@ -184,7 +184,8 @@ def read_checkpoint(
             place; ``None`` reads only the non-tensor part.
         ranks: The ranks that load together.
         options: How to read.
-        map_location: ``torch.load``'s, for ``meta.pt``.
+        map_location: ``torch.load``'s, for ``meta.pt``: CPU by default, as Lightning's
+            ``TorchCheckpointIO`` loads (not rank 0's device, where it saved them).
         weights_only: ``torch.load``'s, for ``meta.pt``.
         strict: Refuse missing and unexpected keys.
         error: A failure of this rank's own preparation (building the targets), agreed on
