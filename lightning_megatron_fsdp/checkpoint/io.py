@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from typing_extensions import override
@@ -314,13 +315,21 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 thread_name_prefix="lmf-checkpoint-save",
                 initializer=_lower_thread_priority,
             )
-        self._in_flight = self._committer.submit(self._finish_background, pending, background)
+        # The current CUDA device is per thread (a new thread's is device 0). The writer's
+        # copy-ahead loader (torch's) syncs a stream of the current device: on any rank but
+        # the first that would create a second CUDA context, on device 0.
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self._in_flight = self._committer.submit(
+            self._finish_background, pending, background, device
+        )
         self._in_flight_path = pending.final
 
     @staticmethod
-    def _finish_background(pending: PendingSave, ranks: Ranks) -> None:
-        """The background thread's part: DCP's write over the background group, the commit."""
-        commit_save(pending, write_save(pending, ranks), ranks)
+    def _finish_background(pending: PendingSave, ranks: Ranks, cuda_device: int | None) -> None:
+        """The background thread's part: DCP's write over the background group, the commit,
+        with ``cuda_device`` (the training thread's) as the thread's current CUDA device."""
+        with contextlib.nullcontext() if cuda_device is None else torch.cuda.device(cuda_device):
+            commit_save(pending, write_save(pending, ranks), ranks)
 
     def _writer_factory(self, storage_options: Any) -> StorageWriterFactory | None:
         if storage_options is None:
@@ -410,7 +419,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self,
         path: str | os.PathLike[str],
-        map_location: Any = None,
+        map_location: Any = "cpu",
         weights_only: bool | None = None,
         *,
         state: dict[str, Any] | None = None,
