@@ -14,7 +14,9 @@ matters):
 
 Steps 1-4 of B and 5-8 of C must give run A's losses bit for bit, C's final checkpoint
 must consolidate to exactly A's, and ``export-lightning`` of it must load into the
-unsharded module with ``load_from_checkpoint`` on CPU holding those same weights.
+unsharded module with ``load_from_checkpoint`` on CPU holding those same weights. On CUDA
+the CPU adapter must have stayed off (megatron-fsdp on its real streams), though the
+module is built on CPU.
 
 The same scenario runs on CPU in the default suite (gloo, a narrower model), so the script
 itself is checked where there is no GPU; only the overlap count is not asserted there.
@@ -39,18 +41,19 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from lightning_megatron_fsdp import (
     MegatronFSDPStrategy,
     consolidate_checkpoint,
+    cpu_execution_enabled,
     export_lightning_checkpoint,
     read_manifest,
 )
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from tests.gpu import assert_ran_on_cuda, cuda_world_size
-from tests.harness import run_distributed
+from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 
 VOCAB = 32
 SEQ = 64
 BATCH = 8
 STEPS = 8  # run A; B stops at STEPS // 2, C resumes there
-TIMEOUT = 540.0
+TIMEOUT = 420.0  # the ranks; then consolidation and export in this process
 
 
 class _Block(nn.Module):
@@ -128,6 +131,7 @@ def _fit(
         strategy=MegatronFSDPStrategy(
             auto_wrap_policy={_Block},
             checkpoint_io=MegatronFSDPCheckpointIO(async_save=async_save),
+            timeout=PROCESS_GROUP_TIMEOUT,  # a hung collective fails, NCCL's too
         ),
         precision="bf16-true",
         deterministic=True,
@@ -174,6 +178,7 @@ def _scenario(rank: int, world_size: int, root: str, accelerator: str, width: in
         "devices": devices,
         "device": str(trainer.strategy.root_device),
         "backend": torch.distributed.get_backend(),
+        "cpu_adapter": cpu_execution_enabled(),
     }
 
 
@@ -189,6 +194,8 @@ def _check(tmp_path: Path, accelerator: str, world_size: int, width: int) -> lis
         assert b == {s: a[s] for s in range(1, half + 1)}, (b, a)
         assert c == {s: a[s] for s in range(half + 1, STEPS + 1)}, (c, a)  # bit-exact resume
         assert result["devices"] == [accelerator], result  # loaded into the device's shards
+        # The CPU adapter is for CPU only: on CUDA megatron-fsdp keeps its real streams.
+        assert result["cpu_adapter"] == (accelerator == "cpu"), result
     # C ended exactly where A did: every saved tensor, consolidated offline.
     final_a = consolidate_checkpoint(tmp_path / "a" / "last.ckpt", tmp_path / "a.pt")
     final_c = consolidate_checkpoint(tmp_path / "c" / "last.ckpt", tmp_path / "c.pt")
@@ -214,6 +221,7 @@ def test_fit_async_save_resume_and_export_on_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(540)  # the suite's 300 s would cut the run short
 def test_fit_async_save_resume_and_export_on_cuda(tmp_path: Path) -> None:
     world_size = cuda_world_size()
     results = _check(tmp_path, "cuda", world_size, width=1024)
