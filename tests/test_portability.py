@@ -3,7 +3,9 @@
 Everything is real: ranks are processes in a gloo group (``tests.harness``), the Trainer
 is Lightning's, FSDP2 runs through Lightning's own ``ModelParallelStrategy`` (it runs on
 CPU/gloo with torch 2.13), and every file is written by the tool that owns its format
-(``torch.save``, safetensors, DCP, a single-device Lightning run, our export).
+(``torch.save``, safetensors, DCP, a single-device Lightning run, our export); one
+``meta.pt`` is then relabelled as a GPU run writes it (its tensors on ``cuda:0``), which
+a machine without a GPU cannot write itself.
 
 The model, :class:`PackedLit`, wraps ``tests.models.PackedLM`` (a tie under two FQNs,
 a 3-D parameter, a fragment packed into another's padding, a Linear whose bias lies on
