@@ -316,8 +316,8 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
                 initializer=_lower_thread_priority,
             )
         # The current CUDA device is per thread (a new thread's is device 0). The writer's
-        # copy-ahead loader (torch's) syncs a stream of the current device: on any rank but
-        # the first that would create a second CUDA context, on device 0.
+        # copy-ahead loader (torch's) syncs a stream of the current device: on a rank whose
+        # device is another, that would create a second CUDA context, on device 0.
         device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._in_flight = self._committer.submit(
             self._finish_background, pending, background, device
