@@ -550,6 +550,40 @@ def test_bad_input_is_refused_and_nothing_is_written(saved3: dict, tmp_path: Pat
     assert verify_checkpoint(good) == [], "the fixture checkpoint itself must verify clean"
 
 
+def test_a_directory_of_checkpoints_is_named_once_with_its_checkpoints(
+    saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pointing a tool at ``ModelCheckpoint``'s ``dirpath`` (or at an empty directory) gives
+    one problem, naming the checkpoints inside, in ``inspect``, ``--verify``, the API and
+    ``consolidate`` alike: no consequential "``.metadata``: missing" lines, no "1 problems"."""
+    run = tmp_path / "checkpoints"
+    run.mkdir()
+    for name in ("last.ckpt", "step=4.ckpt"):
+        shutil.copytree(saved2["dir"], run / name)
+    (run / ".last.ckpt.tmp-0123abcd").mkdir()  # a save in progress is not offered
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    named = r"is a directory of checkpoints \(pass one of them: last\.ckpt; step=4\.ckpt\)"
+
+    status, out, err = _main(capsys, "inspect", str(run))
+    assert status == 1 and re.search(named, err), err
+    with pytest.raises(NotACheckpointError, match=named):
+        inspect_checkpoint(run)
+    (problem,) = verify_checkpoint(run)
+    assert re.search(named, problem), problem
+    status, out, err = _main(capsys, "inspect", "--verify", str(run))
+    assert status == 1 and "verify: FAILED, 1 problem:\n" in out, out
+    status, out, err = _main(capsys, "consolidate", str(run), str(tmp_path / "x.pt"))
+    assert status == 1 and len(re.findall(named, err)) == 1 and "Nothing was written" in err, err
+    assert not (tmp_path / "x.pt").exists()
+    flipped = _copy(saved2["dir"], tmp_path / "flipped", _flip_byte)
+    status, out, err = _main(capsys, "consolidate", str(flipped), str(tmp_path / "x.pt"))
+    assert status == 1 and "checkpoint (1 problem):\n" in err, err
+
+    (problem,) = verify_checkpoint(empty)
+    assert re.search(r"empty has no manifest\.json: not a checkpoint", problem), problem
+
+
 def test_verify_and_export_a_format_1_sha256_checkpoint(
     saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

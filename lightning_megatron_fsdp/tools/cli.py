@@ -186,6 +186,7 @@ def _print_table(info: CheckpointInfo, out: TextIO) -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
+    from lightning_megatron_fsdp.checkpoint.format import count
     from lightning_megatron_fsdp.tools.inspection import inspect_checkpoint, verify_checkpoint
 
     info: CheckpointInfo | None = None
@@ -219,7 +220,7 @@ def _inspect(args: argparse.Namespace) -> int:
         if problems is not None:
             gap = "\n" if info is not None else ""
             if problems:
-                print(f"{gap}verify: FAILED, {len(problems)} problems:", file=sys.stdout)
+                print(f"{gap}verify: FAILED, {count(len(problems), 'problem')}:")
                 for problem in problems:
                     print(f"  - {problem}", file=sys.stdout)
             elif info is not None and info.manifest is None:  # a recognised foreign format

@@ -23,6 +23,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
     DCP_METADATA_FILE,
     FORMAT_NAME,
     MANIFEST_FILE,
+    MAX_EXAMPLES,
     META_FILE,
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
@@ -30,6 +31,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
     TensorSpec,
     check_files,
     read_manifest,
+    summarise,
 )
 from lightning_megatron_fsdp.checkpoint.object_store import (
     StoreCheckpoint,
@@ -69,10 +71,6 @@ __all__ = [
     "summarise",
     "verify_checkpoint",
 ]
-
-# Problems of one kind in one file are summarised after this many, so a truncated shard
-# of a large model yields a readable report rather than one line per chunk.
-MAX_EXAMPLES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,14 +343,6 @@ def _file_sizes(path: Any) -> dict[str, int]:
         }
 
 
-def summarise(prefix: str, examples: list[str]) -> str:
-    """One report line: ``prefix``, the first :data:`MAX_EXAMPLES` examples, and how many
-    more there are."""
-    shown = "; ".join(examples[:MAX_EXAMPLES])
-    more = f" (and {len(examples) - MAX_EXAMPLES} more)" if len(examples) > MAX_EXAMPLES else ""
-    return f"{prefix}: {shown}{more}"
-
-
 def _storage_problems(
     metadata: Metadata, sizes: Mapping[str, int], listed: set[str] | None
 ) -> list[str]:
@@ -589,6 +579,14 @@ class CheckedCheckpoint:
     manifest: Manifest | None = None
 
 
+def _holds_checkpoint_files(sizes: Mapping[str, int]) -> bool:
+    """Whether a directory holds any file a checkpoint writes (a save that did not finish
+    does): without one, it is another directory, and its missing files are no news."""
+    return bool({DCP_METADATA_FILE, META_FILE} & sizes.keys()) or any(
+        name.endswith(".distcp") for name in sizes
+    )
+
+
 def check_directory(
     path: Any, *, checksums: bool, trust: bool = False, records: bool = False
 ) -> CheckedCheckpoint:
@@ -607,6 +605,10 @@ def check_directory(
     else:
         problems = []
     sizes = _file_sizes(path)
+    if manifest is None and not _holds_checkpoint_files(sizes):
+        return CheckedCheckpoint(
+            problems
+        )  # "not a checkpoint" says it all: no ".metadata: missing"
     listed_missing: set[str] = set()
     if manifest is not None:
         hashed = sorted(manifest.files) if checksums else None
