@@ -493,18 +493,20 @@ def _describe_not_a_checkpoint(path: Path) -> str:
         return f"{path} does not exist. Expected a checkpoint directory; check the path."
     if path.is_file():
         with open(path, "rb") as file:
-            head = file.read(4)
-        kind = (
-            "a single-file torch.save checkpoint (Lightning's default format)"
-            if head == b"PK\x03\x04"
-            else "a file"
-        )
+            head = file.read(9)
+        if head[:4] == b"PK\x03\x04":
+            kind = "a single-file torch.save checkpoint (Lightning's default format)"
+            one_process = "torch.load it (or Model.load_from_checkpoint)"
+        elif head[8:9] == b"{" or path.suffix == ".safetensors":  # a length, then JSON
+            kind = "a safetensors file"
+            one_process = "read it with safetensors.torch.load_file"
+        else:
+            kind, one_process = "a file", "torch.load it (or Model.load_from_checkpoint)"
         return (
             f"{path} is {kind}, not a checkpoint directory. MegatronFSDPCheckpointIO reads "
             "the sharded directory format only: to start from this file's weights, pass it "
             "as MegatronFSDPStrategy(init_weights_from=...); to use it in one process, "
-            "torch.load it (or Model.load_from_checkpoint); or point at a directory written "
-            "by MegatronFSDPStrategy."
+            f"{one_process}; or point at a directory written by MegatronFSDPStrategy."
         )
     if not path.is_dir():
         return f"{path} is neither a file nor a directory; expected a checkpoint directory."
