@@ -8,10 +8,13 @@ a checkpoint or output is rejected, 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 import warnings
 from typing import TYPE_CHECKING, Any, TextIO
+
+from typing_extensions import override
 
 if TYPE_CHECKING:
     from lightning_megatron_fsdp.tools.inspection import CheckpointInfo
@@ -26,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Export and inspect lightning-megatron-fsdp checkpoints offline.",
+    )
+    parser.add_argument(
+        "--version",
+        action=_PrintVersions,
+        help="print the versions of this package, torch, Lightning and megatron-fsdp, and exit",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -98,6 +106,25 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (consolidate, lightning, inspect):
         _add_safety_options(command)
     return parser
+
+
+class _PrintVersions(argparse.Action):
+    """``--version``: the installed versions on one line (argparse's own ``version`` action
+    wraps it at the terminal width), read from package metadata alone (nothing imported)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    @override
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        found = []
+        for package in (PROG, "torch", "lightning", "megatron-fsdp"):
+            try:
+                found.append(f"{package} {importlib.metadata.version(package)}")
+            except importlib.metadata.PackageNotFoundError:
+                found.append(f"{package} (not installed)")
+        print(f"{found[0]} ({', '.join(found[1:])})")
+        parser.exit()
 
 
 def _add_safety_options(parser: argparse.ArgumentParser) -> None:
