@@ -309,6 +309,12 @@ class ObjectStore:
             return checkpoint
         return None
 
+    def checkpoints_under(self, prefix: str) -> list[str]:
+        """Names of the checkpoints directly under ``prefix`` that hold a complete version
+        (``ModelCheckpoint``'s ``dirpath`` holds ``last.ckpt``, ...); hidden ones left out."""
+        names = [n for n in self.children(prefix) if not n.startswith(".")]
+        return sorted(n for n in names if self.locate(self.join(prefix, n)) is not None)
+
     def require(self, checkpoint: str) -> str:
         """:meth:`locate`, or an error that says what is there.
 

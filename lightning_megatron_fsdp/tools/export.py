@@ -336,11 +336,9 @@ def checkpoints_inside(path: Path | StoreCheckpoint) -> list[str]:
     it gets their names in the error.
     """
     if isinstance(path, StoreCheckpoint):
-        store = path.store
-        if store.locate(path.path) is not None:
+        if path.store.locate(path.path) is not None:
             return []
-        names = [n for n in store.children(path.path) if not n.startswith(".")]
-        return sorted(n for n in names if store.locate(store.join(path.path, n)) is not None)
+        return path.store.checkpoints_under(path.path)
     if not path.is_dir() or (path / MANIFEST_FILE).exists():
         return []
     return checkpoints_in_directory(path)

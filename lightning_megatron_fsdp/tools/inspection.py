@@ -219,6 +219,12 @@ def loaded_version(location: Path | StoreCheckpoint) -> tuple[Path | StoreCheckp
     store, inside = location.store, location.path
     versions = store.versions(inside)
     if not versions and not store.sizes(inside) and not store.fs.isfile(inside):
+        inside_checkpoints = store.checkpoints_under(inside)
+        if inside_checkpoints:  # ModelCheckpoint's dirpath
+            raise NotACheckpointError(
+                f"{location} is a prefix of checkpoints "
+                f"({summarise('pass one of them', inside_checkpoints)}), not a checkpoint."
+            )
         raise NotACheckpointError(
             f"{location} does not exist: no object has this prefix. Check the URL."
         )
