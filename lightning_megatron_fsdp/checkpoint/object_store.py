@@ -37,6 +37,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
     MANIFEST_FILE,
     Manifest,
     check_digests,
+    summarise,
 )
 
 __all__ = [
@@ -273,6 +274,13 @@ class ObjectStore:
             return (
                 f"{self.url(prefix)} holds DCP objects but no {MANIFEST_FILE}: a save that did "
                 "not finish (the manifest is written last) or plain torch DCP output."
+            )
+        inside = self.checkpoints_under(prefix)
+        if inside:  # ModelCheckpoint's dirpath
+            return (
+                f"{self.url(prefix)} is a prefix of checkpoints "
+                f"({summarise('pass one of them', inside)}), not a checkpoint: it holds no "
+                f"{MANIFEST_FILE}."
             )
         return f"{self.url(prefix)} holds no {MANIFEST_FILE}: not a checkpoint."
 
