@@ -584,6 +584,18 @@ def test_a_directory_of_checkpoints_is_named_once_with_its_checkpoints(
     assert re.search(r"empty has no manifest\.json: not a checkpoint", problem), problem
 
 
+def test_a_deleted_shard_file_is_one_problem(
+    saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its records are not also reported as "not plain torch.save zips" (with the
+    ``ENOENT`` of opening the file that is already reported missing)."""
+    deleted = _copy(saved2["dir"], tmp_path / "deleted", _delete_shard)
+    (problem,) = verify_checkpoint(deleted)
+    assert re.fullmatch(r"__1_0\.distcp: missing \(expected \d+ bytes\)", problem), problem
+    status, out, _err = _main(capsys, "inspect", "--verify", str(deleted))
+    assert status == 1 and "verify: FAILED, 1 problem:\n" in out and "Errno" not in out, out
+
+
 def test_verify_and_export_a_format_1_sha256_checkpoint(
     saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

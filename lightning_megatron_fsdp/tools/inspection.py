@@ -30,6 +30,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
     Manifest,
     TensorSpec,
     check_files,
+    count,
     read_manifest,
     summarise,
 )
@@ -388,12 +389,13 @@ def _storage_problems(
     return problems
 
 
-def _record_problems(path: Any, metadata: Metadata) -> list[str]:
+def _record_problems(path: Any, metadata: Metadata, sizes: Mapping[str, int]) -> list[str]:
     """Every tensor record is a ``torch.save`` zip whose entries are stored uncompressed and
     whose data holds exactly its chunk's bytes (reads each record's zip directory only).
 
     A compressed record passes every size and checksum test, yet readers that copy a
-    payload directly would take the compressed bytes for the tensor's.
+    payload directly would take the compressed bytes for the tensor's. A file not in
+    ``sizes`` is skipped: its absence is reported already.
     """
     chunks = {
         (fqn, tuple(chunk.offsets)): math.prod(chunk.sizes) * entry.properties.dtype.itemsize
@@ -405,7 +407,8 @@ def _record_problems(path: Any, metadata: Metadata) -> list[str]:
     by_file: dict[str, list[tuple[Any, Any, int]]] = {}
     for index, info in metadata.storage_data.items():
         nbytes = chunks.get((index.fqn, tuple(index.offset or ())))
-        if nbytes is not None and not getattr(info, "transform_descriptors", None):
+        present = info.relative_path in sizes
+        if present and nbytes is not None and not getattr(info, "transform_descriptors", None):
             by_file.setdefault(info.relative_path, []).append((index, info, nbytes))
     for name, records in sorted(by_file.items()):
         if isinstance(path, StoreCheckpoint):
@@ -434,7 +437,7 @@ def _record_problems(path: Any, metadata: Metadata) -> list[str]:
         finally:
             os.close(fd)
     return [
-        summarise(f"{name}: {len(lines)} records are not plain torch.save zips", lines)
+        summarise(f"{name}: not plain torch.save zips ({count(len(lines), 'record')})", lines)
         for name, lines in sorted(bad.items())
     ]
 
@@ -638,7 +641,7 @@ def check_directory(
     if metadata is not None:
         listed = None if manifest is None else set(manifest.files)
         stored = _storage_problems(metadata, sizes, listed)
-        problems += stored or _record_problems(path, metadata)
+        problems += stored or _record_problems(path, metadata, sizes)
         problems += _tiling_problems(metadata)
         if manifest is not None:
             problems += _fingerprint_problems(manifest, metadata)
