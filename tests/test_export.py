@@ -26,6 +26,7 @@ import os
 import pickle
 import re
 import shutil
+import subprocess
 import sys
 import zipfile
 from collections.abc import Callable, Iterator
@@ -594,6 +595,29 @@ def test_a_deleted_shard_file_is_one_problem(
     assert re.fullmatch(r"__1_0\.distcp: missing \(expected \d+ bytes\)", problem), problem
     status, out, _err = _main(capsys, "inspect", "--verify", str(deleted))
     assert status == 1 and "verify: FAILED, 1 problem:\n" in out and "Errno" not in out, out
+
+
+def test_output_into_a_closed_pipe_is_quiet(saved2: dict) -> None:
+    """``inspect CKPT | head`` : a reader that stops reading gets no "BrokenPipeError" line
+    from the script and no traceback; the status is a SIGPIPE death's (141), not 1
+    (which would read as "the checkpoint has problems")."""
+    script = Path(sys.executable).with_name("lightning-megatron-fsdp")
+    env = {**os.environ, "PYTHONWARNINGS": THIRD_PARTY_WARNINGS}
+    for options in ([], ["--verify"], ["--json"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before the first line is written
+        try:
+            ran = subprocess.run(
+                [str(script), "inspect", *options, str(saved2["dir"])],
+                stdout=write_end,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=120,
+                env=env,
+            )
+        finally:
+            os.close(write_end)
+        assert (ran.returncode, ran.stderr) == (141, ""), (options, ran.returncode, ran.stderr)
 
 
 def test_verify_and_export_a_format_1_sha256_checkpoint(

@@ -2,7 +2,8 @@
 ``inspect`` checkpoints offline, in one process without a GPU or a process group, importing
 neither Lightning nor megatron-fsdp; every path may be a URL (``s3://...``), configured by the
 filesystem's own settings (the ``AWS_*`` variables for s3fs). Exit status 0 on success, 1 when
-a checkpoint or output is rejected, 2 for a usage error.
+a checkpoint or output is rejected, 2 for a usage error, 141 when the reader of its output
+went away (``inspect ... | head``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
+import select
+import signal
 import sys
 import warnings
 from typing import TYPE_CHECKING, Any, TextIO
@@ -22,6 +26,8 @@ if TYPE_CHECKING:
 __all__ = ["build_parser", "main"]
 
 PROG = "lightning-megatron-fsdp"
+SIGPIPE_STATUS = 128 + signal.SIGPIPE
+"""The status when stdout's reader went away, as a shell reports a tool SIGPIPE killed."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,23 +331,48 @@ def main(argv: list[str] | None = None) -> int:
         argv: Arguments without the program name; ``None`` reads ``sys.argv[1:]``.
 
     Returns:
-        The exit status (0 success, 1 rejected input or failed verification).
+        The exit status (0 success, 1 rejected input or failed verification, 141 when the
+        reader of stdout went away).
     """
     args = build_parser().parse_args(argv)
     try:
         if args.command in ("consolidate", "export-lightning"):
             return _consolidate(args)
         return _inspect(args)
+    except BrokenPipeError as err:
+        if not _stdout_reader_gone():  # another connection broke (a bucket's): an error
+            return _report(args, err)
+        # `inspect ... | head`: the reader left, which is no error. Point stdout at
+        # /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGPIPE_STATUS
     except BaseException as err:  # any other failure on bad input: no traceback
         # (DCP's CheckpointException is a BaseException.)
         if args.debug or isinstance(err, KeyboardInterrupt | SystemExit | GeneratorExit):
             raise
-        print(
-            f"{PROG}: error: {args.checkpoint}: {type(err).__name__}: {err} (rerun with "
-            "--debug for the traceback)",
-            file=sys.stderr,
-        )
-        return 1
+        return _report(args, err)
+
+
+def _report(args: argparse.Namespace, err: BaseException) -> int:
+    if args.debug:
+        raise err
+    print(
+        f"{PROG}: error: {args.checkpoint}: {type(err).__name__}: {err} (rerun with "
+        "--debug for the traceback)",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reading end is closed (``poll`` reports
+    an error on it), rather than a file or a reader still there."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no descriptor (captured), no poll
+        return False
 
 
 if __name__ == "__main__":
