@@ -620,6 +620,19 @@ def test_output_into_a_closed_pipe_is_quiet(saved2: dict) -> None:
         assert (ran.returncode, ran.stderr) == (141, ""), (options, ran.returncode, ran.stderr)
 
 
+def test_an_output_directory_is_refused_as_one(
+    saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``consolidate CKPT out/`` says the output is a directory (as ``export-lightning``
+    does), not that ``''`` is an unsupported suffix."""
+    with pytest.raises(IsADirectoryError, match=r"output .* is a directory; expected a file"):
+        consolidate_checkpoint(saved2["dir"], tmp_path)
+    for command in ("consolidate", "export-lightning"):
+        status, _out, err = _main(capsys, command, str(saved2["dir"]), str(tmp_path))
+        assert status == 1 and "is a directory; expected a file path" in err, err
+        assert "suffix" not in err, err
+
+
 def test_verify_and_export_a_format_1_sha256_checkpoint(
     saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -888,9 +888,9 @@ def consolidate_checkpoint(
     named = checkpoint_location(checkpoint_dir, storage_options)
     output = output_location(output_path, storage_options)
     out_dtype = parse_dtype(dtype)
+    check_output(output, named, overwrite=overwrite)  # first: a directory has no suffix
     output_format = _output_format(output)
     _check_strip_prefix(strip_prefix, include_optimizer=include_optimizer)
-    check_output(output, named, overwrite=overwrite)
     checkpoint, _ = loaded_version(named)
     checked = check_directory(checkpoint, checksums=verify_checksums, trust=trust_checkpoint)
     refuse_problems(checked, checkpoint, who)
