@@ -633,6 +633,20 @@ def test_an_output_directory_is_refused_as_one(
         assert "suffix" not in err, err
 
 
+def test_a_truncated_index_or_meta_file_is_named_once(
+    saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``inspect`` on a truncated ``meta.pt`` or ``.metadata``: one error naming the file
+    once (its path), not ``meta.pt: <dir>/meta.pt: ...``."""
+    for index, name in enumerate(("meta.pt", ".metadata")):
+        damaged = _copy(saved2["dir"], tmp_path / f"damaged{index}", lambda d: None)
+        with open(damaged / name, "r+b") as file:
+            file.truncate(100)
+        status, _out, err = _main(capsys, "inspect", str(damaged))
+        assert status == 1 and f"{damaged / name}: 100 bytes on disk" in err, err
+        assert err.count(name) == 1, err
+
+
 def test_verify_and_export_a_format_1_sha256_checkpoint(
     saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -284,6 +284,12 @@ def read_checked(path: Any, name: str, manifest: Manifest | None, *, digest: boo
     return data
 
 
+def _naming(name: str, err: OSError) -> str:
+    """``err``'s message, prefixed with the file's ``name`` unless it names it already
+    (the confined readers' errors give its path)."""
+    return str(err) if name in str(err) else f"{name}: {err}"
+
+
 def _read_metadata(
     path: Any,
     manifest: Manifest | None = None,
@@ -308,7 +314,7 @@ def _read_metadata(
             "tensors; without it no tensor can be located."
         ) from err
     except OSError as err:
-        raise CheckpointCorruptedError(f"{DCP_METADATA_FILE}: {err}") from err
+        raise CheckpointCorruptedError(_naming(DCP_METADATA_FILE, err)) from err
     return load_dcp_metadata(data, source=DCP_METADATA_FILE, trust=trust, records=records)
 
 
@@ -326,7 +332,7 @@ def _read_meta(
     except FileNotFoundError:
         return None, f"{META_FILE}: missing."
     except OSError as err:
-        raise CheckpointCorruptedError(f"{META_FILE}: {err}") from err
+        raise CheckpointCorruptedError(_naming(META_FILE, err)) from err
     try:
         meta = load_weights_only(data, source=META_FILE)
     except CheckpointCorruptedError as err:
