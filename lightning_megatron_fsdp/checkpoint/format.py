@@ -497,7 +497,7 @@ def _describe_not_a_checkpoint(path: Path) -> str:
         if head[:4] == b"PK\x03\x04":
             kind = "a single-file torch.save checkpoint (Lightning's default format)"
             one_process = "torch.load it (or Model.load_from_checkpoint)"
-        elif head[8:9] == b"{" or path.suffix == ".safetensors":  # a length, then JSON
+        elif path.suffix == ".safetensors" or _safetensors_header(head, path.stat().st_size):
             kind = "a safetensors file"
             one_process = "read it with safetensors.torch.load_file"
         else:
@@ -532,6 +532,11 @@ def _describe_not_a_checkpoint(path: Path) -> str:
         f"{path} has no {MANIFEST_FILE}: not a checkpoint written by "
         "MegatronFSDPCheckpointIO. Check the path."
     )
+
+
+def _safetensors_header(head: bytes, size: int) -> bool:
+    """Whether a file starts as safetensors does: its header's length, then the JSON."""
+    return head[8:9] == b"{" and int.from_bytes(head[:8], "little") < size
 
 
 def checkpoints_in_directory(path: Path) -> list[str]:
