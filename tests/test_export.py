@@ -647,6 +647,20 @@ def test_a_truncated_index_or_meta_file_is_named_once(
         assert err.count(name) == 1, err
 
 
+def test_skip_checksums_without_verify_is_a_usage_error(
+    saved2: dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``inspect --skip-checksums`` alone checks nothing, so it is refused (status 2)
+    naming ``--verify``, not silently ignored."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as usage:
+        main(["inspect", "--skip-checksums", str(saved2["dir"])])
+    err = capsys.readouterr().err
+    assert usage.value.code == 2 and "--skip-checksums only applies with --verify" in err, err
+    status, out, err = _main(capsys, "inspect", "--verify", "--skip-checksums", str(saved2["dir"]))
+    assert status == 0 and "verify: OK" in out, out + err
+
+
 def test_verify_and_export_a_format_1_sha256_checkpoint(
     saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -334,7 +334,13 @@ def main(argv: list[str] | None = None) -> int:
         The exit status (0 success, 1 rejected input or failed verification, 141 when the
         reader of stdout went away).
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "inspect" and args.skip_checksums and not args.verify:
+        parser.error(
+            "inspect: --skip-checksums only applies with --verify (inspect alone "
+            "compares no checksums); add --verify, or drop --skip-checksums"
+        )
     try:
         if args.command in ("consolidate", "export-lightning"):
             return _consolidate(args)
