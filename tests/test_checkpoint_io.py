@@ -34,6 +34,7 @@ from typing import Any
 
 import crc32c as crc32c_package
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -371,6 +372,17 @@ def _bad_inputs(rank: int, world_size: int, root: str) -> list[str]:
     ):
         load(single_file)
     checked.append("single file")
+
+    weights = root_path / "model.safetensors"  # consolidate's output, passed back by mistake
+    if rank == 0:
+        safetensors.torch.save_file({"w": torch.zeros(2)}, weights)
+    dist.barrier()
+    with pytest.raises(
+        NotACheckpointError, match=r"model\.safetensors is a safetensors file, .*load_file"
+    ) as refused:
+        load(weights)
+    assert "torch.load it" not in str(refused.value), refused.value  # torch.load cannot
+    checked.append("safetensors file")
 
     no_manifest = _copy_checkpoint(good, root_path / "no-manifest")
     if rank == 0:
@@ -803,6 +815,7 @@ def test_bad_inputs_raise_on_every_rank(tmp_path: Path) -> None:
     expected = [
         "missing",
         "single file",
+        "safetensors file",
         "no manifest",
         "garbled manifest",
         "truncated",

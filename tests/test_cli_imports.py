@@ -121,3 +121,34 @@ def test_importing_the_package_elsewhere_registers_the_strategy() -> None:
         timeout=300,
     )
     assert probe.stdout.split() == ["True", "True"], probe.stderr[-2000:]
+
+
+def test_version_names_the_package_and_its_frameworks_without_importing_them() -> None:
+    """``--version`` (what a bug report asks for) exits 0 with the installed versions of
+    this package, torch, Lightning and megatron-fsdp, read from their metadata alone."""
+    import importlib.metadata
+
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json, sys\n"
+            "sys.argv = ['lightning-megatron-fsdp', '--version']\n"
+            "from lightning_megatron_fsdp.tools.cli import main\n"
+            "try:\n"
+            "    main()\n"
+            "except SystemExit as exit:\n"
+            f"    watched = {HEAVY + DCP + ('torch',)!r}\n"
+            "    loaded = [m for m in watched if m in sys.modules]\n"
+            "    print(json.dumps({'status': exit.code, 'loaded': loaded}))\n",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    *printed, result = probe.stdout.strip().splitlines()
+    assert json.loads(result) == {"status": 0, "loaded": []}, probe.stderr[-2000:]
+    line = " ".join(printed)
+    for package in ("lightning-megatron-fsdp", "torch", "lightning", "megatron-fsdp"):
+        assert f"{package} {importlib.metadata.version(package)}" in line, line

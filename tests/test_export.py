@@ -26,6 +26,7 @@ import os
 import pickle
 import re
 import shutil
+import subprocess
 import sys
 import zipfile
 from collections.abc import Callable, Iterator
@@ -548,6 +549,116 @@ def test_bad_input_is_refused_and_nothing_is_written(saved3: dict, tmp_path: Pat
         consolidate_checkpoint(good, out_dir / "missing" / "model.pt")
     assert sorted(os.listdir(out_dir)) == ["model.safetensors"]
     assert verify_checkpoint(good) == [], "the fixture checkpoint itself must verify clean"
+
+
+def test_a_directory_of_checkpoints_is_named_once_with_its_checkpoints(
+    saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pointing a tool at ``ModelCheckpoint``'s ``dirpath`` (or at an empty directory) gives
+    one problem, naming the checkpoints inside, in ``inspect``, ``--verify``, the API and
+    ``consolidate`` alike: no consequential "``.metadata``: missing" lines, no "1 problems"."""
+    run = tmp_path / "checkpoints"
+    run.mkdir()
+    for name in ("last.ckpt", "step=4.ckpt"):
+        shutil.copytree(saved2["dir"], run / name)
+    (run / ".last.ckpt.tmp-0123abcd").mkdir()  # a save in progress is not offered
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    named = r"is a directory of checkpoints \(pass one of them: last\.ckpt; step=4\.ckpt\)"
+
+    status, out, err = _main(capsys, "inspect", str(run))
+    assert status == 1 and re.search(named, err), err
+    with pytest.raises(NotACheckpointError, match=named):
+        inspect_checkpoint(run)
+    (problem,) = verify_checkpoint(run)
+    assert re.search(named, problem), problem
+    status, out, err = _main(capsys, "inspect", "--verify", str(run))
+    assert status == 1 and "verify: FAILED, 1 problem:\n" in out, out
+    status, out, err = _main(capsys, "consolidate", str(run), str(tmp_path / "x.pt"))
+    assert status == 1 and len(re.findall(named, err)) == 1 and "Nothing was written" in err, err
+    assert not (tmp_path / "x.pt").exists()
+    flipped = _copy(saved2["dir"], tmp_path / "flipped", _flip_byte)
+    status, out, err = _main(capsys, "consolidate", str(flipped), str(tmp_path / "x.pt"))
+    assert status == 1 and "checkpoint (1 problem):\n" in err, err
+
+    (problem,) = verify_checkpoint(empty)
+    assert re.search(r"empty has no manifest\.json: not a checkpoint", problem), problem
+
+
+def test_a_deleted_shard_file_is_one_problem(
+    saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its records are not also reported as "not plain torch.save zips" (with the
+    ``ENOENT`` of opening the file that is already reported missing)."""
+    deleted = _copy(saved2["dir"], tmp_path / "deleted", _delete_shard)
+    (problem,) = verify_checkpoint(deleted)
+    assert re.fullmatch(r"__1_0\.distcp: missing \(expected \d+ bytes\)", problem), problem
+    status, out, _err = _main(capsys, "inspect", "--verify", str(deleted))
+    assert status == 1 and "verify: FAILED, 1 problem:\n" in out and "Errno" not in out, out
+
+
+def test_output_into_a_closed_pipe_is_quiet(saved2: dict) -> None:
+    """``inspect CKPT | head`` : a reader that stops reading gets no "BrokenPipeError" line
+    from the script and no traceback; the status is a SIGPIPE death's (141), not 1
+    (which would read as "the checkpoint has problems")."""
+    script = Path(sys.executable).with_name("lightning-megatron-fsdp")
+    env = {**os.environ, "PYTHONWARNINGS": THIRD_PARTY_WARNINGS}
+    for options in ([], ["--verify"], ["--json"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before the first line is written
+        try:
+            ran = subprocess.run(
+                [str(script), "inspect", *options, str(saved2["dir"])],
+                stdout=write_end,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=120,
+                env=env,
+            )
+        finally:
+            os.close(write_end)
+        assert (ran.returncode, ran.stderr) == (141, ""), (options, ran.returncode, ran.stderr)
+
+
+def test_an_output_directory_is_refused_as_one(
+    saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``consolidate CKPT out/`` says the output is a directory (as ``export-lightning``
+    does), not that ``''`` is an unsupported suffix."""
+    with pytest.raises(IsADirectoryError, match=r"output .* is a directory; expected a file"):
+        consolidate_checkpoint(saved2["dir"], tmp_path)
+    for command in ("consolidate", "export-lightning"):
+        status, _out, err = _main(capsys, command, str(saved2["dir"]), str(tmp_path))
+        assert status == 1 and "is a directory; expected a file path" in err, err
+        assert "suffix" not in err, err
+
+
+def test_a_truncated_index_or_meta_file_is_named_once(
+    saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``inspect`` on a truncated ``meta.pt`` or ``.metadata``: one error naming the file
+    once (its path), not ``meta.pt: <dir>/meta.pt: ...``."""
+    for index, name in enumerate(("meta.pt", ".metadata")):
+        damaged = _copy(saved2["dir"], tmp_path / f"damaged{index}", lambda d: None)
+        with open(damaged / name, "r+b") as file:
+            file.truncate(100)
+        status, _out, err = _main(capsys, "inspect", str(damaged))
+        assert status == 1 and f"{damaged / name}: 100 bytes on disk" in err, err
+        assert err.count(name) == 1, err
+
+
+def test_skip_checksums_without_verify_is_a_usage_error(
+    saved2: dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``inspect --skip-checksums`` alone checks nothing, so it is refused (status 2)
+    naming ``--verify``, not silently ignored."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as usage:
+        main(["inspect", "--skip-checksums", str(saved2["dir"])])
+    err = capsys.readouterr().err
+    assert usage.value.code == 2 and "--skip-checksums only applies with --verify" in err, err
+    status, out, err = _main(capsys, "inspect", "--verify", "--skip-checksums", str(saved2["dir"]))
+    assert status == 0 and "verify: OK" in out, out + err
 
 
 def test_verify_and_export_a_format_1_sha256_checkpoint(

@@ -10,8 +10,10 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +29,18 @@ if importlib.util.find_spec("litgpt") is None:  # installed beside the extras (R
     pytest.skip(_MISSING, allow_module_level=True)
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "litgpt_pretrain.py"
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_snippet() -> str:
+    """The README's Python block that loads the export with litgpt's own loader."""
+    section = README.read_text().split("### litgpt", 1)[1]
+    block = re.search(r"```python\n(.*?)\n```", section, re.DOTALL)
+    assert block is not None and "load_checkpoint" in block.group(1), "README: no litgpt block"
+    return block.group(1)
+
+
+README_SNIPPET = _readme_snippet()
 
 
 def _runs(*runs: tuple[Path, tuple[str, ...]]) -> None:
@@ -82,6 +96,14 @@ def test_litgpt_pretrain_resumes_exactly_and_exports_for_litgpt(tmp_path: Path) 
     torch.testing.assert_close(logits, torch.load(final / "probe.pt"), rtol=0, atol=0)
     again = GPT(config)
     again.load_state_dict(torch.load(final / "lit_model.pth", weights_only=True), strict=True)
+    # The README's snippet, as written (its imports included), loads the same weights.
+    snippet = README_SNIPPET.replace("runs/litgpt/final", str(final))
+    namespace: dict[str, Any] = {}
+    exec(compile(snippet, "README.md (litgpt)", "exec"), namespace)
+    for (name, a), (_, b) in zip(
+        model.state_dict().items(), namespace["model"].state_dict().items(), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     for (name, a), (_, b) in zip(
         model.state_dict().items(), again.state_dict().items(), strict=True
     ):

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointError, NotACheckpointError
 from lightning_megatron_fsdp.checkpoint.format import MANIFEST_FILE
 from lightning_megatron_fsdp.checkpoint.fsspec_storage import (
     ChecksummingFsspecWriter,
@@ -362,6 +362,13 @@ def test_remove_keeps_the_only_complete_checkpoint(seaweed: SeaweedServer) -> No
             "endpoint_url": seaweed.endpoint,
         }
     )
+    # A load of ModelCheckpoint's dirpath (fit's ckpt_path) names the checkpoints under it.
+    with pytest.raises(
+        NotACheckpointError,
+        match=rf"s3://{bucket}/run is a prefix of checkpoints \(pass one of them: "
+        r"last\.ckpt; other\.ckpt\), not a checkpoint: it holds no manifest\.json",
+    ):
+        store.read_manifest(f"{bucket}/run")
     plugin.remove_checkpoint(f"s3://{bucket}/run/other.ckpt")  # last.ckpt remains complete
     assert store.versions(f"{bucket}/run/other.ckpt") == []
     plugin.remove_checkpoint(f"s3://{bucket}/run/last.ckpt")  # the only complete one: kept

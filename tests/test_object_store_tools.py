@@ -33,6 +33,7 @@ the tools' ``storage_options=`` with no AWS variable set.
 from __future__ import annotations
 
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -486,6 +487,15 @@ def test_missing_objects_and_filesystems_are_named(
         export_lightning_checkpoint(missing, tmp_path / "x.ckpt")
     assert main(["consolidate", missing, str(tmp_path / "x.pt")]) == 1
     assert f"{missing} does not exist" in capsys.readouterr().err
+    # ModelCheckpoint's dirpath is not "missing": it names the checkpoints under it.
+    parent = f"s3://{bucket}/run"
+    named = rf"{parent} is a prefix of checkpoints \(pass one of them: last\.ckpt\)"
+    with pytest.raises(NotACheckpointError, match=named):
+        consolidate_checkpoint(parent, tmp_path / "x.pt")
+    for command in (["inspect", parent], ["inspect", "--verify", parent]):
+        assert main(command) == 1, command
+        out, err = capsys.readouterr()
+        assert re.search(named, out + err) and "does not exist" not in out + err, out + err
     with pytest.raises(ImportError, match=r"gs://b/ckpt.*pip install gcsfs"):
         consolidate_checkpoint("gs://b/ckpt", tmp_path / "x.pt")
     with pytest.raises(ImportError, match=r"gs://b/x.pt.*pip install gcsfs"):

@@ -39,6 +39,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST_FILE",
+    "MAX_EXAMPLES",
     "META_FILE",
     "MODEL_PREFIX",
     "OPTIMIZER_PREFIX",
@@ -50,7 +51,9 @@ __all__ = [
     "TensorSpec",
     "check_digests",
     "check_files",
+    "checkpoints_in_directory",
     "compare_fingerprints",
+    "count",
     "finite_int_or_none",
     "hidden_path",
     "is_complete_checkpoint",
@@ -62,6 +65,7 @@ __all__ = [
     "parse_hidden_name",
     "read_manifest",
     "sha256_file",
+    "summarise",
 ]
 
 FORMAT_NAME = "lightning-megatron-fsdp"
@@ -83,6 +87,10 @@ MODEL_PREFIX = "state_dict."
 OPTIMIZER_PREFIX = "optimizer_states."
 """DCP keys of optimizer state: ``optimizer_states.<i>.state.<fqn>.<name>`` and
 ``optimizer_states.<i>.param_groups.<g>.<key>`` (DCP flattens nested dicts with dots)."""
+
+MAX_EXAMPLES = 3
+"""Problems of one kind are summarised after this many examples, so a truncated shard of a
+large model yields a readable report rather than one line per chunk."""
 
 # Kinds of hidden sibling directories (docs/DESIGN.md, "On-disk format").
 STAGING, ASIDE, DELETING = "tmp", "old", "del"
@@ -485,18 +493,20 @@ def _describe_not_a_checkpoint(path: Path) -> str:
         return f"{path} does not exist. Expected a checkpoint directory; check the path."
     if path.is_file():
         with open(path, "rb") as file:
-            head = file.read(4)
-        kind = (
-            "a single-file torch.save checkpoint (Lightning's default format)"
-            if head == b"PK\x03\x04"
-            else "a file"
-        )
+            head = file.read(9)
+        if head[:4] == b"PK\x03\x04":
+            kind = "a single-file torch.save checkpoint (Lightning's default format)"
+            one_process = "torch.load it (or Model.load_from_checkpoint)"
+        elif path.suffix == ".safetensors" or _safetensors_header(head, path.stat().st_size):
+            kind = "a safetensors file"
+            one_process = "read it with safetensors.torch.load_file"
+        else:
+            kind, one_process = "a file", "torch.load it (or Model.load_from_checkpoint)"
         return (
             f"{path} is {kind}, not a checkpoint directory. MegatronFSDPCheckpointIO reads "
             "the sharded directory format only: to start from this file's weights, pass it "
             "as MegatronFSDPStrategy(init_weights_from=...); to use it in one process, "
-            "torch.load it (or Model.load_from_checkpoint); or point at a directory written "
-            "by MegatronFSDPStrategy."
+            f"{one_process}; or point at a directory written by MegatronFSDPStrategy."
         )
     if not path.is_dir():
         return f"{path} is neither a file nor a directory; expected a checkpoint directory."
@@ -512,10 +522,42 @@ def _describe_not_a_checkpoint(path: Path) -> str:
             "manifest is written last) or the directory was written by plain "
             "torch.distributed.checkpoint. Use a complete checkpoint."
         )
+    inside = checkpoints_in_directory(path)
+    if inside:
+        return (
+            f"{path} is a directory of checkpoints ({summarise('pass one of them', inside)})"
+            f", not a checkpoint: it has no {MANIFEST_FILE}."
+        )
     return (
         f"{path} has no {MANIFEST_FILE}: not a checkpoint written by "
         "MegatronFSDPCheckpointIO. Check the path."
     )
+
+
+def _safetensors_header(head: bytes, size: int) -> bool:
+    """Whether a file starts as safetensors does: its header's length, then the JSON."""
+    return head[8:9] == b"{" and int.from_bytes(head[:8], "little") < size
+
+
+def checkpoints_in_directory(path: Path) -> list[str]:
+    """The complete checkpoints directly inside ``path`` (by name; hidden saves left out):
+    a user who points at ``ModelCheckpoint``'s ``dirpath`` gets their names."""
+    with os.scandir(path) as children:
+        names = [c.name for c in children if c.is_dir() and not c.name.startswith(".")]
+    return sorted(name for name in names if (path / name / MANIFEST_FILE).is_file())
+
+
+def count(number: int, noun: str) -> str:
+    """``"1 problem"``, ``"3 problems"``: a count in a message, its noun agreeing."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
+def summarise(prefix: str, examples: list[str]) -> str:
+    """One report line: ``prefix``, the first :data:`MAX_EXAMPLES` examples, and how many
+    more there are."""
+    shown = "; ".join(examples[:MAX_EXAMPLES])
+    more = f" (and {len(examples) - MAX_EXAMPLES} more)" if len(examples) > MAX_EXAMPLES else ""
+    return f"{prefix}: {shown}{more}"
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:

@@ -37,6 +37,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
     MANIFEST_FILE,
     Manifest,
     check_digests,
+    summarise,
 )
 
 __all__ = [
@@ -274,6 +275,13 @@ class ObjectStore:
                 f"{self.url(prefix)} holds DCP objects but no {MANIFEST_FILE}: a save that did "
                 "not finish (the manifest is written last) or plain torch DCP output."
             )
+        inside = self.checkpoints_under(prefix)
+        if inside:  # ModelCheckpoint's dirpath
+            return (
+                f"{self.url(prefix)} is a prefix of checkpoints "
+                f"({summarise('pass one of them', inside)}), not a checkpoint: it holds no "
+                f"{MANIFEST_FILE}."
+            )
         return f"{self.url(prefix)} holds no {MANIFEST_FILE}: not a checkpoint."
 
     def check_files(self, prefix: str, manifest: Manifest) -> list[str]:
@@ -308,6 +316,12 @@ class ObjectStore:
         if self.is_complete(checkpoint):
             return checkpoint
         return None
+
+    def checkpoints_under(self, prefix: str) -> list[str]:
+        """Names of the checkpoints directly under ``prefix`` that hold a complete version
+        (``ModelCheckpoint``'s ``dirpath`` holds ``last.ckpt``, ...); hidden ones left out."""
+        names = [n for n in self.children(prefix) if not n.startswith(".")]
+        return sorted(n for n in names if self.locate(self.join(prefix, n)) is not None)
 
     def require(self, checkpoint: str) -> str:
         """:meth:`locate`, or an error that says what is there.

@@ -223,8 +223,8 @@ class ExactResume:
         streams = ", ".join(_STREAMS.values())
         if not isinstance(saved, dict) or not isinstance(saved.get("states"), list):
             rank_zero_warn(
-                f"{self._where}: the checkpoint holds no random states, so the {streams} "
-                "random streams were not restored: each rank continues from its seed, and "
+                f"{self._where}: the checkpoint holds no random states, so the random "
+                f"streams ({streams}) were not restored: each rank continues from its seed, and "
                 "dropout masks and other random draws after the resume differ from an "
                 "uninterrupted run's. Checkpoints this strategy writes hold them."
             )
@@ -233,7 +233,7 @@ class ExactResume:
             rank_zero_warn(
                 f"{self._where}: the checkpoint's random states were saved by "
                 f"{saved.get('world_size')} ranks and this run has {world_size}, so the "
-                f"{streams} random streams were not restored (they belong to ranks that no "
+                f"random streams ({streams}) were not restored (they belong to ranks that no "
                 "longer exist): each rank continues from its seed, and dropout masks and "
                 "other random draws after the resume differ from an uninterrupted run's. "
                 "Model, optimizer, loop and data-loader state were restored."

@@ -2,16 +2,23 @@
 ``inspect`` checkpoints offline, in one process without a GPU or a process group, importing
 neither Lightning nor megatron-fsdp; every path may be a URL (``s3://...``), configured by the
 filesystem's own settings (the ``AWS_*`` variables for s3fs). Exit status 0 on success, 1 when
-a checkpoint or output is rejected, 2 for a usage error.
+a checkpoint or output is rejected, 2 for a usage error, 141 when the reader of its output
+went away (``inspect ... | head``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import os
+import select
+import signal
 import sys
 import warnings
 from typing import TYPE_CHECKING, Any, TextIO
+
+from typing_extensions import override
 
 if TYPE_CHECKING:
     from lightning_megatron_fsdp.tools.inspection import CheckpointInfo
@@ -19,6 +26,8 @@ if TYPE_CHECKING:
 __all__ = ["build_parser", "main"]
 
 PROG = "lightning-megatron-fsdp"
+SIGPIPE_STATUS = 128 + signal.SIGPIPE
+"""The status when stdout's reader went away, as a shell reports a tool SIGPIPE killed."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Export and inspect lightning-megatron-fsdp checkpoints offline.",
+    )
+    parser.add_argument(
+        "--version",
+        action=_PrintVersions,
+        help="print the versions of this package, torch, Lightning and megatron-fsdp, and exit",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -98,6 +112,25 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (consolidate, lightning, inspect):
         _add_safety_options(command)
     return parser
+
+
+class _PrintVersions(argparse.Action):
+    """``--version``: the installed versions on one line (argparse's own ``version`` action
+    wraps it at the terminal width), read from package metadata alone (nothing imported)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    @override
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        found = []
+        for package in (PROG, "torch", "lightning", "megatron-fsdp"):
+            try:
+                found.append(f"{package} {importlib.metadata.version(package)}")
+            except importlib.metadata.PackageNotFoundError:
+                found.append(f"{package} (not installed)")
+        print(f"{found[0]} ({', '.join(found[1:])})")
+        parser.exit()
 
 
 def _add_safety_options(parser: argparse.ArgumentParser) -> None:
@@ -186,6 +219,7 @@ def _print_table(info: CheckpointInfo, out: TextIO) -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
+    from lightning_megatron_fsdp.checkpoint.format import count
     from lightning_megatron_fsdp.tools.inspection import inspect_checkpoint, verify_checkpoint
 
     info: CheckpointInfo | None = None
@@ -219,7 +253,7 @@ def _inspect(args: argparse.Namespace) -> int:
         if problems is not None:
             gap = "\n" if info is not None else ""
             if problems:
-                print(f"{gap}verify: FAILED, {len(problems)} problems:", file=sys.stdout)
+                print(f"{gap}verify: FAILED, {count(len(problems), 'problem')}:")
                 for problem in problems:
                     print(f"  - {problem}", file=sys.stdout)
             elif info is not None and info.manifest is None:  # a recognised foreign format
@@ -297,23 +331,54 @@ def main(argv: list[str] | None = None) -> int:
         argv: Arguments without the program name; ``None`` reads ``sys.argv[1:]``.
 
     Returns:
-        The exit status (0 success, 1 rejected input or failed verification).
+        The exit status (0 success, 1 rejected input or failed verification, 141 when the
+        reader of stdout went away).
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "inspect" and args.skip_checksums and not args.verify:
+        parser.error(
+            "inspect: --skip-checksums only applies with --verify (inspect alone "
+            "compares no checksums); add --verify, or drop --skip-checksums"
+        )
     try:
         if args.command in ("consolidate", "export-lightning"):
             return _consolidate(args)
         return _inspect(args)
+    except BrokenPipeError as err:
+        if not _stdout_reader_gone():  # another connection broke (a bucket's): an error
+            return _report(args, err)
+        # `inspect ... | head`: the reader left, which is no error. Point stdout at
+        # /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGPIPE_STATUS
     except BaseException as err:  # any other failure on bad input: no traceback
         # (DCP's CheckpointException is a BaseException.)
         if args.debug or isinstance(err, KeyboardInterrupt | SystemExit | GeneratorExit):
             raise
-        print(
-            f"{PROG}: error: {args.checkpoint}: {type(err).__name__}: {err} (rerun with "
-            "--debug for the traceback)",
-            file=sys.stderr,
-        )
-        return 1
+        return _report(args, err)
+
+
+def _report(args: argparse.Namespace, err: BaseException) -> int:
+    if args.debug:
+        raise err
+    print(
+        f"{PROG}: error: {args.checkpoint}: {type(err).__name__}: {err} (rerun with "
+        "--debug for the traceback)",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reading end is closed (``poll`` reports
+    an error on it), rather than a file or a reader still there."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no descriptor (captured), no poll
+        return False
 
 
 if __name__ == "__main__":

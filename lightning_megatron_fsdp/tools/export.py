@@ -38,13 +38,19 @@ from torch.futures import Future
 from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.checkpoint.confined_files import FileWindow, open_regular
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
-from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, MANIFEST_FILE
+from lightning_megatron_fsdp.checkpoint.format import (
+    DCP_METADATA_FILE,
+    MANIFEST_FILE,
+    MAX_EXAMPLES,
+    checkpoints_in_directory,
+    count,
+    summarise,
+)
 from lightning_megatron_fsdp.checkpoint.fsspec_storage import VerifyingFsspecReader
 from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import check_tensor_record
 from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
 from lightning_megatron_fsdp.tools.inspection import (
-    MAX_EXAMPLES,
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
     CheckedCheckpoint,
@@ -52,7 +58,6 @@ from lightning_megatron_fsdp.tools.inspection import (
     checkpoint_location,
     loaded_version,
     ordered_keys,
-    summarise,
 )
 from lightning_megatron_fsdp.tools.outputs import (
     Output,
@@ -308,19 +313,19 @@ def refuse_problems(
     """
     if not checked.problems:
         return
-    listing = "\n".join(f"  - {problem}" for problem in checked.problems)
     inside = checkpoints_inside(checkpoint)
-    hint = (
-        f"{checkpoint} is a directory of checkpoints ({summarise('pass one of them', inside)})"
-        if inside and checked.manifest is None
-        else f"Point at a complete checkpoint directory (one that has {MANIFEST_FILE}), or "
-        f"run `lightning-megatron-fsdp inspect --verify {checkpoint}` for details"
-    )
+    if inside and checked.manifest is None:  # ModelCheckpoint's dirpath: one line says it
+        raise NotACheckpointError(
+            f"{who}: {checkpoint} is a directory of checkpoints "
+            f"({summarise('pass one of them', inside)}), not a checkpoint. Nothing was written."
+        )
+    listing = "\n".join(f"  - {problem}" for problem in checked.problems)
     error = NotACheckpointError if checked.manifest is None else CheckpointCorruptedError
     raise error(
-        f"{who}: {checkpoint} is not a complete, intact "
-        f"lightning-megatron-fsdp checkpoint ({len(checked.problems)} problems):\n"
-        f"{listing}\nNothing was written. {hint}."
+        f"{who}: {checkpoint} is not a complete, intact lightning-megatron-fsdp checkpoint "
+        f"({count(len(checked.problems), 'problem')}):\n{listing}\nNothing was written. "
+        f"Point at a complete checkpoint directory (one that has {MANIFEST_FILE}), or run "
+        f"`lightning-megatron-fsdp inspect --verify {checkpoint}` for details."
     )
 
 
@@ -331,16 +336,12 @@ def checkpoints_inside(path: Path | StoreCheckpoint) -> list[str]:
     it gets their names in the error.
     """
     if isinstance(path, StoreCheckpoint):
-        store = path.store
-        if store.locate(path.path) is not None:
+        if path.store.locate(path.path) is not None:
             return []
-        names = [n for n in store.children(path.path) if not n.startswith(".")]
-        return sorted(n for n in names if store.locate(store.join(path.path, n)) is not None)
+        return path.store.checkpoints_under(path.path)
     if not path.is_dir() or (path / MANIFEST_FILE).exists():
         return []
-    with os.scandir(path) as children:
-        names = [c.name for c in children if c.is_dir() and not c.name.startswith(".")]
-    return sorted(name for name in names if (path / name / MANIFEST_FILE).is_file())
+    return checkpoints_in_directory(path)
 
 
 def _file(location: Path | StoreCheckpoint, name: str) -> str:
@@ -887,9 +888,9 @@ def consolidate_checkpoint(
     named = checkpoint_location(checkpoint_dir, storage_options)
     output = output_location(output_path, storage_options)
     out_dtype = parse_dtype(dtype)
+    check_output(output, named, overwrite=overwrite)  # first: a directory has no suffix
     output_format = _output_format(output)
     _check_strip_prefix(strip_prefix, include_optimizer=include_optimizer)
-    check_output(output, named, overwrite=overwrite)
     checkpoint, _ = loaded_version(named)
     checked = check_directory(checkpoint, checksums=verify_checksums, trust=trust_checkpoint)
     refuse_problems(checked, checkpoint, who)

@@ -23,13 +23,16 @@ from lightning_megatron_fsdp.checkpoint.format import (
     DCP_METADATA_FILE,
     FORMAT_NAME,
     MANIFEST_FILE,
+    MAX_EXAMPLES,
     META_FILE,
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
     Manifest,
     TensorSpec,
     check_files,
+    count,
     read_manifest,
+    summarise,
 )
 from lightning_megatron_fsdp.checkpoint.object_store import (
     StoreCheckpoint,
@@ -69,10 +72,6 @@ __all__ = [
     "summarise",
     "verify_checkpoint",
 ]
-
-# Problems of one kind in one file are summarised after this many, so a truncated shard
-# of a large model yields a readable report rather than one line per chunk.
-MAX_EXAMPLES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +220,12 @@ def loaded_version(location: Path | StoreCheckpoint) -> tuple[Path | StoreCheckp
     store, inside = location.store, location.path
     versions = store.versions(inside)
     if not versions and not store.sizes(inside) and not store.fs.isfile(inside):
+        inside_checkpoints = store.checkpoints_under(inside)
+        if inside_checkpoints:  # ModelCheckpoint's dirpath
+            raise NotACheckpointError(
+                f"{location} is a prefix of checkpoints "
+                f"({summarise('pass one of them', inside_checkpoints)}), not a checkpoint."
+            )
         raise NotACheckpointError(
             f"{location} does not exist: no object has this prefix. Check the URL."
         )
@@ -279,6 +284,12 @@ def read_checked(path: Any, name: str, manifest: Manifest | None, *, digest: boo
     return data
 
 
+def _naming(name: str, err: OSError) -> str:
+    """``err``'s message, prefixed with the file's ``name`` unless it names it already
+    (the confined readers' errors give its path)."""
+    return str(err) if name in str(err) else f"{name}: {err}"
+
+
 def _read_metadata(
     path: Any,
     manifest: Manifest | None = None,
@@ -303,7 +314,7 @@ def _read_metadata(
             "tensors; without it no tensor can be located."
         ) from err
     except OSError as err:
-        raise CheckpointCorruptedError(f"{DCP_METADATA_FILE}: {err}") from err
+        raise CheckpointCorruptedError(_naming(DCP_METADATA_FILE, err)) from err
     return load_dcp_metadata(data, source=DCP_METADATA_FILE, trust=trust, records=records)
 
 
@@ -321,7 +332,7 @@ def _read_meta(
     except FileNotFoundError:
         return None, f"{META_FILE}: missing."
     except OSError as err:
-        raise CheckpointCorruptedError(f"{META_FILE}: {err}") from err
+        raise CheckpointCorruptedError(_naming(META_FILE, err)) from err
     try:
         meta = load_weights_only(data, source=META_FILE)
     except CheckpointCorruptedError as err:
@@ -343,14 +354,6 @@ def _file_sizes(path: Any) -> dict[str, int]:
             for entry in entries
             if entry.is_file(follow_symlinks=False)
         }
-
-
-def summarise(prefix: str, examples: list[str]) -> str:
-    """One report line: ``prefix``, the first :data:`MAX_EXAMPLES` examples, and how many
-    more there are."""
-    shown = "; ".join(examples[:MAX_EXAMPLES])
-    more = f" (and {len(examples) - MAX_EXAMPLES} more)" if len(examples) > MAX_EXAMPLES else ""
-    return f"{prefix}: {shown}{more}"
 
 
 def _storage_problems(
@@ -392,12 +395,13 @@ def _storage_problems(
     return problems
 
 
-def _record_problems(path: Any, metadata: Metadata) -> list[str]:
+def _record_problems(path: Any, metadata: Metadata, sizes: Mapping[str, int]) -> list[str]:
     """Every tensor record is a ``torch.save`` zip whose entries are stored uncompressed and
     whose data holds exactly its chunk's bytes (reads each record's zip directory only).
 
     A compressed record passes every size and checksum test, yet readers that copy a
-    payload directly would take the compressed bytes for the tensor's.
+    payload directly would take the compressed bytes for the tensor's. A file not in
+    ``sizes`` is skipped: its absence is reported already.
     """
     chunks = {
         (fqn, tuple(chunk.offsets)): math.prod(chunk.sizes) * entry.properties.dtype.itemsize
@@ -409,7 +413,8 @@ def _record_problems(path: Any, metadata: Metadata) -> list[str]:
     by_file: dict[str, list[tuple[Any, Any, int]]] = {}
     for index, info in metadata.storage_data.items():
         nbytes = chunks.get((index.fqn, tuple(index.offset or ())))
-        if nbytes is not None and not getattr(info, "transform_descriptors", None):
+        present = info.relative_path in sizes
+        if present and nbytes is not None and not getattr(info, "transform_descriptors", None):
             by_file.setdefault(info.relative_path, []).append((index, info, nbytes))
     for name, records in sorted(by_file.items()):
         if isinstance(path, StoreCheckpoint):
@@ -438,7 +443,7 @@ def _record_problems(path: Any, metadata: Metadata) -> list[str]:
         finally:
             os.close(fd)
     return [
-        summarise(f"{name}: {len(lines)} records are not plain torch.save zips", lines)
+        summarise(f"{name}: not plain torch.save zips ({count(len(lines), 'record')})", lines)
         for name, lines in sorted(bad.items())
     ]
 
@@ -589,6 +594,14 @@ class CheckedCheckpoint:
     manifest: Manifest | None = None
 
 
+def _holds_checkpoint_files(sizes: Mapping[str, int]) -> bool:
+    """Whether a directory holds any file a checkpoint writes (a save that did not finish
+    does): without one, it is another directory, and its missing files are no news."""
+    return bool({DCP_METADATA_FILE, META_FILE} & sizes.keys()) or any(
+        name.endswith(".distcp") for name in sizes
+    )
+
+
 def check_directory(
     path: Any, *, checksums: bool, trust: bool = False, records: bool = False
 ) -> CheckedCheckpoint:
@@ -607,6 +620,10 @@ def check_directory(
     else:
         problems = []
     sizes = _file_sizes(path)
+    if manifest is None and not _holds_checkpoint_files(sizes):
+        return CheckedCheckpoint(
+            problems
+        )  # "not a checkpoint" says it all: no ".metadata: missing"
     listed_missing: set[str] = set()
     if manifest is not None:
         hashed = sorted(manifest.files) if checksums else None
@@ -630,7 +647,7 @@ def check_directory(
     if metadata is not None:
         listed = None if manifest is None else set(manifest.files)
         stored = _storage_problems(metadata, sizes, listed)
-        problems += stored or _record_problems(path, metadata)
+        problems += stored or _record_problems(path, metadata, sizes)
         problems += _tiling_problems(metadata)
         if manifest is not None:
             problems += _fingerprint_problems(manifest, metadata)
