@@ -52,6 +52,7 @@ from lightning_megatron_fsdp import (
     enable_cpu_execution,
 )
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
+from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.tools.cli import main
 from lightning_megatron_fsdp.tools.export import consolidate_checkpoint
@@ -683,3 +684,30 @@ def test_verify_and_export_a_format_1_sha256_checkpoint(
     with pytest.raises(CheckpointCorruptedError, match=pattern):
         consolidate_checkpoint(flipped, tmp_path / "never.pt")
     assert not (tmp_path / "never.pt").exists()
+
+
+def test_storage_problems_count_their_items_in_agreement() -> None:
+    """``--verify``'s file findings say "1 item", "2 items" (not "1 items")."""
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from lightning_megatron_fsdp.tools.inspection import _storage_problems
+
+    def stored(*placed: tuple[str, str, int, int]) -> Any:
+        return SimpleNamespace(
+            storage_data={
+                MetadataIndex(fqn): _StorageInfo(file, offset, length)
+                for fqn, file, offset, length in placed
+            }
+        )
+
+    one = _storage_problems(stored(("w", "a.distcp", 0, 100)), {"a.distcp": 50}, None)
+    assert one == ["a.distcp: 1 item past its end (50 bytes; truncated): 'w' at bytes [0, 100)"]
+    two = _storage_problems(
+        stored(("w", "b.distcp", 0, 8), ("v", "b.distcp", 8, 8)), {"a.distcp": 50}, None
+    )
+    assert two == [f"b.distcp: missing; {DCP_METADATA_FILE} stores 2 items there: 'w'; 'v'"]
+    lone = _storage_problems(stored(("w", "b.distcp", 0, 8)), {}, None)
+    assert lone == [f"b.distcp: missing; {DCP_METADATA_FILE} stores 1 item there: 'w'"]

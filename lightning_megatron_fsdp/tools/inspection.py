@@ -375,12 +375,14 @@ def _storage_problems(
                 f"{index.fqn!r} at bytes [{info.offset}, {info.offset + info.length})"
             )
     problems = [
-        summarise(f"{name}: missing; {DCP_METADATA_FILE} stores {len(keys)} items there", keys)
+        summarise(
+            f"{name}: missing; {DCP_METADATA_FILE} stores {count(len(keys), 'item')} there", keys
+        )
         for name, keys in sorted(missing.items())
     ]
     problems += [
         summarise(
-            f"{name}: {len(items)} items lie past its end ({sizes[name]} bytes; truncated)",
+            f"{name}: {count(len(items), 'item')} past its end ({sizes[name]} bytes; truncated)",
             items,
         )
         for name, items in sorted(past_end.items())
