@@ -205,8 +205,9 @@ def test_resharding_resume_warns_once_about_random_streams(tmp_path: Path) -> No
     )
     (message,) = results[0]["warnings"]
     assert "saved by 2 ranks and this run has 3" in message, message
-    for stream in ("torch CPU", "torch CUDA", "numpy", "Python random"):
+    for stream in ("torch CPU", "numpy", "Python random"):
         assert stream in message, message
+    assert "CUDA" not in message, message  # a CPU run has no CUDA stream to name
     assert "were not restored" in message and "random random" not in message, message
     for rank, facts in enumerate(results):
         assert facts["steps"] == [6], rank  # resumed at step 6 and trained on to 7
@@ -223,3 +224,16 @@ def _save_two_rank_checkpoint(rank: int, world_size: int, root: str) -> None:
         world_size, Path(root), max_steps=6, callbacks=[saver], enable_checkpointing=True
     )
     trainer.fit(NoisyLM(), _loader())
+
+
+def test_a_checkpoint_without_random_states_names_this_runs_streams() -> None:
+    """Another strategy's checkpoint (no random states): the warning names the streams this
+    CPU process has, and no CUDA stream."""
+    from lightning_megatron_fsdp.strategies.exact_resume import ExactResume
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ExactResume("MegatronFSDPStrategy").checkpoint_loaded({}, fitting=True)
+    (message,) = [str(w.message) for w in caught if "random" in str(w.message)]
+    assert "holds no random states" in message, message
+    assert "(torch CPU, numpy, Python random)" in message, message

@@ -44,6 +44,18 @@ _STREAMS = {
 }
 
 
+def _stream_names(states: dict[str, Any]) -> str:
+    """The readable names of the streams in one rank's ``states``, in a fixed order."""
+    return ", ".join(name for key, name in _STREAMS.items() if key in states)
+
+
+def _current_device() -> torch.device:
+    """This process's CUDA device if it has used CUDA, else the CPU."""
+    if torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def capture_rng_states(device: torch.device) -> dict[str, Any]:
     """This process's random states, in a form ``torch.load(weights_only=True)`` accepts.
 
@@ -220,8 +232,8 @@ class ExactResume:
             return
         saved = checkpoint.get(RNG_STATES_KEY)
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        streams = ", ".join(_STREAMS.values())
         if not isinstance(saved, dict) or not isinstance(saved.get("states"), list):
+            streams = _stream_names(capture_rng_states(_current_device()))
             rank_zero_warn(
                 f"{self._where}: the checkpoint holds no random states, so the random "
                 f"streams ({streams}) were not restored: each rank continues from its seed, and "
@@ -230,6 +242,8 @@ class ExactResume:
             )
             return
         if saved.get("world_size") != world_size or len(saved["states"]) != world_size:
+            first = saved["states"][0] if saved["states"] else {}
+            streams = _stream_names(first if isinstance(first, dict) else {})
             rank_zero_warn(
                 f"{self._where}: the checkpoint's random states were saved by "
                 f"{saved.get('world_size')} ranks and this run has {world_size}, so the "
