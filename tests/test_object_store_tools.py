@@ -514,3 +514,16 @@ def test_missing_objects_and_filesystems_are_named(
     assert out.returncode == 1, out.stdout + out.stderr
     assert "pip install 'lightning-megatron-fsdp[s3]'" in out.stderr, out.stderr
     assert not list(tmp_path.iterdir())
+    # No credentials anywhere: the error says where they come from.
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    bare.update(
+        AWS_ENDPOINT_URL=aws.endpoint,
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_CONFIG_FILE=os.devnull,
+        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+    )
+    command = [sys.executable, "-m", "lightning_megatron_fsdp.tools.cli", "inspect", saved["url"]]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120, env=bare)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "NoCredentialsError" in out.stderr, out.stderr
+    assert "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in out.stderr, out.stderr

@@ -363,11 +363,23 @@ def _report(args: argparse.Namespace, err: BaseException) -> int:
     if args.debug:
         raise err
     print(
-        f"{PROG}: error: {args.checkpoint}: {type(err).__name__}: {err} (rerun with "
-        "--debug for the traceback)",
+        f"{PROG}: error: {args.checkpoint}: {type(err).__name__}: {err}{_hint(err)} (rerun "
+        "with --debug for the traceback)",
         file=sys.stderr,
     )
     return 1
+
+
+def _hint(err: BaseException) -> str:
+    """What to do about a failure whose own message does not say (botocore's missing
+    credentials, raised through s3fs), matched by class name so botocore is not imported."""
+    if any(cls.__name__ == "NoCredentialsError" for cls in type(err).__mro__):
+        return (
+            "; the bucket's credentials come from the standard AWS variables: set "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for an "
+            "S3-compatible server), or AWS_PROFILE for a profile in ~/.aws"
+        )
+    return ""
 
 
 def _stdout_reader_gone() -> bool:
