@@ -153,7 +153,9 @@ def test_fit_with_async_checkpoints_exits_cleanly_every_time(
 
 
 @pytest.mark.parametrize("trigger", ["release", "callback"])
-def test_the_exit_hook_fixes_the_abort_of_gloo_workers_at_finalisation(trigger: str) -> None:
+def test_the_exit_hook_fixes_the_abort_of_gloo_workers_at_finalisation(
+    trigger: str, zygote: Zygote, tmp_path: Path
+) -> None:
     """The cause, isolated: a gloo worker thread that needs the GIL once the interpreter
     finalises aborts the process, unless the strategy's exit hook waited for it.
 
@@ -164,9 +166,10 @@ def test_the_exit_hook_fixes_the_abort_of_gloo_workers_at_finalisation(trigger: 
     workers: the hook's wait for idle workers is what is tested. Without the hook the
     abort must show (else this harness could not see one) within a few runs, where it
     still shows: ``callback`` on every torch, ``release`` before torch 2.15 (on 2.15
-    the hook must still keep every run clean). Each run is a plain launch (``python
-    script``, as torchrun starts a rank): forked from the pre-imported zygote, the
-    ``callback`` race showed in only some runs.
+    the hook must still keep every run clean). Runs alternate between ranks forked from
+    the pre-imported zygote and plain launches (``python script``, as torchrun starts a
+    rank): which of the two shows a race varies with torch (``release`` on 2.14.1 shows
+    only when forked, ``callback`` more often when launched).
     """
     control = trigger == "callback" or RELEASE_RACE_SHOWS
     outcomes = {}
@@ -176,7 +179,11 @@ def test_the_exit_hook_fixes_the_abort_of_gloo_workers_at_finalisation(trigger: 
         for run in range(CONTROL_RUNS if variant == "no_hook" else 2):
             if variant == "no_hook" and aborts:
                 break
-            launched = _launch(PENDING, [variant, trigger], _rank_envs(WORLD_SIZE), 120)
+            arguments = [variant, trigger]
+            if run % 2:
+                launched = _launch(PENDING, arguments, _rank_envs(WORLD_SIZE), 120)
+            else:
+                launched = fork_ranks(zygote, PENDING, arguments, tmp_path / f"{variant}{run}", 120)
             for rank, (code, output) in enumerate(launched):
                 if code != 0 or "terminate called" in output:
                     aborts.append(f"run {run} rank {rank}: exit code {code}")
