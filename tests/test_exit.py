@@ -48,7 +48,7 @@ WORLD_SIZE = 2
 # aborts on every torch in range, so the hook stays on all of them.
 RELEASE_RACE_SHOWS = TorchVersion(torch.__version__) < (2, 15)
 # Runs without the exit hook allowed for the abort to show at least once.
-CONTROL_RUNS = 8
+CONTROL_RUNS = 16
 
 
 def _env() -> dict[str, str]:
