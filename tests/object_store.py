@@ -198,6 +198,13 @@ class SeaweedServer:
             return {path: info["size"] for path, info in fs.find(prefix, detail=True).items()}
         return {}
 
+    def pending_uploads(self, bucket: str, prefix: str = "") -> list[str]:
+        """The keys of the multipart uploads begun and neither completed nor aborted in
+        ``bucket`` under ``prefix`` (S3's ListMultipartUploads), sorted."""
+        listed = self.filesystem().call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+        assert not listed.get("IsTruncated"), listed  # a test's few uploads fit one page
+        return sorted(upload["Key"] for upload in listed.get("Uploads") or [])
+
     def pause(self) -> None:
         """Stop the server's processes (SIGSTOP): connections hang, as with a lost server."""
         assert self.process is not None

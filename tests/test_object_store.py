@@ -272,8 +272,11 @@ def test_sigkill_mid_upload_keeps_last_loadable(
     assert store.read_manifest(chosen).global_step == 2
     lines = store.describe(checkpoint)
     assert lines[0].startswith(f"{versions[0].name}: complete (the one loaded)")
-    if len(versions) > 1:  # the crashed save left objects: reported, never loaded
-        assert "INCOMPLETE" in lines[1], lines
+    # Rank 1 killed: rank 0's save fails and deletes the version. Rank 0 killed: no one
+    # deletes it; its objects stay, reported and never loaded, until the next save.
+    assert len(versions) == (1 if victim == 1 else 2), lines
+    assert len(lines) == len(versions) and all("INCOMPLETE: no" in x for x in lines[1:]), lines
+    assert seaweed.pending_uploads(bucket) == []  # the shards are single PUTs here
     # The console script on the URL, configured by the AWS variables alone: the loaded
     # version verifies (every byte's CRC32C), the crashed one shows as incomplete.
     cli = subprocess.run(
@@ -293,8 +296,8 @@ def test_sigkill_mid_upload_keeps_last_loadable(
     assert cli.returncode == 0, cli.stdout + cli.stderr
     assert "global_step  2" in cli.stdout and "verify: OK" in cli.stdout, cli.stdout
     assert f"version {versions[0].name}: complete (the one loaded)" in cli.stdout, cli.stdout
-    if len(versions) > 1:
-        assert f"version {versions[1].name}: INCOMPLETE" in cli.stdout, cli.stdout
+    for version in versions[1:]:
+        assert f"version {version.name}: INCOMPLETE" in cli.stdout, cli.stdout
 
     # The step-2 state, saved by the same processes, is what a fresh run loads.
     expected = run_distributed(_save_step2_facts, 2, init_process_group=False)
@@ -369,8 +372,13 @@ def test_remove_keeps_the_only_complete_checkpoint(seaweed: SeaweedServer) -> No
         r"last\.ckpt; other\.ckpt\), not a checkpoint: it holds no manifest\.json",
     ):
         store.read_manifest(f"{bucket}/run")
+    # A rank killed mid-upload leaves a multipart upload pending: removed with the checkpoint.
+    key = "run/other.ckpt/v00000009-0123456789abcdef/__1_0.distcp"
+    store.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    assert seaweed.pending_uploads(bucket) == [key]
     plugin.remove_checkpoint(f"s3://{bucket}/run/other.ckpt")  # last.ckpt remains complete
     assert store.versions(f"{bucket}/run/other.ckpt") == []
+    assert seaweed.pending_uploads(bucket) == []
     plugin.remove_checkpoint(f"s3://{bucket}/run/last.ckpt")  # the only complete one: kept
     assert store.locate(f"{bucket}/run/last.ckpt") is not None
 

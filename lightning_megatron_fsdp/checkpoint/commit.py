@@ -71,8 +71,9 @@ reaches those). Points, in order: ``"commit:hashed"`` (every rank, its files' si
 digests collected, before the gather), ``"commit:manifest"`` (rank 0, before writing
 ``manifest.json``), ``"commit:publish"`` (rank 0, manifest written, before the rename),
 ``"commit:aside"`` (rank 0, two-rename fallback only: the previous checkpoint renamed aside,
-the new one not yet in place) and ``"commit:replaced"`` (rank 0, the new checkpoint in
-place, the previous one not yet deleted). ``None`` in production.
+the new one not yet in place), ``"commit:replaced"`` (rank 0, the new checkpoint in
+place, the previous one not yet deleted) and ``"commit:retiring"`` (rank 0, object stores
+only: a previous version's manifest deleted, its objects not yet). ``None`` in production.
 """
 
 _USE_RENAME_EXCHANGE = True

@@ -375,23 +375,68 @@ class ObjectStore:
 
     def retire(self, checkpoint: str, keep: str) -> None:
         """Delete every version of ``checkpoint`` but ``keep``, each manifest first (a crash
-        halfway leaves an incomplete version, never a damaged complete one). A plain
+        halfway leaves an incomplete version, never a damaged complete one), and abort the
+        multipart uploads pending under ``checkpoint`` outside ``keep`` (a killed rank's,
+        which no one else completes or aborts, and the store keeps and bills). A plain
         checkpoint directly under ``checkpoint`` (copied there) goes the same way.
         Never raises: what cannot be deleted is logged and retired by the next save."""
         for version in self.versions(checkpoint):
             if version.path != keep:
-                self._delete(version.path)
+                self._delete(version.path, retiring=True)
         if self.sizes(checkpoint):
             self._delete(checkpoint, recursive=False)
+        self._abort_uploads(checkpoint, keep=keep)
 
     def discard(self, prefix: str) -> None:
-        """Delete a save's objects; never raises."""
+        """Delete a save's objects and abort its pending multipart uploads; never raises."""
         self._delete(prefix)
+        self._abort_uploads(prefix)
 
-    def _delete(self, prefix: str, *, recursive: bool = True) -> None:
+    def _abort_uploads(self, prefix: str, *, keep: str | None = None) -> None:
+        """Abort the S3 multipart uploads pending under ``prefix/`` but not under
+        ``keep/``; other filesystems have none. Called when no save of the checkpoint is in
+        flight (after its commit, or after its save failed on every rank). Never raises."""
+        if not hasattr(self.fs, "call_s3"):  # s3fs's raw botocore call
+            return
+        bucket, key, _ = self.fs.split_path(prefix)
+        under, kept = key.rstrip("/") + "/", None
+        if keep is not None:
+            kept = self.fs.split_path(keep)[1].rstrip("/") + "/"
+        try:
+            markers: dict[str, str] = {}
+            while True:
+                listed = self.fs.call_s3(
+                    "list_multipart_uploads", Bucket=bucket, Prefix=under, **markers
+                )
+                for upload in listed.get("Uploads") or []:
+                    if kept is None or not upload["Key"].startswith(kept):
+                        self.fs.call_s3(
+                            "abort_multipart_upload",
+                            Bucket=bucket,
+                            Key=upload["Key"],
+                            UploadId=upload["UploadId"],
+                        )
+                following = {
+                    "KeyMarker": listed.get("NextKeyMarker") or "",
+                    "UploadIdMarker": listed.get("NextUploadIdMarker") or "",
+                }
+                if not listed.get("IsTruncated") or following == markers:
+                    return
+                markers = following
+        except Exception as err:
+            log.warning(
+                "Could not abort the multipart uploads pending under %s: %s (the next save "
+                "of this checkpoint tries again)",
+                self.url(prefix),
+                err,
+            )
+
+    def _delete(self, prefix: str, *, recursive: bool = True, retiring: bool = False) -> None:
         try:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(self.join(prefix, MANIFEST_FILE))
+            if retiring:
+                reach("commit:retiring")
             names = self.sizes(prefix)
             if names:
                 self.fs.rm([self.join(prefix, n) for n in names])
@@ -443,6 +488,7 @@ class ObjectStore:
         for version in reversed(self.versions(checkpoint)):
             self._delete(version.path)
         self._delete(checkpoint)
+        self._abort_uploads(checkpoint)
         return True
 
     # ------------------------------------------------------------------------ lookup
