@@ -338,13 +338,26 @@ def report_interrupted_saves(parent: Path, log: logging.Logger) -> None:
 
 
 def fsync_path(path: Path) -> None:
-    """Flush a file's or directory's entry to disk (directories: not on Windows)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    """Flush a file, or a directory's entries, to disk.
+
+    A directory's fsync is what makes a rename or a new file in it survive a power cut, so
+    its failure is an error. Only what says "this cannot be done here" is tolerated: a
+    filesystem that does not sync directories answers ``EINVAL`` (fsync's documented
+    "does not support synchronization"), and Windows cannot open a directory at all.
+
+    Raises:
+        OSError: If the path cannot be opened or the sync fails for any other reason.
+    """
+    if os.name == "nt" and path.is_dir():
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno != errno.EINVAL or not path.is_dir():
+            raise
+    finally:
+        os.close(fd)
 
 
 def check_replaceable(final: Path) -> None:
@@ -483,9 +496,11 @@ class LocalDirectories:
 
         Raises:
             CheckpointSaveError: If ``final`` exists and is not replaceable.
-            OSError: If a write or the rename failed; ``final`` then holds the previous
-                checkpoint. Once the new checkpoint is in place nothing raises: leftovers
-                are logged.
+            OSError: If a write, a sync or the rename failed; ``final`` then holds the
+                previous checkpoint.
+            CheckpointSaveError: If the new checkpoint is in place but its directory could
+                not be synced; the previous one is kept beside it. Once that sync is done
+                nothing raises: leftovers are logged.
         """
         reach("commit:manifest")
         partial = staging / f"{MANIFEST_FILE}.partial"
@@ -509,10 +524,22 @@ class LocalDirectories:
                     raise
         else:
             os.rename(staging, final)
+        try:
+            fsync_path(final.parent)
+        except OSError as err:
+            # In place, but a power cut may undo the rename: keep the previous checkpoint.
+            previous = hidden_path(final, ASIDE, token)
+            if staging.exists():  # the exchange left it here, where discard would delete it
+                os.rename(staging, previous)
+            raise CheckpointSaveError(
+                f"{final} holds the new checkpoint, but syncing its directory "
+                f"{final.parent} failed ({type(err).__name__}: {err}), so a power cut may "
+                f"undo the rename. The previous checkpoint is kept as {previous.name} until "
+                "the next save; check the filesystem, then save again."
+            ) from err
         # Committed: from here on only space can be lost, so nothing may fail the save.
         try:
             reach("commit:replaced")
-            fsync_path(final.parent)
             for sibling in list(final.parent.iterdir()):
                 hidden = parse_hidden_name(sibling.name)
                 if hidden is not None and hidden[0] == final.name:
