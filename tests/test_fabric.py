@@ -8,6 +8,7 @@ checkpoints. The model is ``tests.models.PackedLM`` (packed shards that defeat c
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from lightning_megatron_fsdp.fabric import MegatronFSDPStrategy
 from lightning_megatron_fsdp.megatron import _megatron
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock, PackedLM, build_packed_lm, make_batch
+from tests.object_store import SeaweedServer
 
 LR = 0.05
 STEPS = 4
@@ -556,6 +558,75 @@ def test_precisions_train_as_under_the_trainer(precision: str) -> None:
         assert mine["state_dtypes"] == ["torch.float32"]
         compute = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
         assert mine["logits_dtype"] == compute.get(precision, "torch.float32")
+
+
+# ---------------------------------------------------------------------- two optimizers
+
+
+def _two_optimizers(fabric: Fabric, seed: int) -> tuple[nn.Module, Any, Any]:
+    """The model with Adam on its blocks ("a") and SGD with momentum on the rest ("b")."""
+    module = LitLM(seed=seed)
+    blocks = [p for n, p in module.named_parameters() if ".blocks." in n]
+    rest = [p for n, p in module.named_parameters() if ".blocks." not in n]
+    model, opt_a, opt_b = fabric.setup(
+        module, torch.optim.Adam(blocks, lr=LR), torch.optim.SGD(rest, lr=LR, momentum=0.9)
+    )
+    return model, opt_a, opt_b
+
+
+def _keyed_optimizers(
+    rank: int, world_size: int, env: dict[str, str], paths: list[str]
+) -> dict[str, Any]:
+    """Save {"model", "a", "b"} at each path; load it back with the keys in the other order
+    into a fresh model and optimizers, and with an unknown key."""
+    os.environ.update(env)  # the bucket's endpoint and credentials, as a user's job has them
+    fabric = _fabric(world_size)
+    model, opt_a, opt_b = _two_optimizers(fabric, seed=0)
+    for step in range(2):
+        fabric.backward(_loss(model, *_rank_batch(step, rank, world_size)))
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+    saved = {
+        "a": _optimizer_state(model.module, opt_a.optimizer),
+        "b": _optimizer_state(model.module, opt_b.optimizer),
+    }
+    result: dict[str, Any] = {"saved": saved, "loaded": {}, "unknown": {}}
+    for path in paths:
+        fabric.save(path, {"model": model, "a": opt_a, "b": opt_b})
+        fresh, fresh_a, fresh_b = _two_optimizers(fabric, seed=7)
+        fabric.load(path, {"b": fresh_b, "model": fresh, "a": fresh_a})
+        result["loaded"][path] = {
+            "a": _optimizer_state(fresh.module, fresh_a.optimizer),
+            "b": _optimizer_state(fresh.module, fresh_b.optimizer),
+        }
+        try:
+            fabric.load(path, {"model": fresh, "a": fresh_a, "c": fresh_b})
+            result["unknown"][path] = None
+        except Exception as err:
+            result["unknown"][path] = f"{type(err).__name__}: {err}"
+    return result
+
+
+def test_optimizers_are_matched_by_key_on_a_bucket_and_locally(
+    tmp_path: Path, seaweed: SeaweedServer
+) -> None:
+    """``fabric.save(path, {"model", "a", "b"})`` on a bucket and on disk: a load with the
+    keys in the other order restores each optimizer bit-exactly (Adam and SGD, over
+    different parameters), and a load with a key the checkpoint does not hold raises
+    ``CheckpointMismatchError`` on every rank naming both sets of keys."""
+    paths = [f"s3://{seaweed.new_bucket()}/run/keyed.ckpt", str(tmp_path / "keyed.ckpt")]
+    results = run_distributed(
+        _keyed_optimizers, 2, seaweed.env, paths, init_process_group=False, timeout=240
+    )
+    for result in results:
+        for path in paths:
+            for key in ("a", "b"):
+                _assert_equal(result["loaded"][path][key], result["saved"][key])
+            error = result["unknown"][path]
+            assert error is not None and error.startswith("CheckpointMismatchError:"), error
+            assert "under the keys ['a', 'b']" in error and "optimizers under ['a', 'c']" in error
 
 
 # ---------------------------------------------------------------------- bad input

@@ -25,15 +25,25 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_megatron_fsdp import _lightning
-from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
+from lightning_megatron_fsdp.agreement import (
+    Ranks,
+    dcp_failure_message,
+    describe,
+    peer_failures_explained,
+)
 from lightning_megatron_fsdp.checkpoint.checksums import bytes_digest
-from lightning_megatron_fsdp.checkpoint.confined_files import read_regular
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
-from lightning_megatron_fsdp.checkpoint.format import META_FILE, read_manifest
+from lightning_megatron_fsdp.checkpoint.commit import LocalDirectories
+from lightning_megatron_fsdp.checkpoint.errors import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    NotACheckpointError,
+)
+from lightning_megatron_fsdp.checkpoint.format import META_FILE
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.checkpoint.load import load_into_sharded_model
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
 from lightning_megatron_fsdp.fabric.checkpoint_state import (
+    FABRIC_KEYS,
     restore_rest,
     saved_optimizer_order,
     split_state,
@@ -458,9 +468,12 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             )
         fabric_state = split_state(state, _STRATEGY, "fabric.load")
         model = fabric_state.model
-        record, saved_count = Ranks.of().broadcast_from_first(
-            _peek(target, weights_only) if self.is_global_zero else None
+        peeked = Ranks.of().broadcast_from_first(
+            _peek(self.checkpoint_io, target, weights_only) if self.is_global_zero else None
         )
+        if isinstance(peeked, Exception):
+            raise peeked
+        record, saved_count = peeked
         optimizers = saved_optimizer_order(record, fabric_state, saved_count, target, _STRATEGY)
         try:
             result = load_into_sharded_model(
@@ -507,27 +520,48 @@ class _MicrobatchControl(_lightning.BackwardSyncControl):
         return contextlib.nullcontext()
 
 
-def _peek(path: str, weights_only: bool | None) -> tuple[dict[str, Any], int | None]:
-    """Rank 0: the saved Fabric keys (``meta.pt``) and optimizer count (manifest), if readable.
+def _peek(io: CheckpointIO, path: str, weights_only: bool | None) -> Any:
+    """Rank 0: the saved Fabric keys (``meta.pt``) and optimizer count (manifest), or the
+    error to raise on every rank.
 
-    An unreadable or aside checkpoint gives nothing here (optimizers are then matched by
-    position); the load that follows explains what is wrong with it.
+    Read as the load reads them, through the checkpoint IO's store (a local directory, or
+    the newest complete version on a bucket): ``meta.pt`` at its manifest size and
+    checksum, unpickled as trustingly as the load will. A location without our
+    manifest gives no keys: the load that follows refuses it, or loads a foreign
+    (``ModelParallelStrategy``) checkpoint by position.
     """
+    options = getattr(io, "load_options", None)
+    store = options.store if options is not None else LocalDirectories()
+    trust = weights_only is False
+    if weights_only is None and options is not None:
+        trust = options.trust_checkpoint
     try:
-        manifest = read_manifest(path)
-        count: int | None = len(manifest.optimizer_fingerprints)
-        # As every load reads meta.pt: confined, at the manifest's size, checksummed, and
-        # weights-only unless the caller trusts the checkpoint.
-        data = read_regular(path, META_FILE, size=manifest.files[META_FILE].size)
+        final = store.location(path)
+        store.recover(final)
+        final = store.resolve(final)
+        try:
+            manifest = store.read_manifest(final)
+        except NotACheckpointError:
+            return {}, None
+        damaged = store.check_files(final, manifest)  # sizes first: meta.pt is read whole
+        if damaged:
+            raise CheckpointCorruptedError(f"{final}: " + "; ".join(damaged))
+        data = store.read_bytes(final, META_FILE)
         digest = manifest.files[META_FILE].digest()
         if digest is not None and bytes_digest(data, digest[0]) != digest[1]:
-            return {}, None
-        meta = load_weights_only(data, source=META_FILE, trust=weights_only is False)
-    except Exception:
-        return {}, None
-    from lightning_megatron_fsdp.fabric.checkpoint_state import FABRIC_KEYS
-
-    return {FABRIC_KEYS: meta.get(FABRIC_KEYS)} if isinstance(meta, dict) else {}, count
+            raise CheckpointCorruptedError(
+                f"{path}: {META_FILE} fails its {digest[0]} check (it changed after it was "
+                "written); use another checkpoint."
+            )
+        meta = load_weights_only(data, source=META_FILE, trust=trust)
+    except Exception as err:
+        kind = type(err) if isinstance(err, CheckpointError) else CheckpointError
+        return kind(
+            f"{_STRATEGY}: reading the optimizer keys saved in checkpoint {path} failed: "
+            f"{describe(err)}"
+        )
+    keys = {FABRIC_KEYS: meta.get(FABRIC_KEYS)} if isinstance(meta, dict) else {}
+    return keys, len(manifest.optimizer_fingerprints)
 
 
 def _restore_streams_at_next_forward(
