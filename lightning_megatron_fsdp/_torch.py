@@ -14,9 +14,9 @@ import os
 import queue
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,7 @@ __all__ = [
     "serialization_skips_data",
     "storage_alignment",
     "storage_info",
+    "transformed_stream",
 ]
 
 
@@ -243,6 +244,17 @@ def create_file_view(file: Any, offset: int, length: int) -> Any:
     from torch.distributed.checkpoint.utils import _create_file_view
 
     return _create_file_view(file, offset, length)
+
+
+def transformed_stream(descriptors: Sequence[str], stored: IO[bytes]) -> IO[bytes]:
+    """A record's ``stored`` bytes read back through the DCP stream extensions that
+    ``descriptors`` name (torch's default registry: ZStandard), as torch's reader does.
+
+    Raises:
+        ValueError: If a descriptor names an extension the registry lacks.
+    """
+    transforms = _filesystem._StorageReaderTransforms()
+    return transforms.transform_load_stream(cast(Any, None), descriptors, stored)
 
 
 def _sync_without_fd_calls_os_sync() -> bool:

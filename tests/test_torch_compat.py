@@ -218,6 +218,19 @@ def test_create_file_view(tmp_path: Path) -> None:
         )
 
 
+def test_transformed_stream() -> None:
+    import zstandard
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    stored = io.BytesIO(zstandard.ZstdCompressor().compress(b"record " * 100))
+    stream = _torch.transformed_stream([ZStandard().get_descriptor()], stored)
+    assert stream.read(7) == b"record " and stream.read() == b"record " * 99, _broken(
+        "transformed_stream", "filesystem._StorageReaderTransforms.transform_load_stream"
+    )
+    with pytest.raises(ValueError, match="Unknown extension"):
+        _torch.transformed_stream(["stream.unknown/1"], io.BytesIO())
+
+
 # ---------------------------------------------------------------------------------------
 # The copied write loop
 # ---------------------------------------------------------------------------------------
@@ -395,6 +408,7 @@ def test_this_module_covers_every_private_name_of_the_adapter() -> None:
         "_StorageInfo",
         "_get_metadata_path",
         "_create_file_view",
+        "_StorageReaderTransforms",
         "_write_files_from_queue",
         "_write_data",
         "_C",

@@ -8,7 +8,8 @@ sizes and CRC32Cs as an attacker would:
     payload place     .metadata, meta.pt, byte record, no manifest, .metadata alone,
                       a record path outside the directory, a shard that is a symbolic
                       link to a copy elsewhere, a shard that is a FIFO, a huge claimed
-                      shape, a DEFLATE-compressed record
+                      shape, a DEFLATE-compressed record, a ZStandard bomb (a 32 KiB
+                      record of torch's ZStandard extension inflating to 1 GiB)
     x entry point     the console script's commands, the Python loaders,
                       init_weights_from, fit(ckpt_path) at 1 and 2 ranks, and the
                       Fabric strategy's fabric.load and fabric.load_raw at 1 and 2 ranks
@@ -17,9 +18,11 @@ Every combination must leave no marker file (a payload unpickled in full would c
 it), end within a time limit, and end in a clear refusal (a ``CheckpointError``,
 ``OSError`` or ``ValueError``; exit status 1 with a message and no traceback), except
 where the entry point never reads the planted part (then it may succeed: e.g. ``inspect``
-reads no shard). The controls, an intact checkpoint and a format-1 checkpoint, load
-everywhere. megatron-fsdp's own format goes through the same readers and is covered by
-tests/test_upstream_checkpoint.py.
+reads no shard). The bomb's refusal must also name the record and come before the call's
+peak RSS rose by 64 MiB (:func:`tests.untrusted_attacks.judge`). The controls, an intact
+checkpoint, a format-1 checkpoint and one whose records are all ZStandard frames (as
+torch's extension writes them), load everywhere. megatron-fsdp's own format goes
+through the same readers and is covered by tests/test_upstream_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -35,10 +38,16 @@ import pytest
 
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.legacy_format import downgrade_to_format_1
-from tests.untrusted_attacks import ATTACKS, make_attack
+from tests.untrusted_attacks import (
+    ATTACKS,
+    compress_records,
+    judge,
+    make_attack,
+    peak_rss_growth,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTROLS = ("intact", "format_1")
+CONTROLS = ("intact", "format_1", "zstd")
 # Entry points that never read the planted part of these attacks, so they may succeed.
 MAY_SUCCEED: dict[str, set[str]] = {
     # meta.pt: inspect reports it unreadable (a note); consolidate and init_weights_from
@@ -67,6 +76,7 @@ MAY_SUCCEED: dict[str, set[str]] = {
     "symlink": {"cli inspect", "inspect_checkpoint"},
     "fifo": {"cli inspect", "inspect_checkpoint"},
     "compressed": {"cli inspect", "inspect_checkpoint"},
+    "zstd_bomb": {"cli inspect", "inspect_checkpoint"},
 }
 _SAVED: dict[str, Path] = {}
 
@@ -101,6 +111,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         _SAVED["intact"] = Path(shutil.copytree(saved, root / "intact"))
         _SAVED["format_1"] = Path(shutil.copytree(saved, root / "format_1"))
         downgrade_to_format_1(_SAVED["format_1"])
+        _SAVED["zstd"] = compress_records(Path(shutil.copytree(saved, root / "zstd")))
         for attack in ATTACKS:
             _SAVED[attack] = make_attack(attack, saved, root / attack, root / "markers")
     return _SAVED
@@ -182,14 +193,15 @@ def _training_entry_points(
                 auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT, **options
             )
             trainer = make_trainer(world_size, strategy, max_steps=3, enable_checkpointing=False)
+            model, data = ExportLM(num_blocks=1), TokenData(batch_size=2)
             error: BaseException | None = None
-            try:
-                trainer.fit(
-                    ExportLM(num_blocks=1), datamodule=TokenData(batch_size=2), **fit_options
-                )
-            except BaseException as err:  # classified below; a crash fails the test
-                error = err
-            outcomes[name][f"{entry} {world_size} rank(s)"] = _outcome(error)
+            with peak_rss_growth() as growth:
+                try:
+                    trainer.fit(model, datamodule=data, **fit_options)
+                except BaseException as err:  # classified below; a crash fails the test
+                    error = err
+            outcome = judge(name, _outcome(error), str(error), growth[0])
+            outcomes[name][f"{entry} {world_size} rank(s)"] = outcome
     return outcomes
 
 
@@ -281,6 +293,108 @@ def test_an_export_never_renames_a_swapped_temporary_file(tmp_path: Path) -> Non
     assert output.read_bytes() == b"ours"
 
 
+def _zstd_record(value: Any, *, size: int | None = None) -> bytes:
+    """``torch.save(value)`` as torch's ZStandard extension stores a record; with ``size``,
+    first grown to that many bytes by a zip comment (still a valid ``torch.save`` zip)."""
+    import io
+    import struct
+
+    import torch
+    import zstandard
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    plain = buffer.getvalue()
+    if size is not None:
+        comment = size - len(plain)
+        assert plain[-22:-18] == b"PK\x05\x06" and 0 <= comment < 1 << 16
+        plain = plain[:-2] + struct.pack("<H", comment) + b"c" * comment
+    return zstandard.ZstdCompressor().compress(plain)
+
+
+def _zstd_checkpoint(directory: Path, state: dict[str, Any], key: str, record: bytes) -> None:
+    """A DCP save of ``state`` through torch's ZStandard extension whose record of ``key``
+    is then replaced by ``record`` (its CRC32C resealed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
+    from tests.untrusted_attacks import _append_record
+
+    writer = ChecksummingFileSystemWriter(directory, _extensions=[ZStandard()])
+    dcp.save(state, storage_writer=writer)
+    _append_record(directory, key, record, keep_payload=False, transforms=["stream.zstd/1"])
+
+
+@pytest.mark.both_versions
+@pytest.mark.parametrize("extra", [0, 1])
+def test_a_transformed_record_inflates_to_its_bound_and_not_a_byte_past(
+    tmp_path: Path, extra: int
+) -> None:
+    """A ZStandard tensor record of exactly what its chunk may hold (its bytes and
+    ``TENSOR_RECORD_FRAMING``) loads bit-exactly; one byte more is refused, naming the
+    file, the record's place and key."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from lightning_megatron_fsdp.checkpoint.safe_unpickling import TENSOR_RECORD_FRAMING
+    from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
+
+    saved = torch.arange(4, dtype=torch.float32) + 0.5
+    limit = saved.nbytes + TENSOR_RECORD_FRAMING
+    _zstd_checkpoint(tmp_path, {"w": saved}, "w", _zstd_record(saved, size=limit + extra))
+    loaded = {"w": torch.zeros(4)}
+    reader = VerifyingFileSystemReader(tmp_path)
+    if extra:
+        refused = (
+            rf"__0_0\.distcp: record of 'w' \(chunk at \[0\]\), bytes \[\d+, \d+\): "
+            rf"inflates past the {limit} bytes"
+        )
+        with pytest.raises(CheckpointException, match=refused):
+            dcp.load(loaded, storage_reader=reader)
+        return
+    dcp.load(loaded, storage_reader=reader)
+    torch.testing.assert_close(loaded["w"], saved, rtol=0, atol=0)
+
+
+@pytest.mark.both_versions
+def test_a_garbled_transformed_record_is_refused_naming_it(tmp_path: Path) -> None:
+    """A ZStandard record whose frame is corrupt (its CRC32C resealed) ends in one clear
+    error naming the record, whatever the decompressor raised."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
+
+    garbled = b"\x28\xb5\x2f\xfd" + b"\x00\x38" + b"\x07" * 20  # magic, header, bad block
+    _zstd_checkpoint(tmp_path, {"w": torch.ones(4)}, "w", garbled)
+    refused = r"CheckpointCorruptedError: .*__0_0\.distcp: record of 'w' .* cannot be inflated"
+    with pytest.raises(CheckpointException, match=refused):
+        dcp.load({"w": torch.zeros(4)}, storage_reader=VerifyingFileSystemReader(tmp_path))
+
+
+@pytest.mark.both_versions
+def test_a_transformed_byte_record_is_bounded_unless_trusted(tmp_path: Path) -> None:
+    """``.metadata`` gives no size for a byte record: a ZStandard one inflating past
+    ``BYTE_RECORD_LIMIT`` is refused, naming the opt-in; a trusted checkpoint loads it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from lightning_megatron_fsdp.checkpoint.safe_unpickling import BYTE_RECORD_LIMIT
+    from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
+
+    large = bytes(BYTE_RECORD_LIMIT)  # its torch.save is a little larger
+    _zstd_checkpoint(tmp_path, {"blob": b"small"}, "blob", _zstd_record(large))
+    refused = rf"record of 'blob'.*inflates past the {BYTE_RECORD_LIMIT} bytes.*trust_checkpoint"
+    with pytest.raises(CheckpointException, match=refused):
+        dcp.load({"blob": b""}, storage_reader=VerifyingFileSystemReader(tmp_path))
+    loaded = {"blob": b""}
+    dcp.load(loaded, storage_reader=VerifyingFileSystemReader(tmp_path, trust_checkpoint=True))
+    assert loaded["blob"] == large
+
+
 def test_malformed_manifest_and_metadata_end_in_one_error(
     checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -346,15 +460,16 @@ def _fabric_entry_points(
                 torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
             )
             error: BaseException | None = None
-            try:
-                if entry == "fabric.load":
-                    state = {"model": model, "optimizer": optimizer}
-                    fabric.load(directory, state, weights_only=weights_only)
-                else:
-                    fabric.load_raw(directory, model, weights_only=weights_only)
-            except BaseException as err:  # classified below; a crash fails the test
-                error = err
-            outcomes[name][entry] = _outcome(error)
+            with peak_rss_growth() as growth:
+                try:
+                    if entry == "fabric.load":
+                        state = {"model": model, "optimizer": optimizer}
+                        fabric.load(directory, state, weights_only=weights_only)
+                    else:
+                        fabric.load_raw(directory, model, weights_only=weights_only)
+                except BaseException as err:  # classified below; a crash fails the test
+                    error = err
+            outcomes[name][entry] = judge(name, _outcome(error), str(error), growth[0])
             if explain and error is not None:
                 outcomes[name][entry] += f": {error}"
     return outcomes

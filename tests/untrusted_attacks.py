@@ -3,14 +3,17 @@ entry points run against them in a child process with a time limit per call.
 
 Each attack copies an intact checkpoint and plants one thing (a pickle that would create a
 marker file when unpickled in full, a path outside the directory, a symbolic link, a FIFO,
-a huge claimed shape, a compressed record), then rewrites ``manifest.json``'s sizes and
-CRC32Cs (and ``.metadata``'s record CRCs) to match, so integrity checks alone see nothing.
+a huge claimed shape, a compressed record, a ZStandard bomb), then rewrites
+``manifest.json``'s sizes and CRC32Cs (and ``.metadata``'s record CRCs) to match, so
+integrity checks alone see nothing.
 
 ``python -m tests.untrusted_attacks OUTPUT.json DIR...`` runs every offline entry point
 (the console script's commands in-process through ``main``, and the Python loaders) on
 each directory and writes one outcome per pair: ``ok`` (it succeeded), ``refused`` (a
 ``CheckpointError``/``OSError``/``ValueError``, or exit status 1 with one message and no
-traceback), ``crash`` (anything else: a traceback), ``hang`` (past the time limit).
+traceback), ``crash`` (anything else: a traceback), ``hang`` (past the time limit). A
+refusal of the bomb counts only if it names the record and the call's peak RSS rose by less
+than :data:`BOMB_RSS_LIMIT` (:func:`judge`).
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ import signal
 import sys
 import traceback
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import crc32c as crc32c_package
 import torch
+import zstandard
 
 ATTACKS = (
     "metadata",
@@ -44,11 +48,15 @@ ATTACKS = (
     "fifo",
     "huge_shape",
     "compressed",
+    "zstd_bomb",
 )
 SHARD = "__0_0.distcp"
 BYTE_KEY = "optimizer_states.0.param_groups.0.lr"
 TENSOR_KEY = "state_dict.lm.embed.weight"
 CALL_TIMEOUT = 30  # seconds per entry point call; a FIFO would block forever
+BOMB = "zstd_bomb"
+BOMB_BYTES = 1 << 30  # what the bomb's 32 KiB ZStandard frame inflates to: zeros
+BOMB_RSS_LIMIT = 64 << 20
 
 
 class Payload:
@@ -90,9 +98,17 @@ def _write_metadata(directory: Path, metadata: Any) -> None:
     (directory / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
-def _append_record(directory: Path, key: str, record: bytes, *, keep_payload: bool) -> None:
+def _append_record(
+    directory: Path,
+    key: str,
+    record: bytes,
+    *,
+    keep_payload: bool,
+    transforms: list[str] | None = None,
+) -> None:
     """Append ``record`` to the shard and point ``key``'s storage entry at it, its CRC32C
-    annotation rewritten (and its direct-read offsets dropped unless ``keep_payload``)."""
+    annotation rewritten (and its direct-read offsets dropped unless ``keep_payload``), read
+    back through the DCP stream ``transforms``."""
     shard = directory / SHARD
     offset = shard.stat().st_size
     with shard.open("ab") as file:
@@ -101,6 +117,7 @@ def _append_record(directory: Path, key: str, record: bytes, *, keep_payload: bo
     for index, info in metadata.storage_data.items():
         if index.fqn == key:
             info.offset, info.length = offset, len(record)
+            info.transform_descriptors = transforms
             annotation = dict(getattr(info, "lmf_record", {}) or {})
             annotation["crc32c"] = crc32c_package.crc32c(record)
             if not keep_payload:
@@ -119,6 +136,36 @@ def _compressed_record(directory: Path, key: str) -> bytes:
         for entry in source.infolist():
             target.writestr(entry.filename, source.read(entry), zipfile.ZIP_DEFLATED)
     return out.getvalue()
+
+
+def _zstd_bomb() -> bytes:
+    """A ZStandard frame, as torch's ``ZStandard`` extension writes records, of
+    :data:`BOMB_BYTES` zeros (built a MiB at a time)."""
+    compressor = zstandard.ZstdCompressor().compressobj()
+    zeros = bytes(1 << 20)
+    frame = [compressor.compress(zeros) for _ in range(BOMB_BYTES >> 20)]
+    return b"".join([*frame, compressor.flush()])
+
+
+def compress_records(directory: Path) -> Path:
+    """Rewrite every record of ``directory``'s shard as torch's ZStandard extension stores
+    it (one frame of the record's bytes), their CRC32Cs and the manifest resealed: what a
+    writer with ``_extensions=[ZStandard()]`` saves. A control, not an attack."""
+    metadata = _metadata(directory)
+    data = (directory / SHARD).read_bytes()
+    shard = bytearray()
+    compressor = zstandard.ZstdCompressor()
+    for info in metadata.storage_data.values():
+        assert info.relative_path == SHARD, info.relative_path
+        frame = compressor.compress(data[info.offset : info.offset + info.length])
+        info.offset, info.length = len(shard), len(frame)
+        info.transform_descriptors = ["stream.zstd/1"]
+        info.lmf_record = {"crc32c": crc32c_package.crc32c(frame)}
+        shard += frame
+    (directory / SHARD).write_bytes(shard)
+    _write_metadata(directory, metadata)
+    reseal(directory)
+    return directory
 
 
 def make_attack(name: str, source: Path, destination: Path, markers: Path) -> Path:
@@ -178,6 +225,12 @@ def make_attack(name: str, source: Path, destination: Path, markers: Path) -> Pa
         record = _compressed_record(destination, TENSOR_KEY)
         _append_record(destination, TENSOR_KEY, record, keep_payload=False)
         reseal(destination)
+    elif name == BOMB:
+        bomb = _zstd_bomb()
+        _append_record(
+            destination, TENSOR_KEY, bomb, keep_payload=False, transforms=["stream.zstd/1"]
+        )
+        reseal(destination)
     else:
         raise ValueError(f"unknown attack {name!r}")
     return destination
@@ -194,8 +247,42 @@ def _alarm(signum: int, frame: Any) -> None:
     raise _Hang()
 
 
-def _cli(*argv: str) -> Callable[[Path, Path], Any]:
-    def run(path: Path, out: Path) -> Any:
+@contextlib.contextmanager
+def peak_rss_growth() -> Iterator[list[int]]:
+    """How far this process's peak RSS rises above its RSS at entry, in bytes: the yielded
+    list's item, set on exit (Linux: ``clear_refs`` resets the peak, ``VmHWM``)."""
+    growth = [0]
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _peak_rss()
+    try:
+        yield growth
+    finally:
+        growth[0] = _peak_rss() - before
+
+
+def _peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
+def judge(name: str, outcome: str, said: str, growth: int) -> str:
+    """``outcome`` of an entry point on directory ``name``; for the bomb, a refusal counts
+    only if it names the record (file and key, as inflating past its bound) and the call's
+    peak RSS rose by less than :data:`BOMB_RSS_LIMIT`."""
+    if name != BOMB or outcome != "refused":
+        return outcome
+    if growth >= BOMB_RSS_LIMIT:
+        return f"refused after the peak RSS grew {growth >> 20} MiB"
+    named = (SHARD, TENSOR_KEY.removeprefix("state_dict."), "inflates past")
+    if not all(part in said for part in named):
+        return f"refused without naming the record: {said[-400:]}"
+    return outcome
+
+
+def _cli(*argv: str) -> Callable[[Path, Path], tuple[str, str]]:
+    def run(path: Path, out: Path) -> tuple[str, str]:
         from lightning_megatron_fsdp.tools.cli import main
 
         stderr, stdout = io.StringIO(), io.StringIO()
@@ -203,33 +290,33 @@ def _cli(*argv: str) -> Callable[[Path, Path], Any]:
             status = main([argv[0], str(path), *[a.format(out=out) for a in argv[1:]]])
         text = stderr.getvalue() + stdout.getvalue()
         if status == 0:
-            return "ok"
+            return "ok", text
         said = stderr.getvalue().startswith("lightning-megatron-fsdp: error: ") or (
             "verify: FAILED" in stdout.getvalue()
         )
         if status == 1 and said and "Traceback" not in text:
-            return "refused"
-        return f"crash: exit {status}: {text[-400:]}"
+            return "refused", text
+        return f"crash: exit {status}: {text[-400:]}", text
 
     return run
 
 
-def _python(call: Callable[[Path, Path], Any]) -> Callable[[Path, Path], Any]:
-    def run(path: Path, out: Path) -> Any:
+def _python(call: Callable[[Path, Path], Any]) -> Callable[[Path, Path], tuple[str, str]]:
+    def run(path: Path, out: Path) -> tuple[str, str]:
         from lightning_megatron_fsdp import CheckpointError
 
         try:
             result = call(path, out)
-        except (CheckpointError, OSError, ValueError):
-            return "refused"
+        except (CheckpointError, OSError, ValueError) as err:
+            return "refused", str(err)
         if isinstance(result, list):  # verify_checkpoint: its problems
-            return "refused" if result else "ok"
-        return "ok"
+            return ("refused" if result else "ok"), "\n".join(result)
+        return "ok", ""
 
     return run
 
 
-def _entry_points() -> dict[str, Callable[[Path, Path], Any]]:
+def _entry_points() -> dict[str, Callable[[Path, Path], tuple[str, str]]]:
     import lightning_megatron_fsdp as lmf
     from tests.test_lightning_export import ExportLM
 
@@ -260,9 +347,11 @@ def run_offline(directories: list[Path], scratch: Path) -> dict[str, dict[str, s
         for entry, run in _entry_points().items():
             out = scratch / f"{directory.name}-{len(outcomes[directory.name])}"
             out.mkdir(parents=True)
+            said = ""
             signal.alarm(CALL_TIMEOUT)
             try:
-                outcome = run(directory, out)
+                with peak_rss_growth() as growth:
+                    outcome, said = run(directory, out)
             except _Hang:
                 outcome = "hang"
             except BaseException as err:  # a traceback the user would see
@@ -270,7 +359,7 @@ def run_offline(directories: list[Path], scratch: Path) -> dict[str, dict[str, s
                 traceback.print_exc()
             finally:
                 signal.alarm(0)
-            outcomes[directory.name][entry] = outcome
+            outcomes[directory.name][entry] = judge(directory.name, outcome, said, growth[0])
     return outcomes
 
 

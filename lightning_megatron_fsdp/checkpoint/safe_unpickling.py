@@ -10,7 +10,10 @@ afterwards; a reader that never hands the index to DCP (the offline tools) gets 
 ``checkpoint.metadata_records`` instead of DCP's classes, through the same allow-list and
 checks, and so never imports ``torch.distributed.checkpoint``. ``meta.pt`` and byte
 records go through ``torch.load(weights_only=True)``, after their zip entries are checked
-to be stored uncompressed. A trusted checkpoint that needs more passes
+to be stored uncompressed. A record written through a DCP stream transform (torch's
+ZStandard extension) is inflated in bounded pieces and never past what its chunk needs, so
+a small crafted frame cannot make the reader allocate gigabytes. A trusted checkpoint that
+needs more passes
 ``trust_checkpoint=True`` (``--trust-checkpoint``), which every refusal names. The
 allow-list and its reasoning are in docs/DESIGN.md, "Untrusted checkpoints".
 """
@@ -40,9 +43,12 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = [
+    "BYTE_RECORD_LIMIT",
+    "TENSOR_RECORD_FRAMING",
     "TRUST_HINT",
     "check_stored_zip",
     "check_tensor_record",
+    "inflate_record",
     "is_tensor_entry",
     "load_dcp_metadata",
     "load_weights_only",
@@ -60,6 +66,16 @@ TRUST_HINT = (
 # larger one would make a nested list of that length.
 _MAX_PATH_INDEX = 1 << 20
 _DATA_ENTRY = re.compile(r"(?:^|/)data/\d+$")
+
+TENSOR_RECORD_FRAMING = 64 << 10
+"""What a tensor record may hold besides its chunk's bytes: ``torch.save`` of one tensor
+adds its pickle, the zip's headers and directory and alignment padding (about 1.5 KiB)."""
+
+BYTE_RECORD_LIMIT = 16 << 20
+"""The most a stream-transformed byte record (one pickled Python value) may inflate to,
+unless the checkpoint is trusted: ``.metadata`` records no size for byte records."""
+
+_INFLATE_PIECE = 1 << 20
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 # The DCP names a ``.metadata`` pickle may reference, by (module, name), each with the name
@@ -387,6 +403,56 @@ def check_tensor_record(file: IO[bytes], nbytes: int, *, source: str) -> None:
             f"{source}: the record stores {stored} bytes of tensor data, but .metadata "
             f"claims a chunk of {nbytes} bytes. Use another checkpoint."
         )
+
+
+def inflate_record(
+    stream: IO[bytes], nbytes: int | None, *, source: str, trust: bool = False
+) -> io.BytesIO:
+    """The plain bytes of a stream-transformed record, read from ``stream`` (the transform's
+    output) in pieces of at most 1 MiB, never more than one byte past the record's bound:
+    a tensor record's chunk bytes ``nbytes`` plus :data:`TENSOR_RECORD_FRAMING`; a byte
+    record's (``nbytes`` ``None``) :data:`BYTE_RECORD_LIMIT`, or none when ``trust``.
+
+    Args:
+        stream: The transform's output over the record's stored bytes.
+        nbytes: The chunk's bytes ``.metadata`` claims; ``None`` for a byte record.
+        source: The record (file, place, key), for errors.
+        trust: The checkpoint is trusted (byte records are then unbounded).
+
+    Returns:
+        The bytes, positioned at 0.
+
+    Raises:
+        CheckpointCorruptedError: If the record inflates past its bound (nothing further
+            was inflated), or the transform fails on it.
+    """
+    if nbytes is not None:
+        limit: int | None = nbytes + TENSOR_RECORD_FRAMING
+        needs = f"a record of its {nbytes}-byte chunk holds"
+    else:
+        limit = None if trust else BYTE_RECORD_LIMIT
+        needs = "a byte record may hold (trust_checkpoint=True lifts this bound)"
+    plain = io.BytesIO()
+    while limit is None or plain.tell() <= limit:
+        want = _INFLATE_PIECE if limit is None else min(_INFLATE_PIECE, limit + 1 - plain.tell())
+        try:
+            piece = stream.read(want)
+        except Exception as err:  # a garbled frame raises whatever the transform raises
+            raise CheckpointCorruptedError(
+                f"{source}: cannot be inflated ({type(err).__name__}: {err}). The "
+                "checkpoint is damaged or crafted: use another one."
+            ) from err
+        if not piece:  # b"" at the end (None: a raw stream with nothing now, taken as the end)
+            break
+        plain.write(piece)
+    if limit is not None and plain.tell() > limit:
+        raise CheckpointCorruptedError(
+            f"{source}: inflates past the {limit} bytes {needs}; it was not inflated "
+            "further. The checkpoint is damaged or crafted (a decompression bomb): use "
+            "another one."
+        )
+    plain.seek(0)
+    return plain
 
 
 def load_weights_only(

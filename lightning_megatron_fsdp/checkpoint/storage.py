@@ -62,6 +62,7 @@ from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, Manifes
 from lightning_megatron_fsdp.checkpoint.records import TensorRecords, shared_records
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import (
     check_tensor_record,
+    inflate_record,
     load_dcp_metadata,
     safe_byte_record,
 )
@@ -790,21 +791,25 @@ class VerifyingFileSystemReader(FileSystemReader):
         info = self.storage_data[item.storage_index]
         if expected is not None and (found := crc32c(data)) != expected:
             raise self._mismatch(name, item, found, expected)
-        stream = self.transforms.transform_load_stream(
-            item, info.transform_descriptors or (), io.BytesIO(data)
-        )
         where = f"{self._display(name)}: {self._where(item)}"
-        if item.type == LoadItemType.BYTE_IO:
-            record = safe_byte_record(stream.read(-1), source=where, trust=self.trust_checkpoint)
-            planner.load_bytes(item, io.BytesIO(record))
+        nbytes = None
+        if item.type != LoadItemType.BYTE_IO:
+            key = (item.storage_index.fqn, tuple(item.storage_index.offset or ()))
+            if key not in self._chunks:
+                raise self._corrupted(name, f"{key[0]!r}: no such chunk in .metadata")
+            sizes, dtype = self._chunks[key]
+            nbytes = math.prod(sizes) * dtype.itemsize
+        record = io.BytesIO(data)
+        if info.transform_descriptors:
+            stream = self.transforms.transform_load_stream(item, info.transform_descriptors, record)
+            record = inflate_record(stream, nbytes, source=where, trust=self.trust_checkpoint)
+        if nbytes is None:
+            value = safe_byte_record(record.read(), source=where, trust=self.trust_checkpoint)
+            planner.load_bytes(item, io.BytesIO(value))
             return
-        seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
-        chunk = self._chunks.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
-        if chunk is None:
-            raise self._corrupted(name, f"{item.storage_index.fqn!r}: no such chunk in .metadata")
-        check_tensor_record(seekable, math.prod(chunk[0]) * chunk[1].itemsize, source=where)
-        seekable.seek(0)
-        stored = torch.load(seekable, map_location="cpu", weights_only=True)
+        check_tensor_record(record, nbytes, source=where)
+        record.seek(0)
+        stored = torch.load(record, map_location="cpu", weights_only=True)
         source = _torch.narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != source.size():

@@ -12,7 +12,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,7 @@ from lightning_megatron_fsdp.checkpoint.object_store import (
 )
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import (
     check_tensor_record,
+    inflate_record,
     is_tensor_entry,
     load_dcp_metadata,
     load_weights_only,
@@ -399,7 +400,8 @@ def _storage_problems(
 
 def _record_problems(path: Any, metadata: Metadata, sizes: Mapping[str, int]) -> list[str]:
     """Every tensor record is a ``torch.save`` zip whose entries are stored uncompressed and
-    whose data holds exactly its chunk's bytes (reads each record's zip directory only).
+    whose data holds exactly its chunk's bytes (reads each record's zip directory only; a
+    stream-transformed record is inflated, in bounded pieces, one at a time).
 
     A compressed record passes every size and checksum test, yet readers that copy a
     payload directly would take the compressed bytes for the tensor's. A file not in
@@ -416,7 +418,7 @@ def _record_problems(path: Any, metadata: Metadata, sizes: Mapping[str, int]) ->
     for index, info in metadata.storage_data.items():
         nbytes = chunks.get((index.fqn, tuple(index.offset or ())))
         present = info.relative_path in sizes
-        if present and nbytes is not None and not getattr(info, "transform_descriptors", None):
+        if present and nbytes is not None:
             by_file.setdefault(info.relative_path, []).append((index, info, nbytes))
     for name, records in sorted(by_file.items()):
         if isinstance(path, StoreCheckpoint):
@@ -426,7 +428,7 @@ def _record_problems(path: Any, metadata: Metadata, sizes: Mapping[str, int]) ->
                 for index, info, nbytes in records:
                     window = io.BufferedReader(FileWindow(stream, info.offset, info.length))
                     try:
-                        check_tensor_record(window, nbytes, source=f"{index.fqn!r}")
+                        _check_record(window, index, info, nbytes)
                     except CheckpointCorruptedError as err:
                         bad.setdefault(name, []).append(str(err))
             continue
@@ -439,7 +441,7 @@ def _record_problems(path: Any, metadata: Metadata, sizes: Mapping[str, int]) ->
             for index, info, nbytes in records:
                 window = io.BufferedReader(FileWindow(fd, info.offset, info.length))
                 try:
-                    check_tensor_record(window, nbytes, source=f"{index.fqn!r}")
+                    _check_record(window, index, info, nbytes)
                 except CheckpointCorruptedError as err:
                     bad.setdefault(name, []).append(str(err))
         finally:
@@ -448,6 +450,30 @@ def _record_problems(path: Any, metadata: Metadata, sizes: Mapping[str, int]) ->
         summarise(f"{name}: not plain torch.save zips ({count(len(lines), 'record')})", lines)
         for name, lines in sorted(bad.items())
     ]
+
+
+def _check_record(window: IO[bytes], index: Any, info: Any, nbytes: int) -> None:
+    """:func:`check_tensor_record` of one record, inflated first when it is stream-transformed.
+
+    Raises:
+        CheckpointCorruptedError: If it is not a stored zip of ``nbytes`` of tensor data,
+            inflates past what such a zip holds, or names a transform torch lacks.
+    """
+    descriptors = getattr(info, "transform_descriptors", None)
+    if not descriptors:
+        check_tensor_record(window, nbytes, source=f"{index.fqn!r}")
+        return
+    from lightning_megatron_fsdp import _torch  # imports DCP: only for transformed records
+
+    source = (
+        f"{index.fqn!r}: the record (chunk at {list(index.offset or ())}), bytes "
+        f"[{info.offset}, {info.offset + info.length}), stored through {list(descriptors)}"
+    )
+    try:
+        stream = _torch.transformed_stream(descriptors, window)
+    except ValueError as err:
+        raise CheckpointCorruptedError(f"{source}: cannot be read back ({err})") from err
+    check_tensor_record(inflate_record(stream, nbytes, source=source), nbytes, source=source)
 
 
 _ZIP_BLOCK = 64 << 10
