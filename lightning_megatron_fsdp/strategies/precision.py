@@ -235,7 +235,7 @@ def to_megatron_precision(
 
 def reject_closure_optimizer(optimizer: Any) -> None:
     """Raise for optimizers that need ``step(closure)`` to re-run forward and backward."""
-    inner = getattr(optimizer, "_optimizer", optimizer)
+    inner = _lightning.unwrap_optimizer(optimizer)
     if isinstance(inner, torch.optim.LBFGS):
         raise TypeError(
             "MegatronFSDPStrategy: torch.optim.LBFGS re-evaluates its closure several times "

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_megatron_fsdp import _torch
+from lightning_megatron_fsdp import _lightning, _torch
 from lightning_megatron_fsdp.agreement import Problem, Ranks
 from lightning_megatron_fsdp.checkpoint.format import OPTIMIZER_PREFIX, listed
 from lightning_megatron_fsdp.checkpoint.object_store import is_url, local_path
@@ -266,7 +266,7 @@ def load_full_weights(
             "Shard it first (shard_module or MegatronFSDPStrategy); for a plain module use "
             "model.load_state_dict(torch.load(path))."
         )
-    optimizers = [getattr(o, "_optimizer", o) for o in optimizers]  # LightningOptimizer
+    optimizers = [_lightning.unwrap_optimizer(o) for o in optimizers]  # LightningOptimizer
     for index, optimizer in enumerate(optimizers):
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
