@@ -37,18 +37,28 @@ __all__ = [
     "StrategyRegistry",
     "SubprocessScriptLauncher",
     "WrappingCheckpointIO",
+    "attached_trainer",
+    "checkpoint_dir_resolver",
     "convert_fp_tensor",
+    "current_fx_name",
+    "data_fetcher",
     "default_process_group_backend",
     "distributed_is_initialized",
+    "forget_dataloader_states_to_load",
     "init_dist_connection",
     "layer_sync",
     "metric_state_names",
     "reset_optimizers_and_schedulers",
+    "set_current_fx_name",
+    "set_data_fetcher",
+    "set_device_mesh",
     "set_sampler_epoch",
     "sync_ddp_if_available",
+    "unwrap_optimizer",
     "update_properties",
     "validate_keys_for_strict_loading",
     "wrap_closure",
+    "wrapped_sampler",
 ]
 
 PATH: TypeAlias = getattr(_fabric_types, "_PATH", str | os.PathLike[str])  # type: ignore[valid-type]
@@ -135,3 +145,59 @@ def metric_state_names(metric: Any) -> list[str]:
 def validate_keys_for_strict_loading(requested: Any, available: Any, *, strict: bool) -> None:
     """Fabric's check that every requested key is in the checkpoint (``KeyError`` if not)."""
     _fabric_strategy._validate_keys_for_strict_loading(requested, available, strict=strict)
+
+
+# Private attributes of Lightning's objects, read or written through these accessors only.
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a ``LightningOptimizer``, or ``optimizer`` itself."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def attached_trainer(module: Any) -> Any:
+    """The Trainer ``module`` is attached to, or ``None`` (its ``trainer`` property raises)."""
+    return getattr(module, "_trainer", None)
+
+
+def set_device_mesh(module: Any, mesh: Any) -> None:
+    """Give a LightningModule its ``device_mesh`` (a read-only property over ``_device_mesh``)."""
+    module._device_mesh = mesh
+
+
+def current_fx_name(module: Any) -> str | None:
+    """The hook a LightningModule is running, as ``self.log`` reads it."""
+    return module._current_fx_name
+
+
+def set_current_fx_name(module: Any, name: str | None) -> None:
+    """Mark ``module`` as running hook ``name`` (what ``self.log`` checks against)."""
+    module._current_fx_name = name
+
+
+def data_fetcher(loop: Any) -> Any:
+    """The data fetcher an evaluation or fit loop draws its batches from (``None`` if absent)."""
+    return getattr(loop, "_data_fetcher", None)
+
+
+def set_data_fetcher(loop: Any, fetcher: Any) -> None:
+    """Make ``loop`` draw its batches from ``fetcher``."""
+    loop._data_fetcher = fetcher
+
+
+def forget_dataloader_states_to_load(fit_loop: Any) -> None:
+    """Drop the dataloader states a restored fit loop would load into its next epoch."""
+    fit_loop._combined_loader_states_to_load = []
+
+
+def wrapped_sampler(dataset: Any) -> Any:
+    """The sampler inside the dataset of Lightning's ``DistributedSamplerWrapper``
+    (``_DatasetSamplerWrapper``), or ``None``."""
+    return getattr(dataset, "_sampler", None)
+
+
+def checkpoint_dir_resolver(callback: Any) -> Any:
+    """``ModelCheckpoint``'s private ``__resolve_ckpt_dir(trainer)``, or ``None``: how its
+    ``"last"`` lookup resolves the directory before ``setup``."""
+    resolve = getattr(callback, "_ModelCheckpoint__resolve_ckpt_dir", None)
+    return resolve if callable(resolve) else None

@@ -21,7 +21,6 @@ __all__ = [
     "PeerLostError",
     "Problem",
     "Ranks",
-    "categorize",
     "dcp_failure_message",
     "describe",
     "peer_failures_explained",
@@ -99,45 +98,33 @@ def dcp_failure_message(action: str, path: object, err: BaseException) -> str:
     return f"{action} checkpoint {path} failed on rank(s) {sorted(failures)}:\n{details or err}"
 
 
-# Labels the summary line counts, by a phrase of the problem's text (first match wins).
-_CATEGORIES = (
-    ("missing", "missing"),
-    ("unexpected", "not in the target"),
-    ("shape", "shape"),
-    ("dtype", "dtype"),
-    ("checksum", "checksum"),
-    ("checksum", "crc32c"),
-)
-
-
-def categorize(text: str) -> str:
-    """The summary label of a problem's text (``"shape"``, ``"missing"``, ...)."""
-    lowered = text.lower()
-    return next((name for name, phrase in _CATEGORIES if phrase in lowered), "other")
-
-
-def summary_line(heading: str, texts: Sequence[str]) -> str:
+def summary_line(heading: str, problems: Sequence[Problem]) -> str:
     """``"<heading>: 85 problems (85 shape); first: <text>"``, or the one problem itself."""
-    if len(texts) == 1:
-        return f"{heading}: {texts[0]}"
-    counts = Counter(categorize(t) for t in texts)
+    if len(problems) == 1:
+        return f"{heading}: {problems[0].text}"
+    counts = Counter(p.category for p in problems)
     kinds = ", ".join(f"{n} {category}" for category, n in counts.most_common())
-    return f"{heading}: {len(texts)} problems ({kinds}); first: {texts[0]}"
+    return f"{heading}: {len(problems)} problems ({kinds}); first: {problems[0].text}"
 
 
-@dataclasses.dataclass(frozen=True, order=True)
+@dataclasses.dataclass(frozen=True)
 class Problem:
-    """One thing a rank found wrong.
+    """One thing a rank found wrong, carrying the error it raises.
 
     Attributes:
-        kind: How fundamental it is; the lowest kind found picks the error class.
+        error: The exception class every rank raises for it (:meth:`Ranks.agree` raises
+            the most fundamental class found).
         text: One line naming the file, key or FQN, what was found and what was expected.
+        category: What the summary line counts it as (``"missing"``, ``"shape"``, ...).
     """
 
-    kind: int
+    error: type[Exception]
     text: str
+    category: str = "other"
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.error, type) and issubclass(self.error, Exception)):
+            raise TypeError(f"Problem: error must be an exception class, got {self.error!r}.")
         if not isinstance(self.text, str) or not self.text:
             raise ValueError(f"Problem: text must be a non-empty string, got {self.text!r}.")
 
@@ -236,9 +223,9 @@ class Ranks:
         problems: Sequence[Problem],
         *,
         heading: str,
-        errors: Mapping[int, type[Exception]] | type[Exception],
+        lost_peer_error: type[Exception],
+        precedence: Sequence[type[Exception]] = (),
         advice: str | Mapping[type[Exception], str] = "",
-        lost_peer_error: type[Exception] | None = None,
     ) -> None:
         """Return if no rank found a problem; else raise the same error on every rank.
 
@@ -246,25 +233,24 @@ class Ranks:
             problems: What this rank found (empty: its part succeeded).
             heading: What was being done, e.g. ``"Cannot load checkpoint /ckpt/last.ckpt"``;
                 ``{ranks}`` in it becomes the list of ranks that found a problem.
-            errors: The error class to raise, or one per problem kind (the lowest kind
-                found picks it; a missing kind falls back to the lowest mapped one).
+            lost_peer_error: The class to raise when the collective itself fails (a peer
+                died or timed out).
+            precedence: Error classes, most fundamental first: the problems found are
+                listed in this order and the first one's class is raised (a class not
+                listed comes after those listed).
             advice: What to do (and what state the failure leaves), appended last; or one
                 text per error class raised (a class without one gets none).
-            lost_peer_error: The class to raise when the collective itself fails (a peer
-                died or timed out); the fallback of ``errors`` when ``None``.
 
         Raises:
             Exception: The chosen class, on every rank, when any rank found a problem or
                 the collective itself failed (then naming this rank's own problems).
         """
-        fallback = errors if isinstance(errors, type) else errors[min(errors)]
         try:
             gathered = self.all_gather(list(problems))
         except PeerLostError as err:
             own = "; ".join(p.text for p in problems)
-            cls = lost_peer_error or fallback
-            then = _advice_for(advice, cls)
-            raise cls(
+            then = _advice_for(advice, lost_peer_error)
+            raise lost_peer_error(
                 f"{heading.replace(' {ranks}', '')}: the ranks could not agree whether every "
                 f"rank succeeded ({err})."
                 + (f" This rank found: {own}." if own else "")
@@ -276,15 +262,16 @@ class Ranks:
                 ranks_by_problem.setdefault(problem, []).append(rank)
         if not ranks_by_problem:
             return
-        # Most fundamental kind first; within a kind, in the order rank 0, 1, ... reported
+        # Most fundamental class first; within a class, in the order rank 0, 1, ... reported
         # them (the same on every rank, and each rank's own order is meaningful: missing
         # keys before unexpected ones before shapes).
+        order = {cls: i for i, cls in enumerate(precedence)}
         first_seen = {problem: i for i, problem in enumerate(ranks_by_problem)}
-        ordered = sorted(ranks_by_problem, key=lambda p: (p.kind, first_seen[p]))
-        kind = ordered[0].kind
-        cls = errors if isinstance(errors, type) else errors.get(kind, fallback)
-        then = _advice_for(advice, cls)
-        raise cls(self._message(heading, ordered, ranks_by_problem, then))
+        ordered = sorted(
+            ranks_by_problem, key=lambda p: (order.get(p.error, len(order)), first_seen[p])
+        )
+        cls = ordered[0].error
+        raise cls(self._message(heading, ordered, ranks_by_problem, _advice_for(advice, cls)))
 
     def raise_together(
         self,
@@ -306,12 +293,13 @@ class Ranks:
             Exception: ``error_type`` on every rank when any rank passed an error or the
                 ranks could not agree.
         """
-        problems = [] if error is None else [Problem(0, f"rank {self.rank}: {describe(error)}")]
+        text = f"rank {self.rank}: {describe(error)}"
+        problems = [] if error is None else [Problem(error_type, text)]
         try:
             self.agree(
                 problems,
                 heading=f"{action} failed on rank(s) {{ranks}}",
-                errors=error_type,
+                lost_peer_error=error_type,
                 advice=f"Every rank raises, so that none waits in a collective; {consequence}.",
             )
         except error_type as raised:
@@ -326,7 +314,7 @@ class Ranks:
     ) -> str:
         """Summary line first, then one line per problem, then the advice."""
         failed = sorted({r for ranks in ranks_by_problem.values() for r in ranks})
-        summary = summary_line(heading.replace("{ranks}", str(failed)), [p.text for p in ordered])
+        summary = summary_line(heading.replace("{ranks}", str(failed)), ordered)
         lines = [summary]
         if len(ordered) > 1 or len(ranks_by_problem[ordered[0]]) != self.world_size:
             for problem in ordered:

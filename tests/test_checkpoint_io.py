@@ -970,16 +970,20 @@ def test_manifest_parsing_and_fingerprint_messages() -> None:
         what="model",
         strict=True,
     )
-    assert problems == [
-        "model: 1 key(s) of the target are missing from the checkpoint: ['c']",
-        "model: 1 key(s) in the checkpoint are not in the target: ['b']",
-        "model 'a': shape (2, 3) in the checkpoint, (3, 2) in the target",
-        "model 'a': dtype float32 in the checkpoint, bfloat16 in the target",
-        "model 'obj': the checkpoint holds a non-tensor value, the target holds (2, 3) float32",
+    assert [(p.category, p.text) for p in problems] == [
+        ("missing", "model: 1 key(s) of the target are missing from the checkpoint: ['c']"),
+        ("unexpected", "model: 1 key(s) in the checkpoint are not in the target: ['b']"),
+        ("shape", "model 'a': shape (2, 3) in the checkpoint, (3, 2) in the target"),
+        ("dtype", "model 'a': dtype float32 in the checkpoint, bfloat16 in the target"),
+        (
+            "value",
+            "model 'obj': the checkpoint holds a non-tensor value, the target holds (2, 3) float32",
+        ),
     ]
+    assert {p.error for p in problems} == {CheckpointMismatchError}
     many = {f"k{i:02d}": spec for i in range(25)}
-    (line,) = compare_fingerprints({}, many, what="optimizer 0", strict=True)
-    assert line.endswith("'k19', ... and 5 more]")
+    (problem,) = compare_fingerprints({}, many, what="optimizer 0", strict=True)
+    assert problem.text.endswith("'k19', ... and 5 more]")
     assert compare_fingerprints({}, many, what="m", strict=False) == []
 
     manifest = Manifest(

@@ -14,10 +14,10 @@ run starts the script the plain way, ``python script.py`` under Lightning's own 
 (``devices=2``, rank 1 its child), as a cross-check. ``python -m tests.test_exit N``
 launches N runs without the zygote, each rank ``python script.py``, as a diagnostic.
 
-The same harness reproduces the cause without the strategy's exit hook, so it can see an
-abort: gloo's worker thread freeing a finished collective's tensors (or running a
-collective's Python callback) once the interpreter finalises (pytorch/pytorch#190489;
-:mod:`lightning_megatron_fsdp.strategies.interpreter_exit`).
+The same harness reproduces the cause without the strategy's exit hook, in every run, so
+it can see an abort: gloo's worker thread needing the GIL (to free a finished collective's
+tensors, or here to run a collective's Python callback) once the interpreter finalises
+(pytorch/pytorch#190489; :mod:`lightning_megatron_fsdp.strategies.interpreter_exit`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from torch.torch_version import TorchVersion
 
 from tests.harness import _rank_env, communicate_all, free_port
 from tests.prefork import Zygote
@@ -42,13 +40,8 @@ OPENMP_POOL = Path(__file__).parent / "scripts" / "openmp_pool_at_exit.py"
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = 20
 WORLD_SIZE = 2
-# Whether the ``release`` race still shows in a couple of runs without the hook. Measured in
-# this harness without the hook: torch 2.13.0 and 2.14.1 abort in about half the processes;
-# 2.15.0 in none of 16 (1 of 16 under a plain launch): rare there, not gone. ``callback``
-# aborts on every torch in range, so the hook stays on all of them.
-RELEASE_RACE_SHOWS = TorchVersion(torch.__version__) < (2, 15)
-# Runs without the exit hook allowed for the abort to show at least once.
-CONTROL_RUNS = 16
+# Runs of the distilled cause, with and without the exit hook each.
+DISTILLED_RUNS = 4
 
 
 def _env() -> dict[str, str]:
@@ -152,47 +145,46 @@ def test_fit_with_async_checkpoints_exits_cleanly_every_time(
     )
 
 
-@pytest.mark.parametrize("trigger", ["release", "callback"])
+def _aborted(code: int, output: str) -> bool:
+    """Whether a process ended in the abort (SIGABRT after "terminate called"), not otherwise."""
+    return code in (-6, 134) and "terminate called" in output
+
+
+@pytest.mark.timeout(600)
 def test_the_exit_hook_fixes_the_abort_of_gloo_workers_at_finalisation(
-    trigger: str, zygote: Zygote, tmp_path: Path
+    zygote: Zygote, tmp_path: Path
 ) -> None:
     """The cause, isolated: a gloo worker thread that needs the GIL once the interpreter
     finalises aborts the process, unless the strategy's exit hook waited for it.
 
-    ``release`` is the race that aborts real runs (the worker freeing a finished
-    collective's temporaries), forced by sharing one core and keeping the GIL until
-    finalisation; ``callback`` a Python callback of a collective still in flight. The
-    group is held to the end in both, so destroying the registry does not join its
-    workers: the hook's wait for idle workers is what is tested. Without the hook the
-    abort must show (else this harness could not see one) within a few runs, where it
-    still shows: ``callback`` on every torch, ``release`` before torch 2.15 (on 2.15
-    the hook must still keep every run clean). Runs alternate between ranks forked from
-    the pre-imported zygote and plain launches (``python script``, as torchrun starts a
-    rank): which of the two shows a race varies with torch (``release`` on 2.14.1 shows
-    only when forked, ``callback`` more often when launched).
+    Rank 0 leaves a collective in flight whose Python callback runs on gloo's worker; its
+    peer joins the collective only when rank 0 lets it (``tests/scripts/pending_gloo_work.py``):
+    without the hook, once rank 0 finalises, so rank 0 aborts in every run, the control
+    that this harness sees the abort (only the abort counts: exit -6 or 134 with "terminate
+    called"); with the hook, as rank 0 begins to leave, so the hook must wait for the
+    collective, and every process of as many runs exits 0. The first run of each starts
+    its ranks the plain way (``python script``, as torchrun does), the others fork them from
+    the pre-imported zygote.
     """
-    control = trigger == "callback" or RELEASE_RACE_SHOWS
-    outcomes = {}
-    for variant in ("no_hook", "exit_hook") if control else ("exit_hook",):
-        aborts: list[str] = []
-        # A race: without the hook it may take more than one run to show.
-        for run in range(CONTROL_RUNS if variant == "no_hook" else 2):
-            if variant == "no_hook" and aborts:
-                break
-            arguments = [variant, trigger]
-            if run % 2:
+    outcomes: dict[str, list[str]] = {}
+    for variant in ("no_hook", "exit_hook"):
+        outcomes[variant] = []
+        for run in range(DISTILLED_RUNS):
+            arguments = [variant]
+            if run == 0:
                 launched = _launch(PENDING, arguments, _rank_envs(WORLD_SIZE), 120)
             else:
                 launched = fork_ranks(zygote, PENDING, arguments, tmp_path / f"{variant}{run}", 120)
-            for rank, (code, output) in enumerate(launched):
-                if code != 0 or "terminate called" in output:
-                    aborts.append(f"run {run} rank {rank}: exit code {code}")
-                else:
-                    assert f"finished rank {rank}" in output, output
-        outcomes[variant] = aborts
-    if control:
-        assert outcomes["no_hook"], "the abort did not reproduce: the test proves nothing"
-    assert not outcomes["exit_hook"], outcomes
+            if variant == "exit_hook":
+                outcomes[variant] += _failures(f"run {run}", launched)
+            elif not _aborted(*launched[0]):  # rank 1, without the hook, may abort too
+                tail = "\n".join(launched[0][1].splitlines()[-6:])
+                outcomes[variant].append(f"run {run}: rank 0 exit code {launched[0][0]}\n{tail}")
+    assert not outcomes["no_hook"], (
+        "without the hook rank 0 did not abort in every run, so this harness cannot show "
+        "the hook's effect:\n" + "\n".join(outcomes["no_hook"])
+    )
+    assert not outcomes["exit_hook"], "with the hook:\n" + "\n".join(outcomes["exit_hook"])
 
 
 def test_an_openmp_pool_started_by_a_gloo_worker_does_not_hold_the_exit_hook(

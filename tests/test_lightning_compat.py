@@ -270,3 +270,51 @@ def test_this_module_covers_every_private_name_of_the_adapter() -> None:
         "_defaults",
     }
     assert used <= covered, f"add tests for {sorted(used - covered)} to {__name__}"
+
+
+def test_private_attribute_accessors() -> None:
+    """The accessors of Lightning objects' private attributes read and write them."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.overrides.distributed import _DatasetSamplerWrapper
+
+    module = pl.LightningModule()
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    assert _lightning.unwrap_optimizer(LightningOptimizer(optimizer)) is optimizer, _broken(
+        "unwrap_optimizer", "LightningOptimizer keeps no _optimizer"
+    )
+    assert _lightning.unwrap_optimizer(optimizer) is optimizer
+    assert _lightning.attached_trainer(module) is None
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    module.trainer = trainer
+    assert _lightning.attached_trainer(module) is trainer, _broken(
+        "attached_trainer", "LightningModule keeps its trainer elsewhere than _trainer"
+    )
+    mesh = object()
+    _lightning.set_device_mesh(module, mesh)
+    assert module.device_mesh is mesh, _broken(
+        "set_device_mesh", "LightningModule.device_mesh does not read _device_mesh"
+    )
+    assert _lightning.current_fx_name(module) is None
+    _lightning.set_current_fx_name(module, "validation_step")
+    assert _lightning.current_fx_name(module) == "validation_step"
+    assert "_data_fetcher" in vars(trainer.validate_loop), _broken(
+        "data_fetcher", "the evaluation loop keeps no _data_fetcher"
+    )
+    _lightning.set_data_fetcher(trainer.validate_loop, "fetcher")
+    assert _lightning.data_fetcher(trainer.validate_loop) == "fetcher"
+    assert "_combined_loader_states_to_load" in vars(trainer.fit_loop), _broken(
+        "forget_dataloader_states_to_load", "the fit loop has no _combined_loader_states_to_load"
+    )
+    trainer.fit_loop._combined_loader_states_to_load = [{"state": 1}]
+    _lightning.forget_dataloader_states_to_load(trainer.fit_loop)
+    assert trainer.fit_loop._combined_loader_states_to_load == []
+    sampler = DistributedSampler(range(8), num_replicas=2, rank=0)
+    assert _lightning.wrapped_sampler(_DatasetSamplerWrapper(sampler)) is sampler, _broken(
+        "wrapped_sampler", "_DatasetSamplerWrapper keeps no _sampler"
+    )
+    resolve = _lightning.checkpoint_dir_resolver(ModelCheckpoint())
+    assert resolve is not None and _parameters(resolve) == ["trainer"], _broken(
+        "checkpoint_dir_resolver", "ModelCheckpoint has no __resolve_ckpt_dir(trainer)"
+    )

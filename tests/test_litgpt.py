@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lightning_megatron_fsdp import inspect_checkpoint, verify_checkpoint
-from tests.cross_version import in_ci
+from tests.ci import in_ci
 from tests.harness import free_port, spawned
 
 if importlib.util.find_spec("litgpt") is None:  # installed beside the extras (README)

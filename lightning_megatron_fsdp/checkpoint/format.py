@@ -24,13 +24,14 @@ from typing import Any
 
 import torch
 
+from lightning_megatron_fsdp.agreement import Problem
 from lightning_megatron_fsdp.checkpoint.checksums import ALGORITHMS, file_digest
 from lightning_megatron_fsdp.checkpoint.confined_files import (
     check_plain_name,
     read_regular,
     regular_size,
 )
-from lightning_megatron_fsdp.checkpoint.errors import NotACheckpointError
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointMismatchError, NotACheckpointError
 
 __all__ = [
     "ASIDE",
@@ -208,7 +209,7 @@ def compare_fingerprints(
     *,
     what: str,
     strict: bool,
-) -> list[str]:
+) -> list[Problem]:
     """Say exactly how a checkpoint's fingerprint differs from the target's.
 
     Args:
@@ -220,39 +221,62 @@ def compare_fingerprints(
             ignored, but a key present on both sides must still agree in shape and dtype.
 
     Returns:
-        One line per problem; empty when the target can be loaded.
+        One :class:`CheckpointMismatchError` problem per difference, categorised
+        (``missing``, ``unexpected``, ``shape``, ``dtype``, ``value``); empty when the
+        target can be loaded.
     """
-    problems: list[str] = []
+    problems: list[Problem] = []
     missing = sorted(k for k in target if k not in saved)
     unexpected = sorted(k for k in saved if k not in target)
     if strict and missing:
         problems.append(
-            f"{what}: {len(missing)} key(s) of the target are missing from the checkpoint: "
-            f"{listed(missing)}"
+            _mismatch(
+                "missing",
+                f"{what}: {len(missing)} key(s) of the target are missing from the checkpoint: "
+                f"{listed(missing)}",
+            )
         )
     if strict and unexpected:
         problems.append(
-            f"{what}: {len(unexpected)} key(s) in the checkpoint are not in the target: "
-            f"{listed(unexpected)}"
+            _mismatch(
+                "unexpected",
+                f"{what}: {len(unexpected)} key(s) in the checkpoint are not in the target: "
+                f"{listed(unexpected)}",
+            )
         )
     for key in sorted(k for k in target if k in saved):
         have, want = saved[key], target[key]
         if have.shape is None or want.shape is None:
             if (have.shape is None) != (want.shape is None):
                 problems.append(
-                    f"{what} {key!r}: the checkpoint holds {have.describe()}, the target "
-                    f"holds {want.describe()}"
+                    _mismatch(
+                        "value",
+                        f"{what} {key!r}: the checkpoint holds {have.describe()}, the target "
+                        f"holds {want.describe()}",
+                    )
                 )
             continue
         if have.shape != want.shape:
             problems.append(
-                f"{what} {key!r}: shape {have.shape} in the checkpoint, {want.shape} in the target"
+                _mismatch(
+                    "shape",
+                    f"{what} {key!r}: shape {have.shape} in the checkpoint, {want.shape} in the "
+                    "target",
+                )
             )
         if have.dtype != want.dtype:
             problems.append(
-                f"{what} {key!r}: dtype {have.dtype} in the checkpoint, {want.dtype} in the target"
+                _mismatch(
+                    "dtype",
+                    f"{what} {key!r}: dtype {have.dtype} in the checkpoint, {want.dtype} in the "
+                    "target",
+                )
             )
     return problems
+
+
+def _mismatch(category: str, text: str) -> Problem:
+    return Problem(CheckpointMismatchError, text, category)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,7 +78,8 @@ log = logging.getLogger(__name__)
 StorageReaderFactory = Callable[[Path], StorageReader]
 """Builds the DCP reader for a load, given the checkpoint directory."""
 
-_LOAD_ERRORS: tuple[type[Exception], ...] = (
+# The classes a load's problems raise, most fundamental first (``Ranks.agree``).
+_LOAD_PRECEDENCE: tuple[type[Exception], ...] = (
     TypeError,
     NotACheckpointError,
     CheckpointCorruptedError,
@@ -198,24 +199,23 @@ def read_checkpoint(
         See ``MegatronFSDPCheckpointIO.load_checkpoint``.
     """
     final = opened.path
-    kind = {cls: i for i, cls in enumerate(_LOAD_ERRORS)}
     reader: StorageReader | None = None
     meta: dict[str, Any] = {}
-    problems: list[tuple[int, str]] = []
+    problems: list[Problem] = []
     if error is not None:
         problems.append(
-            (
-                kind[CheckpointError],
+            Problem(
+                CheckpointError,
                 f"building the load targets failed on rank(s) [{ranks.rank}]: {describe(error)}",
             )
         )
     elif opened.manifest is None:
-        problems.append((kind[NotACheckpointError], opened.problem or f"{final}: no manifest"))
+        problems.append(Problem(NotACheckpointError, opened.problem or f"{final}: no manifest"))
     else:
         try:
             reader = options.reader(final)
         except Exception as err:
-            problems.append((kind[CheckpointError], describe(err)))
+            problems.append(Problem(CheckpointError, describe(err)))
         if reader is not None:
             problems, meta = _validate(
                 final,
@@ -270,19 +270,18 @@ def _validate(
     weights_only: bool | None,
     reader: StorageReader,
     options: LoadOptions,
-) -> tuple[list[tuple[int, str]], dict[str, Any]]:
-    """This rank's problems with loading ``final`` into ``state``, as (kind, text), and the
+) -> tuple[list[Problem], dict[str, Any]]:
+    """This rank's problems with loading ``final`` into ``state``, and the
     checkpoint's ``meta.pt`` (empty if it could not be read).
 
     Sizes always; with ``verify_checksums``, ``meta.pt``'s digest on every rank (it is read
     here anyway) and, unless ``reader`` verifies as it reads, this rank's share of the other
     files' digests.
     """
-    kind = {cls: i for i, cls in enumerate(_LOAD_ERRORS)}
     if state is not None:
         shape_error = _state_shape_error(state)
         if shape_error:
-            return [(kind[TypeError], shape_error)], {}
+            return [Problem(TypeError, shape_error)], {}
     share = None
     if options.verify_checksums and not isinstance(reader, VerifyingFileSystemReader):
         hashed = sorted(
@@ -302,19 +301,16 @@ def _validate(
                 f"{META_FILE}: {digest[0]} {found} on disk, {digest[1]} in the manifest "
                 "(the file changed after it was written)"
             )
-    problems = [(kind[CheckpointCorruptedError], line) for line in damaged]
+    problems = [Problem(CheckpointCorruptedError, line, "damaged") for line in damaged]
     if state is not None:
-        problems += [
-            (kind[CheckpointMismatchError], line)
-            for line in _fingerprint_problems(manifest, state, strict)
-        ]
+        problems += _fingerprint_problems(manifest, state, strict)
     meta: dict[str, Any] = {}
     if not damaged and data is not None:
         trust = options.trust_checkpoint if weights_only is None else not weights_only
         try:
             meta = load_weights_only(data, source=META_FILE, trust=trust, map_location=map_location)
         except CheckpointError as err:
-            problems.append((kind[CheckpointError], str(err)))
+            problems.append(Problem(CheckpointError, str(err)))
     return problems, meta
 
 
@@ -374,7 +370,9 @@ def _state_shape_error(state: Any) -> str | None:
     return None
 
 
-def _fingerprint_problems(manifest: Manifest, state: Mapping[str, Any], strict: bool) -> list[str]:
+def _fingerprint_problems(
+    manifest: Manifest, state: Mapping[str, Any], strict: bool
+) -> list[Problem]:
     problems = compare_fingerprints(
         manifest.fingerprint, model_fingerprint(state["state_dict"]), what="model", strict=strict
     )
@@ -383,14 +381,23 @@ def _fingerprint_problems(manifest: Manifest, state: Mapping[str, Any], strict: 
     targets, saved = state["optimizer_states"], manifest.optimizer_fingerprints
     if targets and not saved:
         problems.append(
-            f"the checkpoint holds no optimizer state (it was saved weights-only), but "
-            f"{len(targets)} optimizer state dict(s) were given to fill. Load weights only: "
-            "leave 'optimizer_states' out of state (the strategy's weights-only load)."
+            Problem(
+                CheckpointMismatchError,
+                f"the checkpoint holds no optimizer state (it was saved weights-only), but "
+                f"{len(targets)} optimizer state dict(s) were given to fill. Load weights only: "
+                "leave 'optimizer_states' out of state (the strategy's weights-only load).",
+                "optimizers",
+            )
         )
     elif len(targets) != len(saved):
         problems.append(
-            f"the checkpoint holds state for {len(saved)} optimizer(s), but {len(targets)} "
-            "optimizer state dict(s) were given; configure the same optimizers as when saving"
+            Problem(
+                CheckpointMismatchError,
+                f"the checkpoint holds state for {len(saved)} optimizer(s), but {len(targets)} "
+                "optimizer state dict(s) were given; configure the same optimizers as when "
+                "saving",
+                "optimizers",
+            )
         )
     else:
         for i, (fingerprint, target) in enumerate(zip(saved, targets, strict=True)):
@@ -400,7 +407,7 @@ def _fingerprint_problems(manifest: Manifest, state: Mapping[str, Any], strict: 
     return problems
 
 
-def _agree_before_reading(comm: Ranks, final: Any, problems: list[tuple[int, str]]) -> None:
+def _agree_before_reading(comm: Ranks, final: Any, problems: list[Problem]) -> None:
     """Raise, identically on every rank, the problems all ranks found; else return.
 
     Through the one agreement helper (:meth:`~lightning_megatron_fsdp.agreement.Ranks.agree`):
@@ -410,17 +417,17 @@ def _agree_before_reading(comm: Ranks, final: Any, problems: list[tuple[int, str
     Args:
         comm: The ranks of the load.
         final: The checkpoint.
-        problems: This rank's ``(kind, text)`` problems; the kind indexes ``_LOAD_ERRORS``.
+        problems: This rank's problems, each carrying the class it raises.
 
     Raises:
         TypeError | NotACheckpointError | CheckpointCorruptedError | CheckpointMismatchError
-        | CheckpointError: The class of the most fundamental problem kind found;
+        | CheckpointError: The most fundamental class of the problems found;
             ``CheckpointError`` also when the ranks could not agree (a lost peer).
     """
     comm.agree(
-        [Problem(kind, text) for kind, text in problems],
+        problems,
         heading=f"Cannot load checkpoint {final}",
-        errors=dict(enumerate(_LOAD_ERRORS)),
+        precedence=_LOAD_PRECEDENCE,
         advice={cls: text.format(final=final) for cls, text in _LOAD_ADVICE.items()},
         lost_peer_error=CheckpointError,
     )

@@ -7,12 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.fabric.plugins.precision import (
-    DoublePrecision,
-    HalfPrecision,
-    MixedPrecision,
-    Precision,
-)
+from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.utilities.types import Optimizable
 from torch import Tensor
 from torch.nn import Module
@@ -21,6 +16,7 @@ from typing_extensions import override
 from lightning_megatron_fsdp.strategies.precision import (
     MegatronFSDPPrecision,
     reject_closure_optimizer,
+    to_megatron_precision,
 )
 
 __all__ = ["MegatronFSDPFabricPrecision", "to_fabric_precision"]
@@ -57,26 +53,6 @@ class MegatronFSDPFabricPrecision(MegatronFSDPPrecision):
 
 
 def to_fabric_precision(plugin: Precision | None, where: str) -> MegatronFSDPFabricPrecision | None:
-    """Translate the plugin Fabric builds from ``precision=...`` into ours.
-
-    Raises:
-        ValueError: For flags Megatron-FSDP cannot honour (``16-mixed``, ``64-true``).
-        TypeError: For other precision plugins.
-    """
-    if plugin is None or isinstance(plugin, MegatronFSDPFabricPrecision):
-        return plugin
-    if type(plugin) is Precision:
-        return MegatronFSDPFabricPrecision("32-true")
-    if type(plugin) is HalfPrecision:
-        return MegatronFSDPFabricPrecision(plugin.precision)
-    if type(plugin) is MixedPrecision:
-        return MegatronFSDPFabricPrecision(plugin.precision, device_type=plugin.device)
-    if type(plugin) is DoublePrecision:
-        raise ValueError(
-            f"{where}: precision='64-true' is not supported (Megatron-FSDP's main weights "
-            "are fp32). Use '32-true', 'bf16-true', '16-true' or 'bf16-mixed'."
-        )
-    raise TypeError(
-        f"{where} needs Fabric(precision=...) with '32-true', 'bf16-true', '16-true' or "
-        f"'bf16-mixed' (or a MegatronFSDPFabricPrecision), got {type(plugin).__name__}."
-    )
+    """Translate the plugin Fabric builds from ``precision=...`` into ours
+    (:func:`~lightning_megatron_fsdp.strategies.precision.to_megatron_precision`)."""
+    return to_megatron_precision(plugin, where, target=MegatronFSDPFabricPrecision, fabric=True)

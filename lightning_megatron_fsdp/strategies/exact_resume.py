@@ -140,7 +140,7 @@ def shuffle_by_epoch(dataloader: object) -> None:
         from torchdata.stateful_dataloader.sampler import RandomSampler
     except ImportError:
         return
-    inner = getattr(wrapper.dataset, "_sampler", None)
+    inner = _lightning.wrapped_sampler(wrapper.dataset)
     if (
         type(inner) is not RandomSampler
         or inner.replacement
@@ -271,7 +271,7 @@ class ExactResume:
         epoch = progress.processed
         if self._resuming and fit_loop.epoch_loop.batch_progress.is_last_batch:
             epoch = progress.ready  # every batch of the last started epoch was trained
-            fit_loop._combined_loader_states_to_load = []  # the finished epoch's end
+            _lightning.forget_dataloader_states_to_load(fit_loop)  # the finished epoch's end
             if progress.processed == progress.ready:
                 # Saved at or after on_train_epoch_end: nothing of that epoch is left to
                 # restart. FitLoop's own setter forces restarting under max_steps.

@@ -130,7 +130,7 @@ def _install(trainer: pl.Trainer, join: UnevenBatchJoin) -> str | None:
         step, or a Lightning whose loop no longer has the fetcher where expected).
     """
     loop = _evaluation_loop_of(trainer)
-    fetcher = getattr(loop, "_data_fetcher", None)  # see the module docstring
+    fetcher = _lightning.data_fetcher(loop)  # see the module docstring
     if fetcher is None:
         return (
             f"this Lightning version's {type(loop).__name__} keeps no data fetcher where "
@@ -138,7 +138,7 @@ def _install(trainer: pl.Trainer, join: UnevenBatchJoin) -> str | None:
         )
     if isinstance(fetcher, _lightning.DataLoaderIterDataFetcher):
         return "a step that takes `dataloader_iter` pulls its own batches and cannot be joined"
-    loop._data_fetcher = _JoiningFetcher(fetcher, join)
+    _lightning.set_data_fetcher(loop, _JoiningFetcher(fetcher, join))
     return None
 
 
@@ -269,8 +269,8 @@ def _effects_dropped(module: pl.LightningModule, step_name: str, where: str) -> 
     from torchmetrics import Metric
 
     saved = [(m, _MetricState.of(m)) for m in module.modules() if isinstance(m, Metric)]
-    previous_fx = module._current_fx_name  # see the module docstring
-    module._current_fx_name = step_name
+    previous_fx = _lightning.current_fx_name(module)  # see the module docstring
+    _lightning.set_current_fx_name(module, step_name)
     module.__dict__["log"] = _DummyLog(where, step_name, "log")
     module.__dict__["log_dict"] = _DummyLog(where, step_name, "log_dict")
     try:
@@ -278,7 +278,7 @@ def _effects_dropped(module: pl.LightningModule, step_name: str, where: str) -> 
     finally:
         module.__dict__.pop("log", None)
         module.__dict__.pop("log_dict", None)
-        module._current_fx_name = previous_fx
+        _lightning.set_current_fx_name(module, previous_fx)
         for metric, state in saved:
             state.restore(metric)
 

@@ -121,8 +121,8 @@ def _checkpoint_dir(callback: ModelCheckpoint, trainer: pl.Trainer) -> _lightnin
     Lightning's lookup calls the callback's private resolver (callbacks/model_checkpoint.py
     ``__resolve_ckpt_dir``), and so does this.
     """
-    resolve = getattr(callback, "_ModelCheckpoint__resolve_ckpt_dir", None)
-    if callable(resolve):
+    resolve = _lightning.checkpoint_dir_resolver(callback)
+    if resolve is not None:
         with contextlib.suppress(Exception):
             return resolve(trainer)
     return callback.dirpath

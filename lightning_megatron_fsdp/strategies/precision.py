@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator, Iterable
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 import lightning.pytorch as pl
 import torch
@@ -188,37 +188,54 @@ class MegatronFSDPPrecision(Precision):
         clip_sharded_grad_value_(self.main_params(optimizer), clip_val)
 
 
-def to_megatron_precision(plugin: Precision | None, where: str) -> MegatronFSDPPrecision | None:
-    """Translate Lightning's precision plugins into :class:`MegatronFSDPPrecision`.
+_Ours = TypeVar("_Ours", bound=MegatronFSDPPrecision)
+
+
+def to_megatron_precision(
+    plugin: Any,
+    where: str,
+    *,
+    target: type[_Ours] = MegatronFSDPPrecision,  # type: ignore[assignment]
+    fabric: bool = False,
+) -> _Ours | None:
+    """Translate the plugin Lightning builds from ``precision=...`` into ours.
+
+    The one translation of the flags for both front ends: the Trainer's plugins
+    (``lightning.pytorch.plugins.precision``) or, with ``fabric=True``, Fabric's
+    (``lightning.fabric.plugins.precision``), into ``target``.
 
     Raises:
         ValueError: For precision flags Megatron-FSDP cannot honour (``16-mixed``, ``64-true``).
         TypeError: For other precision plugins.
     """
-    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
+    if fabric:
+        from lightning.fabric.plugins import precision as plugins
+    else:
+        from lightning.pytorch.plugins import precision as plugins  # type: ignore[no-redef]
 
-    if plugin is None or isinstance(plugin, MegatronFSDPPrecision):
+    if plugin is None or isinstance(plugin, target):
         return plugin
-    if type(plugin) is Precision:
-        return MegatronFSDPPrecision("32-true")
-    if type(plugin) is HalfPrecision:
-        return MegatronFSDPPrecision(plugin.precision)
-    if type(plugin) is MixedPrecision:
-        return MegatronFSDPPrecision(plugin.precision, device_type=plugin.device)
-    if type(plugin) is DoublePrecision:
+    if type(plugin) is plugins.Precision:
+        return target("32-true")
+    if type(plugin) is plugins.HalfPrecision:
+        return target(plugin.precision)
+    if type(plugin) is plugins.MixedPrecision:
+        return target(plugin.precision, device_type=plugin.device)
+    if type(plugin) is plugins.DoublePrecision:
         raise ValueError(
             f"{where}: precision='64-true' is not supported (Megatron-FSDP's main weights "
             "are fp32). Use '32-true', 'bf16-true', '16-true' or 'bf16-mixed'."
         )
     raise TypeError(
-        f"{where} needs a MegatronFSDPPrecision plugin (or Trainer(precision=...) with "
-        f"'32-true', 'bf16-true', '16-true' or 'bf16-mixed'), got {type(plugin).__name__}."
+        f"{where} needs {'Fabric' if fabric else 'Trainer'}(precision=...) with '32-true', "
+        f"'bf16-true', '16-true' or 'bf16-mixed' (or a {target.__name__}), got "
+        f"{type(plugin).__name__}."
     )
 
 
 def reject_closure_optimizer(optimizer: Any) -> None:
     """Raise for optimizers that need ``step(closure)`` to re-run forward and backward."""
-    inner = getattr(optimizer, "_optimizer", optimizer)
+    inner = _lightning.unwrap_optimizer(optimizer)
     if isinstance(inner, torch.optim.LBFGS):
         raise TypeError(
             "MegatronFSDPStrategy: torch.optim.LBFGS re-evaluates its closure several times "

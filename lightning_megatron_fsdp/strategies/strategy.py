@@ -285,8 +285,9 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         with Python (:mod:`~lightning_megatron_fsdp.strategies.interpreter_exit`).
         """
         super().setup_environment()
-        assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._join_processes(self.lightning_module)
+        module = self.lightning_module
+        assert module is not None
+        _lightning.set_device_mesh(module, self._join_processes(module))
 
     # ------------------------------------------------------------------ model setup
 
@@ -575,7 +576,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         """
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = _lightning.unwrap_optimizer(optimizer)
         assert self.lightning_module is not None
         ensure_optimizer_state(optimizer)
         return get_optimizer_state_dict(self.lightning_module, optimizer)
@@ -627,7 +628,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
     def _stage_running(self) -> bool:
         """Whether a Trainer stage (fit, validate, ...) is running, so its teardown will come."""
         model = self.lightning_module
-        trainer = getattr(model, "_trainer", None) if model is not None else None
+        trainer = _lightning.attached_trainer(model) if model is not None else None
         return trainer is not None and trainer.state.status == TrainerStatus.RUNNING
 
     @override
@@ -659,7 +660,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         path = str(checkpoint_path)  # rank 0's is loaded
         model = self.lightning_module
         assert model is not None
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        optimizers = [_lightning.unwrap_optimizer(o) for o in self.optimizers]
         fitting = bool(optimizers) and model.trainer.state.fn == TrainerFn.FITTING
         try:
             result = load_into_sharded_model(

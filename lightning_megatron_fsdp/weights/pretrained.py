@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_megatron_fsdp import _torch
-from lightning_megatron_fsdp.agreement import Ranks
+from lightning_megatron_fsdp import _lightning, _torch
+from lightning_megatron_fsdp.agreement import Problem, Ranks
 from lightning_megatron_fsdp.checkpoint.format import OPTIMIZER_PREFIX, listed
 from lightning_megatron_fsdp.checkpoint.object_store import is_url, local_path
 from lightning_megatron_fsdp.megatron import _megatron
@@ -34,7 +34,6 @@ from lightning_megatron_fsdp.megatron.uneven_dtensor import (
     chunk_metadata_by_fqn,
 )
 from lightning_megatron_fsdp.weights.weight_sources import (
-    UNREADABLE,
     SourceError,
     SourceTensorSpec,
     TensorCopy,
@@ -42,6 +41,7 @@ from lightning_megatron_fsdp.weights.weight_sources import (
     WeightsPlan,
     agree_on_problems,
     open_source,
+    unreadable,
 )
 
 __all__ = [
@@ -55,9 +55,6 @@ __all__ = [
 # Attribute set on a model once initial weights were applied, so a second Trainer run
 # with the same model (fit, then test) does not overwrite trained weights.
 _APPLIED_ATTR = "_lmf_pretrained_applied"
-
-
-# Problem kinds, most fundamental first: every rank raises the class of the lowest kind.
 
 
 # ---------------------------------------------------------------------- public API
@@ -269,7 +266,7 @@ def load_full_weights(
             "Shard it first (shard_module or MegatronFSDPStrategy); for a plain module use "
             "model.load_state_dict(torch.load(path))."
         )
-    optimizers = [getattr(o, "_optimizer", o) for o in optimizers]  # LightningOptimizer
+    optimizers = [_lightning.unwrap_optimizer(o) for o in optimizers]  # LightningOptimizer
     for index, optimizer in enumerate(optimizers):
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
@@ -288,7 +285,7 @@ def load_full_weights(
         ensure_optimizer_state(optimizer)
 
     # Phase 1 (rank-local, then agreed on): open the source and plan every copy.
-    problems: list[tuple[int, str]] = []
+    problems: list[Problem] = []
     reader: WeightSource | None = None
     plan: WeightsPlan | None = None
     try:
@@ -296,21 +293,21 @@ def load_full_weights(
         plan = _plan(model, optimizers, reader, options)
         problems = plan.problems
     except SourceError as err:
-        problems = [(UNREADABLE, str(err))]
+        problems = [unreadable(str(err))]
     except Exception as err:  # anything else must still reach the agreement below
-        problems = [(UNREADABLE, f"rank {comm.rank}: {type(err).__name__}: {err}")]
+        problems = [unreadable(f"rank {comm.rank}: {type(err).__name__}: {err}")]
     try:
         agree_on_problems(comm, path, problems, "Nothing was loaded; the model is unchanged.")
         assert reader is not None and plan is not None
 
         # Phase 2: each rank reads its rows; agree on the outcome.
-        failure: list[tuple[int, str]] = []
+        failure: list[Problem] = []
         try:
             reader.execute(plan, comm)
         except SourceError as err:
-            failure = [(UNREADABLE, str(err))]
+            failure = [unreadable(str(err))]
         except Exception as err:
-            failure = [(UNREADABLE, f"rank {comm.rank}: {type(err).__name__}: {err}")]
+            failure = [unreadable(f"rank {comm.rank}: {type(err).__name__}: {err}")]
         agree_on_problems(
             comm,
             path,
@@ -364,12 +361,15 @@ def _check_spec(
     """Record a problem unless a source tensor ``have`` can fill a target; return OK."""
     ok = True
     if have.shape != shape:
-        plan.mismatch(f"{what}: shape {have.shape} in the source ({key!r}), {shape} in the target")
+        plan.mismatch(
+            f"{what}: shape {have.shape} in the source ({key!r}), {shape} in the target", "shape"
+        )
         ok = False
     if have.dtype != dtype and not (have.dtype.is_floating_point and dtype.is_floating_point):
         plan.mismatch(
             f"{what}: dtype {have.dtype} in the source ({key!r}), {dtype} in the target; only "
-            "floating-point values are cast"
+            "floating-point values are cast",
+            "dtype",
         )
         ok = False
     return ok
@@ -431,14 +431,16 @@ def _plan(
         missing = sorted(plan.missing)
         plan.mismatch(
             f"{len(missing)} model FQN(s) are missing from the source: {listed(list(missing))}. "
-            "Check strip_prefix/add_prefix, or pass strict=False to keep their values"
+            "Check strip_prefix/add_prefix, or pass strict=False to keep their values",
+            "missing",
         )
     if options.strict and plan.unexpected:
         unexpected = sorted(plan.unexpected)
         plan.mismatch(
             f"{len(unexpected)} source key(s) match no model FQN (after strip_prefix="
             f"{options.strip_prefix!r}, add_prefix={options.add_prefix!r}): "
-            f"{listed(list(unexpected))}. Pass strict=False to ignore them"
+            f"{listed(list(unexpected))}. Pass strict=False to ignore them",
+            "unexpected",
         )
 
     # Optimizers: by parameter FQN and state name.
@@ -462,19 +464,21 @@ def _plan_optimizers(
     plan.has_optimizer_state = available > 0
     if reader.optimizer_problems:  # structure does not line up: per-key reports would be noise
         for problem in reader.optimizer_problems:
-            plan.mismatch(problem)
+            plan.mismatch(problem, "optimizers")
         return
     if available == 0:
         if strict:
             plan.mismatch(
                 f"{len(optimizer_states)} optimizer(s) were given to fill, but the source holds "
-                "no optimizer state. Load weights only (no optimizers), or pass strict=False"
+                "no optimizer state. Load weights only (no optimizers), or pass strict=False",
+                "optimizers",
             )
         return
     if available != len(optimizer_states):
         plan.mismatch(
             f"the source holds state for {available} optimizer(s), but {len(optimizer_states)} "
-            "were given; configure the same optimizers as the run that saved it"
+            "were given; configure the same optimizers as the run that saved it",
+            "optimizers",
         )
         return
     for index, state in enumerate(optimizer_states):
@@ -517,12 +521,14 @@ def _plan_optimizers(
                 f"optimizer {index}: {len(missing)} entr(y/ies) are missing from the source "
                 f"(parameter/state, or hyper-parameter): {listed(list(missing))}. A different "
                 "optimizer class or parameters that never stepped? Pass strict=False to keep "
-                "those values"
+                "those values",
+                "missing",
             )
         if strict and extra:
             plan.mismatch(
                 f"optimizer {index}: {len(extra)} source state entr(y/ies) match no parameter "
-                f"of the optimizer: {listed(list(extra))}"
+                f"of the optimizer: {listed(list(extra))}",
+                "unexpected",
             )
 
 

@@ -56,8 +56,6 @@ from lightning_megatron_fsdp.tools.export import checkpoints_inside
 from lightning_megatron_fsdp.weights import upstream_checkpoint
 
 __all__ = [
-    "MISMATCH",
-    "UNREADABLE",
     "SourceError",
     "SourceTensorSpec",
     "TensorCopy",
@@ -112,10 +110,9 @@ _SAFETENSORS_BASIC = frozenset(
 )
 
 
-UNREADABLE, MISMATCH = 0, 1
-"""Problem kinds, most fundamental first: a rank that cannot read the source outranks
-one whose tensors do not match the model."""
-_ERRORS: tuple[type[CheckpointError], ...] = (CheckpointError, CheckpointMismatchError)
+# Most fundamental first: a rank that cannot read the source (``CheckpointError``)
+# outranks one whose tensors do not match the model.
+_PRECEDENCE: tuple[type[CheckpointError], ...] = (CheckpointError, CheckpointMismatchError)
 
 
 class SourceError(Exception):
@@ -123,21 +120,27 @@ class SourceError(Exception):
 
 
 def agree_on_problems(
-    ranks: Ranks, path: Path | str, problems: list[tuple[int, str]], aftermath: str
+    ranks: Ranks, path: Path | str, problems: list[Problem], aftermath: str
 ) -> None:
-    """All-gather every rank's ``(kind, text)`` problems; if any rank has one, raise it on
-    every rank (:meth:`~lightning_megatron_fsdp.agreement.Ranks.agree`).
+    """All-gather every rank's problems; if any rank has one, raise it on every rank
+    (:meth:`~lightning_megatron_fsdp.agreement.Ranks.agree`).
 
     Raises:
-        CheckpointError | CheckpointMismatchError: The class of the most fundamental kind
-            found, listing every problem and, where not every rank saw it, which.
+        CheckpointError | CheckpointMismatchError: The most fundamental class found,
+            listing every problem and, where not every rank saw it, which.
     """
     ranks.agree(
-        [Problem(kind, text) for kind, text in problems],
+        problems,
         heading=f"load_full_weights: cannot load {path} into the sharded model",
-        errors=dict(enumerate(_ERRORS)),
+        lost_peer_error=CheckpointError,
+        precedence=_PRECEDENCE,
         advice=aftermath,
     )
+
+
+def unreadable(text: str) -> Problem:
+    """A rank cannot read the source: :class:`CheckpointError` on every rank."""
+    return Problem(CheckpointError, text, "unreadable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,10 +186,12 @@ class WeightsPlan:
     missing: set[str] = dataclasses.field(default_factory=set)
     unexpected: set[str] = dataclasses.field(default_factory=set)
     has_optimizer_state: bool = False
-    problems: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    problems: list[Problem] = dataclasses.field(default_factory=list)
 
-    def mismatch(self, text: str) -> None:
-        self.problems.append((MISMATCH, text))
+    def mismatch(self, text: str, category: str = "other") -> None:
+        """Record that the source does not match the model (``category``: the summary's
+        count, e.g. ``"shape"``, ``"missing"``)."""
+        self.problems.append(Problem(CheckpointMismatchError, text, category))
 
 
 def _like(current: Any, loaded: Any) -> Any:
