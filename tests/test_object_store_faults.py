@@ -103,8 +103,9 @@ def test_a_burst_past_every_retry_says_it_was_throttled(seaweed: SeaweedServer) 
 
 
 def _bursts(url: str) -> list[Fault]:
-    """Per scenario: the first save passes, the second gets ``GIVE_UP - 1`` 503s in a row
-    (stored in full), the third ``GIVE_UP`` (fails). The small scenario hits rank 1's shard
+    """Per scenario: the first save passes, the second gets ``GIVE_UP - ATTEMPTS`` 503s in a
+    row (botocore gives up four times; s3fs's last call must send the whole body), the third
+    ``GIVE_UP`` (fails). The small scenario hits rank 1's shard
     (one PUT), the parts one the second part of rank 1's shard (a multipart upload)."""
     bucket = url.removeprefix("s3://").split("/")[0]
     faults = []
@@ -114,8 +115,8 @@ def _bursts(url: str) -> list[Fault]:
     ):
         pattern = rf"/{bucket}/.*/{name}/last\.ckpt/v\d+-\w+/{target}"
         faults += [
-            Fault("503", GIVE_UP - 1, path=pattern, after=1),
-            Fault("503", GIVE_UP, path=pattern, after=GIVE_UP + 1),
+            Fault("503", GIVE_UP - ATTEMPTS, path=pattern, after=1),
+            Fault("503", GIVE_UP, path=pattern, after=GIVE_UP - ATTEMPTS + 2),
         ]
     return faults
 
@@ -164,7 +165,7 @@ def _throttled_saves(rank: int, world_size: int, env: dict[str, str], url: str) 
 
 def test_throttled_saves_store_every_byte_or_fail_and_keep_last(seaweed: SeaweedServer) -> None:
     """2 ranks, ``MegatronFSDPCheckpointIO`` on the bucket, a small shard (one PUT) and a
-    multipart one: ``GIVE_UP - 1`` 503s in a row commit a checkpoint that loads bit-exactly;
+    multipart one: ``GIVE_UP - ATTEMPTS`` 503s in a row commit a checkpoint that loads bit-exactly;
     ``GIVE_UP`` fail the save on every rank saying it was throttled, and ``last.ckpt``
     still loads the previous save bit-exactly."""
     bucket = seaweed.new_bucket()
@@ -175,7 +176,7 @@ def test_throttled_saves_store_every_byte_or_fail_and_keep_last(seaweed: Seaweed
             _throttled_saves, 2, env, url, init_process_group=False, timeout=TIMEOUT
         )
         throttled = [path.split("/last.ckpt/")[1] for _, path, a in proxy.log if a == "503"]
-        assert len(throttled) == 2 * (2 * GIVE_UP - 1), sorted(Counter(throttled).items())
+        assert len(throttled) == 2 * (2 * GIVE_UP - ATTEMPTS), sorted(Counter(throttled).items())
     for rank, report in enumerate(reports):
         for key, result in report.items():
             what = f"rank {rank}, {key}"
