@@ -15,6 +15,7 @@ storage": the mechanism and the alternatives).
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import math
 import os
@@ -24,6 +25,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from fsspec.asyn import sync
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -62,10 +64,15 @@ targets."""
 
 class _Part(io.BytesIO):
     """One upload part's buffer, allocated once at the part size and reused: the client
-    reads it as a file (no copy) and closes it when sent, which here only rewinds it."""
+    reads it as a file (no copy) and closes it when sent, which here does nothing.
+
+    Every call of the client that sends it starts from its first byte
+    (:func:`_rewind_parts`); botocore rewinds it itself between its own attempts."""
 
     def __init__(self, size: int) -> None:
         super().__init__()
+        self.calls = 0
+        """How many times the client was called to send it (s3fs's attempts)."""
         self.reset(size)
 
     def reset(self, size: int) -> None:
@@ -84,7 +91,27 @@ class _Part(io.BytesIO):
         length = self.tell()
         self.truncate(length)
         self.seek(0)
+        self.calls = 0
         return self
+
+
+_REWIND_ID = "lightning_megatron_fsdp.rewind_parts"
+
+
+def _rewind_parts(params: dict[str, Any], **_: Any) -> None:
+    """botocore handler, run as each call of an operation starts: a part sent as its body
+    goes from its first byte.
+
+    botocore rewinds a body between its own attempts, but s3fs retries a throttled call
+    (``SlowDown``, after botocore gave up) with the same body, read to its end by then: the
+    server would store an empty object and answer 200. Rejected: a ``bytes`` copy of each
+    part (what s3fs's own ``pipe_file`` sends) doubles the upload buffers; retrying here
+    with s3fs's retries turned off would change the user's filesystem.
+    """
+    body = params.get("Body")
+    if isinstance(body, _Part):
+        body.seek(0)
+        body.calls += 1
 
 
 class _PartBudget:
@@ -177,7 +204,20 @@ class _S3Upload(io.RawIOBase):
             self._budget.give(part)
 
     def _call(self, method: str, **kwargs: Any) -> Any:
-        return self._fs.call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs)
+        """``method`` of the bucket's client on this object, its body rewound for every
+        call (:func:`_rewind_parts`); a throttled call that gave up says so."""
+        fs = self._fs
+        sync(fs.loop, fs.set_session)
+        client = sync(fs.loop, fs.get_s3, self._bucket)
+        client.meta.events.register("before-parameter-build.s3", _rewind_parts, _REWIND_ID)
+        try:
+            return fs.call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs)
+        except Exception as err:
+            body = kwargs.get("Body")
+            throttled = _throttled(err, self._fs.unstrip_protocol(self._path), method, body)
+            if throttled is None:
+                raise
+            raise throttled from err
 
     @override
     def close(self) -> None:
@@ -212,6 +252,27 @@ class _S3Upload(io.RawIOBase):
             with contextlib.suppress(Exception):
                 self._call("abort_multipart_upload", UploadId=self._upload)
         super().close()
+
+
+def _throttled(err: BaseException, url: str, method: str, body: Any) -> OSError | None:
+    """The error for a call the server kept answering ``503`` (throttled), or ``None``."""
+    cause = err.__cause__ if err.__cause__ is not None else err
+    response = getattr(cause, "response", None) or {}
+    meta = response.get("ResponseMetadata") or {}
+    code = (response.get("Error") or {}).get("Code")
+    if meta.get("HTTPStatusCode") != 503 and code != "SlowDown":
+        return None
+    per_call = int(meta.get("RetryAttempts") or 0) + 1
+    calls = body.calls if isinstance(body, _Part) and body.calls else 1
+    return OSError(
+        errno.EBUSY,
+        f"the object store throttled the upload of {url}: it answered 503 {code or ''} "
+        f"(slow down) to every attempt of {method} ({calls} calls by s3fs, "
+        f"{per_call} attempts each by botocore), and the upload gave up. Nothing of this "
+        "save was committed. Lower the request rate (fewer ranks or `thread_count` per "
+        "rank) or allow more retries (`storage_options`: s3fs's `retries`, botocore's "
+        "`config_kwargs={'retries': {'max_attempts': ...}}`).",
+    )
 
 
 def _is_s3(fs: Any) -> bool:

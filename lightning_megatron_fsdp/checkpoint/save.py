@@ -448,8 +448,12 @@ def _local_records(pending: PendingSave, rank: int) -> dict[str, FileRecord]:
     """Size and CRC32C of the files this rank wrote: its shards; rank 0 also the rest.
 
     Taken from the bytes as they were written (:class:`ChecksummingFileSystemWriter`,
-    ``meta.pt``); a file written by another writer, or whose size on disk is not what was
-    written, is read back and hashed.
+    ``meta.pt``): the writer's figures are the truth, the store's size is checked against
+    them, never adopted. Only a file written by another writer is read back and hashed.
+
+    Raises:
+        CheckpointSaveError: A file's stored size is not what its writer wrote (an upload
+            retried with a spent body stores fewer bytes and succeeds).
     """
     staging, checksum = pending.staging, pending.options.write_checksums
     store = pending.options.store
@@ -472,13 +476,19 @@ def _local_records(pending: PendingSave, rank: int) -> dict[str, FileRecord]:
         if name not in stored:
             raise FileNotFoundError(f"{name} is missing from {staging} after it was written")
         size = stored[name]
+        known = written.get(name)
+        if known is None and name in hashed:
+            crc = hashed[name].crc32c
+            known = FileRecord(hashed[name].size, crc32c=None if crc is None else crc32c_hex(crc))
+        if known is not None and known.size != size:
+            raise CheckpointSaveError(
+                f"{name} in {staging} holds {size} bytes after it was written, but its "
+                f"writer wrote {known.size}: the store kept something else than what was "
+                "sent. Not committed; check the storage (or the network) and save again."
+            )
         if not checksum:
             records[name] = FileRecord(size)
-            continue
-        known = written.get(name)
-        if known is None and name in hashed and hashed[name].crc32c is not None:
-            known = FileRecord(hashed[name].size, crc32c=crc32c_hex(hashed[name].crc32c))
-        if known is not None and known.size == size:
+        elif known is not None and known.crc32c is not None:
             records[name] = known
         else:
             records[name] = FileRecord(size, crc32c=store.digest(staging, name, "crc32c"))

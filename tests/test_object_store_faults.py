@@ -1,0 +1,191 @@
+"""Saves through a throttling, failing server: every byte stored, or a clear failure and
+the previous checkpoint kept.
+
+A fault-injecting proxy (``tests/s3_fault_proxy.py``) sits between s3fs and SeaweedFS and
+answers chosen uploads with ``503 SlowDown`` after reading their body, as a throttled S3
+does. Two retry layers resend the body: botocore within one call (``max_attempts`` per
+call; ``AWS_MAX_ATTEMPTS`` or its ``config``), then s3fs, which calls again after botocore
+gave up on ``SlowDown`` (``S3FileSystem.retries`` calls). A body not rewound for s3fs's
+call went out empty and the server stored a 0-byte object with a 200; the save then
+recorded that size and committed. The bursts here straddle both boundaries, for a single
+PUT and for a part of a multipart upload. The ranks are configured as a user would be,
+through the AWS variables, with ``AWS_MAX_ATTEMPTS=2`` so that s3fs's boundary
+(``2 * retries`` requests) comes after seconds of backoff, not a minute.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Any
+
+import pytest
+import s3fs
+import torch
+
+from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
+from lightning_megatron_fsdp.checkpoint.fsspec_storage import _PartBudget, _S3Upload
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from tests.harness import run_distributed
+from tests.object_store import ACCESS_KEY, SECRET_KEY, SeaweedServer
+from tests.s3_fault_proxy import Fault, FaultProxy
+from tests.scripts.fault_injection import (
+    checkpoint_dict,
+    init_group,
+    live_state,
+    step,
+    target_state,
+    trained,
+)
+from tests.shard_facts import assert_same_facts, facts
+
+TIMEOUT = 240.0
+ATTEMPTS = 2
+"""botocore's attempts per call in these tests (``AWS_MAX_ATTEMPTS``)."""
+CALLS = s3fs.S3FileSystem.retries
+"""s3fs's calls of a throttled operation before it gives up."""
+GIVE_UP = ATTEMPTS * CALLS
+"""The burst of 503s that exhausts both layers."""
+PART = 5 << 20
+EXTRA = 3_000_000
+"""Floats of a replicated tensor added to the ``parts`` saves: one rank writes its 12 MB,
+three upload parts."""
+
+
+def _client(proxy: FaultProxy, attempts: int | None) -> Any:
+    config = {} if attempts is None else {"retries": {"total_max_attempts": attempts}}
+    return s3fs.S3FileSystem(
+        key=ACCESS_KEY,
+        secret=SECRET_KEY,
+        endpoint_url=proxy.endpoint,
+        skip_instance_cache=True,
+        config_kwargs=config,
+    )
+
+
+@pytest.mark.parametrize(
+    ("attempts", "burst", "size"),
+    [(None, 5, 10_000), (ATTEMPTS, ATTEMPTS, 10_000), (ATTEMPTS, ATTEMPTS, 2 * PART + 7)],
+    ids=["default-config-5", "put-botocore-boundary", "multipart-botocore-boundary"],
+)
+def test_an_upload_sends_its_whole_body_after_botocore_gives_up(
+    seaweed: SeaweedServer, attempts: int | None, burst: int, size: int
+) -> None:
+    """The issue's repro: botocore gives up after its attempts, s3fs calls again; the
+    object must hold every byte (it held 0 bytes, and ``close`` returned normally)."""
+    bucket = seaweed.new_bucket()
+    data = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    pattern = r"partNumber=2" if size > PART else r"/obj$"
+    with FaultProxy(seaweed.ports["s3.port"], [Fault("503", burst, path=pattern)]) as proxy:
+        upload = _S3Upload(_client(proxy, attempts), f"{bucket}/obj", _PartBudget(PART, 1))
+        upload.write(data)
+        upload.close()
+        assert proxy.answered("503") == burst
+    assert seaweed.filesystem().cat(f"{bucket}/obj") == data
+
+
+def test_a_burst_past_every_retry_says_it_was_throttled(seaweed: SeaweedServer) -> None:
+    bucket = seaweed.new_bucket()
+    faults = [Fault("503", GIVE_UP, path=r"/obj$")]
+    with FaultProxy(seaweed.ports["s3.port"], faults) as proxy:
+        upload = _S3Upload(_client(proxy, ATTEMPTS), f"{bucket}/obj", _PartBudget(PART, 1))
+        upload.write(b"A" * 10_000)
+        with pytest.raises(
+            OSError,
+            match=rf"throttled the upload of s3://{bucket}/obj: it answered 503 SlowDown .*"
+            rf"put_object \({CALLS} calls by s3fs, {ATTEMPTS} attempts each",
+        ):
+            upload.close()
+    assert seaweed.objects(f"{bucket}/obj") == {}
+
+
+# ---------------------------------------------------------------------- 2 ranks
+
+
+def _bursts(url: str) -> list[Fault]:
+    """Per scenario: the first save passes, the second gets ``GIVE_UP - ATTEMPTS`` 503s in a
+    row (botocore gives up four times; s3fs's last call must send the whole body), the third
+    ``GIVE_UP`` (fails). The small scenario hits rank 1's shard
+    (one PUT), the parts one the second part of rank 1's shard (a multipart upload)."""
+    bucket = url.removeprefix("s3://").split("/")[0]
+    faults = []
+    for name, target in (
+        ("small", r"__1_0\.distcp$"),
+        ("parts", r"__\d_0\.distcp\?.*partNumber=2"),
+    ):
+        pattern = rf"/{bucket}/.*/{name}/last\.ckpt/v\d+-\w+/{target}"
+        faults += [
+            Fault("503", GIVE_UP - ATTEMPTS, path=pattern, after=1),
+            Fault("503", GIVE_UP, path=pattern, after=GIVE_UP - ATTEMPTS + 2),
+        ]
+    return faults
+
+
+def _throttled_saves(rank: int, world_size: int, env: dict[str, str], url: str) -> Any:
+    """Per scenario, three saves of ``last.ckpt`` (see :func:`_bursts`); after each, load
+    ``last.ckpt`` into zeroed targets. Returns per save its error and the loaded facts vs
+    the facts of the save expected there."""
+    os.environ.update(env)
+    init_group(rank, world_size)
+    model, adam = trained(world_size)
+    plugin = MegatronFSDPCheckpointIO()
+    report: dict[str, Any] = {}
+    for name in ("small", "parts"):
+        path = f"{url}/{name}/last.ckpt"
+        kept = None
+        for save in range(3):
+            step(model, adam, 10 + save)
+            ckpt = checkpoint_dict(model, adam, save)
+            if name == "parts":
+                ckpt["state_dict"]["extra"] = torch.arange(EXTRA, dtype=torch.float32) + save
+            error = None
+            try:
+                plugin.save_checkpoint(ckpt, path)
+                kept = (save, facts(live_state(model, adam)))
+            except CheckpointError as err:
+                error = f"{type(err).__name__}: {err}"
+            _, _, state = target_state(world_size)
+            if name == "parts":
+                state["state_dict"]["extra"] = torch.zeros(EXTRA)
+            loaded = plugin.load_checkpoint(path, state=state)
+            extra = state["state_dict"].pop("extra", None)
+            assert kept is not None, error
+            if extra is not None:
+                want = torch.arange(EXTRA, dtype=torch.float32) + kept[0]
+                assert torch.equal(extra, want), f"{name}{save}: extra differs"
+            report[f"{name}{save}"] = {
+                "error": error,
+                "step": loaded["global_step"],
+                "want": kept[0],
+                "facts": facts(state),
+                "want_facts": kept[1],
+            }
+    return report
+
+
+def test_throttled_saves_store_every_byte_or_fail_and_keep_last(seaweed: SeaweedServer) -> None:
+    """2 ranks, ``MegatronFSDPCheckpointIO`` on the bucket, a small shard (one PUT) and a
+    multipart one: ``GIVE_UP - ATTEMPTS`` 503s in a row commit a checkpoint that loads bit-exactly;
+    ``GIVE_UP`` fail the save on every rank saying it was throttled, and ``last.ckpt``
+    still loads the previous save bit-exactly."""
+    bucket = seaweed.new_bucket()
+    url = f"s3://{bucket}/run"
+    with FaultProxy(seaweed.ports["s3.port"], _bursts(url)) as proxy:
+        env = {**proxy.env(seaweed.env), "AWS_MAX_ATTEMPTS": str(ATTEMPTS)}
+        reports = run_distributed(
+            _throttled_saves, 2, env, url, init_process_group=False, timeout=TIMEOUT
+        )
+        throttled = [path.split("/last.ckpt/")[1] for _, path, a in proxy.log if a == "503"]
+        assert len(throttled) == 2 * (2 * GIVE_UP - ATTEMPTS), sorted(Counter(throttled).items())
+    for rank, report in enumerate(reports):
+        for key, result in report.items():
+            what = f"rank {rank}, {key}"
+            if key.endswith("2"):
+                assert result["error"] is not None, what
+                assert "throttled" in result["error"], result["error"]
+                assert "503 SlowDown" in result["error"], result["error"]
+                assert "__" in result["error"] and ".distcp" in result["error"], result["error"]
+            else:
+                assert result["error"] is None, f"{what}: {result['error']}"
+            assert result["step"] == result["want"], what
+            assert_same_facts(result["facts"], result["want_facts"], what)
