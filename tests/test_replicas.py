@@ -179,8 +179,11 @@ def _trainer_cases(
         trainer.save_checkpoint(f"{root}/{name}")
         results[name] = {"built": built, "start": record.start, "end": record.end}
     for name, mode, mesh, partner in cases:
-        _, record, _ = _fit(rank, world_size, mode, mesh, 2, 500, ckpt_path=f"{root}/{partner}")
+        _, record, trainer = _fit(
+            rank, world_size, mode, mesh, 2, 500, ckpt_path=f"{root}/{partner}"
+        )
         results[name] |= {"resumed": record.start, "resumed_end": record.end}
+    results["check"] = _made_to_differ(rank, trainer.lightning_module.net)
     return results
 
 
@@ -302,8 +305,8 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dic
 def test_trainer_replicas_agree_and_train_one_model(
     trainer_runs: dict[int, list[dict[str, Any]]],
 ) -> None:
-    saved = {name: {**r, "world_size": 2} for name, r in trainer_runs[2][0].items()}
-    saved |= {name: {**r, "world_size": 4} for name, r in trainer_runs[4][0].items()}
+    saved = {name: {**trainer_runs[2][0][name], "world_size": 2} for name, *_ in TWO_RANKS}
+    saved |= {name: {**trainer_runs[4][0][name], "world_size": 4} for name, *_ in FOUR_RANKS}
     check_cases(trainer_runs[2], TWO_RANKS, saved)
     check_cases(trainer_runs[4], FOUR_RANKS, saved)
 
@@ -488,3 +491,13 @@ def test_litgpt_example_replicas_agree(fabric_runs: list[dict[str, Any]]) -> Non
         pytest.skip("litgpt is not installed: pip install --no-deps litgpt==0.5.13")
     for key in ("start", "end"):
         _assert_ranks_agree(fabric_runs, "litgpt", key)
+
+
+def test_agreement_check_on_a_2_by_2_mesh(trainer_runs: dict[int, list[dict[str, Any]]]) -> None:
+    """HSDP (2, 2): rank 1 is the source of column 1's group, so rank 3 differs there;
+    every rank, in both groups, raises the same error."""
+    parameter, buffer = trainer_runs[4][0]["check"]
+    assert [r["check"] for r in trainer_runs[4]] == [[parameter, buffer]] * 4
+    assert "'out.weight': rank(s) [3] hold other values than rank 1, the source of " in parameter
+    assert "replica group [1, 3]" in parameter
+    assert "'norm.running_var (buffer)': rank(s) [1] hold other values than rank 0" in buffer

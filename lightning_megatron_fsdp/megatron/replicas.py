@@ -23,13 +23,15 @@ themselves: they are refreshed from the main weights, as after a load.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_megatron_fsdp.agreement import Problem, Ranks
+from lightning_megatron_fsdp.agreement import LOST_PEER_HINT, PeerLostError, Ranks, describe
 from lightning_megatron_fsdp.megatron import _megatron
 
 __all__ = ["BufferSync", "ReplicaMismatchError", "check_replicas", "sync_buffers", "sync_replicas"]
@@ -195,23 +197,34 @@ class BufferSync:
             self._diverged = False
 
 
-def _checksums(tensors: list[Tensor]) -> list[int]:
-    """Per tensor, the XOR of its elements' bit patterns (``torch.hash_tensor``), in one
-    device-to-host copy. Any difference shows except one that cancels in the XOR (two
-    swapped elements)."""
-    if not tensors:
-        return []
+def _checksums(names: list[str], tensors: list[Tensor]) -> Tensor:
+    """The names' CRC-32, then per tensor the XOR of its elements' bit patterns
+    (``torch.hash_tensor``), as one ``int64`` tensor on the tensors' device. Any difference
+    shows except one that cancels in the XOR (two swapped elements)."""
     device = tensors[0].device
-    zero = torch.zeros((), dtype=torch.uint64, device=device)
-    values = [torch.hash_tensor(t.reshape(-1)).to(device) if t.numel() else zero for t in tensors]
-    return torch.stack(values).view(torch.int64).cpu().tolist()
+    values = [torch.tensor(zlib.crc32("\0".join(names).encode()), device=device)]
+    for tensor in tensors:
+        if tensor.numel():
+            values.append(torch.hash_tensor(tensor.reshape(-1)).to(device).view(torch.int64))
+        else:
+            values.append(torch.zeros((), dtype=torch.int64, device=device))
+    return torch.stack(values)
+
+
+def _collective(what: str, collective: Any, *args: Any, **kwargs: Any) -> None:
+    try:
+        collective(*args, **kwargs)
+    except RuntimeError as err:  # gloo/NCCL errors and timeouts
+        raise PeerLostError(f"{what}: {LOST_PEER_HINT}: {describe(err)}") from err
 
 
 def check_replicas(model: nn.Module, where: str) -> None:
     """Raise on every rank if some replicated tensor of ``model`` differs within its group.
 
-    One all-gather of per-tensor checksums per replica group this rank belongs to, then one
-    round that tells every rank the outcome; nothing for a model without replicated tensors.
+    One all-gather of per-tensor checksums per replica group this rank belongs to; when a
+    group does not span the world, one all-reduce of a flag tells every rank whether any
+    group differs (and only then a round for the details). Nothing for a model without
+    replicated tensors.
 
     Args:
         model: A sharded model.
@@ -221,48 +234,58 @@ def check_replicas(model: nn.Module, where: str) -> None:
         ReplicaMismatchError: Naming the first tensor whose replicas differ in each
             replica group, which ranks hold other values than the group's source rank,
             and what to do.
+        PeerLostError: If a collective failed (within the group's timeout).
     """
     sets = _replica_sets(model, parameters=True)
     if not sets:
         return
-    problems: list[Problem] = []
+    problems: list[str] = []
     for replicas in sets:
         names = [name for name, _ in replicas.named]
-        mine = _checksums([t for _, t in replicas.named])
-        group = Ranks(replicas.group, replicas.ranks.index(dist.get_rank()), len(replicas.ranks))
-        gathered = group.all_gather((names, mine))
-        problem = _first_difference(replicas.ranks, gathered)
+        mine = _checksums(names, [t for _, t in replicas.named])
+        gathered = mine.new_empty(len(replicas.ranks) * mine.numel())
+        _collective(where, dist.all_gather_into_tensor, gathered, mine, group=replicas.group)
+        rows = gathered.view(len(replicas.ranks), -1).cpu().tolist()
+        problem = _first_difference(names, replicas.ranks, rows)
         if problem is not None:
-            problems.append(Problem(0, problem))
-    Ranks.of().agree(
-        problems,
-        heading=f"{where}: replicated tensors differ",
-        errors=ReplicaMismatchError,
-        advice=(
-            "Replicas must hold one model: set up the model on every rank the same way "
-            "(the strategy gives each replica its group's first rank's values at setup) "
-            "and change replicated tensors only through training steps or loads, which "
-            "every rank runs alike; or pass check_replicas=False to skip this check."
-        ),
-    )
+            problems.append(problem)
+    if any(len(replicas.ranks) != _world() for replicas in sets):
+        # Not every rank saw every group: agree on whether any group differs.
+        flag = torch.tensor([len(problems)], device=sets[0].named[0][1].device)
+        _collective(where, dist.all_reduce, flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return
+        every = Ranks.of().all_gather(problems)
+        problems = list(dict.fromkeys(p for rank_problems in every for p in rank_problems))
+    if problems:
+        raise ReplicaMismatchError(
+            "\n".join(
+                [
+                    f"{where}: replicated tensors differ: {problems[0]}",
+                    *(f"  - {p}" for p in problems[1:]),
+                    "Replicas must hold one model: set up the model on every rank the same "
+                    "way (the strategy gives each replica its group's first rank's values at "
+                    "setup) and change replicated tensors only through training steps or "
+                    "loads, which every rank runs alike; or pass check_replicas=False to skip "
+                    "this check.",
+                ]
+            )
+        )
 
 
 def _first_difference(
-    ranks: tuple[int, ...], gathered: list[tuple[list[str], list[int]]]
+    names: list[str], ranks: tuple[int, ...], gathered: list[list[int]]
 ) -> str | None:
     """The first tensor whose checksum differs from the source rank's, as one line."""
-    source_names, source_sums = gathered[0]
-    for index, name in enumerate(source_names):
+    if any(row[0] != gathered[0][0] for row in gathered):
+        return f"replica group {list(ranks)}: the ranks hold different sets of tensors"
+    for index, name in enumerate(names, 1):
         others = [
-            rank
-            for rank, (names, sums) in zip(ranks, gathered, strict=True)
-            if names[index : index + 1] != [name] or sums[index] != source_sums[index]
+            r for r, row in zip(ranks, gathered, strict=True) if row[index] != gathered[0][index]
         ]
         if others:
             return (
                 f"{name!r}: rank(s) {others} hold other values than rank {ranks[0]}, the "
                 f"source of replica group {list(ranks)}"
             )
-    if any(len(names) != len(source_names) for names, _ in gathered):
-        return f"replica group {list(ranks)}: the ranks hold different sets of tensors"
     return None
