@@ -155,7 +155,7 @@ def _fit(
     model = LitNet()
     built = _local_state(model)
     strategy = MegatronFSDPStrategy(
-        timeout=PROCESS_GROUP_TIMEOUT, sharding_strategy=mode, device_mesh=mesh
+        timeout=PROCESS_GROUP_TIMEOUT, sharding_strategy=mode, device_mesh=mesh, check_replicas=True
     )
     record = _Record()
     trainer = make_trainer(
@@ -325,7 +325,7 @@ if _megatron.REPLICATED_PARAMETERS:
 
 def _fabric_model(rank: int, world_size: int, mode: str, mesh: Any, how: str, seed: int) -> Any:
     strategy = FabricStrategy(
-        timeout=PROCESS_GROUP_TIMEOUT, sharding_strategy=mode, device_mesh=mesh
+        timeout=PROCESS_GROUP_TIMEOUT, sharding_strategy=mode, device_mesh=mesh, check_replicas=True
     )
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
     fabric.launch()
@@ -501,3 +501,10 @@ def test_agreement_check_on_a_2_by_2_mesh(trainer_runs: dict[int, list[dict[str,
     assert "'out.weight': rank(s) [3] hold other values than rank 1, the source of " in parameter
     assert "replica group [1, 3]" in parameter
     assert "'norm.running_var (buffer)': rank(s) [1] hold other values than rank 0" in buffer
+
+
+def test_check_replicas_option_is_validated() -> None:
+    for strategy in (MegatronFSDPStrategy, FabricStrategy):
+        assert strategy()._options.check_replicas is False  # the default (benchmarks)
+        with pytest.raises(TypeError, match=r"check_replicas must be a bool, got 'yes'"):
+            strategy(check_replicas="yes")  # type: ignore[arg-type]

@@ -91,7 +91,8 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by device type when ``None``.
         timeout: Timeout of every collective of the process groups this strategy creates.
         check_replicas: After ``setup_module`` and after each load, compare a checksum of
-            every replicated tensor across its replica group (as in the Trainer strategy).
+            every replicated tensor across its replica group (as in the Trainer strategy;
+            off by default).
         checkpoint_io: Defaults to ``MegatronFSDPCheckpointIO()``.
         accelerator: Set by Fabric.
         parallel_devices: Set by Fabric.
@@ -116,7 +117,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         mixed_precision_policy: MixedPrecisionPolicy | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        check_replicas: bool = True,
+        check_replicas: bool = False,
         checkpoint_io: CheckpointIO | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
