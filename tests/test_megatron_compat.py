@@ -518,6 +518,13 @@ def _probe(rank: int, world_size: int) -> dict[str, Any]:
         for e in entries
     )
     facts["group_mesh_ok"] = _megatron.group_mesh(group) is mesh
+    storage = _megatron.main_weight_storage(group)
+    facts["main_weight_storage_ok"] = storage.dim() == 1 and all(
+        _megatron.main_weight_local(group, e.index).untyped_storage().data_ptr()
+        == storage.untyped_storage().data_ptr()
+        for e in entries
+    )
+    facts["replicated_mesh_dims"] = _megatron.replicated_mesh_dims(group)
     facts["owning_module_shim"] = _megatron.owning_module(group) is module
     facts["context_attr"] = isinstance(module._context, module_py.FsdpContext)
     facts["context_property"] = module.context is module._context
@@ -635,6 +642,14 @@ def test_main_weight_buffer(facts: dict[str, Any]) -> None:
         shim, "owned_range disagrees with DBuffer.get_local_tensor's rows"
     )
     assert facts["group_mesh_ok"], _broken("_megatron.group_mesh", "group.mesh is not the mesh")
+    assert facts["main_weight_storage_ok"], _broken(
+        "_megatron.main_weight_storage (replicas)",
+        "DBuffer.local_buffer is not the flat storage behind the main-weight views",
+    )
+    assert facts["replicated_mesh_dims"] == (), _broken(
+        "_megatron.replicated_mesh_dims (replicas)",
+        "a fully sharded group's main-weight placements read as replicated",
+    )
 
 
 def test_sync_model_weight_from_main_weight(facts: dict[str, Any]) -> None:

@@ -57,6 +57,7 @@ from lightning_megatron_fsdp.megatron import _megatron
 from lightning_megatron_fsdp.megatron._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.megatron.gather import bind_full_tensor
 from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
+from lightning_megatron_fsdp.megatron.replicas import BufferSync
 from lightning_megatron_fsdp.megatron.sharding import AutoWrapPolicy
 from lightning_megatron_fsdp.megatron.sharding_modes import ShardingMode
 from lightning_megatron_fsdp.strategies.exact_resume import ExactResume
@@ -99,6 +100,9 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             ``Fabric(precision=...)`` when ``None``.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by device type when ``None``.
         timeout: Timeout of every collective of the process groups this strategy creates.
+        check_replicas: After ``setup_module`` and after each load, compare a checksum of
+            every replicated tensor across its replica group (as in the Trainer strategy;
+            off by default).
         checkpoint_io: Defaults to ``MegatronFSDPCheckpointIO()``.
         accelerator: Set by Fabric.
         parallel_devices: Set by Fabric.
@@ -106,8 +110,8 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         precision: Set by Fabric from ``precision=...``.
 
     Raises:
-        TypeError: If ``auto_wrap_policy``, ``device_mesh``, ``timeout`` or
-            ``mixed_precision_policy`` has the wrong type.
+        TypeError: If ``auto_wrap_policy``, ``device_mesh``, ``timeout``,
+            ``mixed_precision_policy`` or ``check_replicas`` has the wrong type.
         ValueError: If ``device_mesh`` has a non-positive size, or ``sharding_strategy`` is
             unknown, does not fit the mesh, or needs a newer megatron-fsdp.
     """
@@ -123,6 +127,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         mixed_precision_policy: MixedPrecisionPolicy | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        check_replicas: bool = False,
         checkpoint_io: CheckpointIO | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -144,10 +149,12 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             mixed_precision_policy=mixed_precision_policy,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            check_replicas=check_replicas,
         )
         self._num_nodes = 1
         self._sharder = ModelSharder(_STRATEGY)
         self._models: list[nn.Module] = []
+        self._buffer_syncs: dict[int, BufferSync] = {}
         self._exact_resume = ExactResume(_STRATEGY)
         self._backward_sync_control = _MicrobatchControl(self)
 
@@ -249,6 +256,9 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             self.placements,
         )
         bind_full_tensor(module, gradients=False)  # p.full_tensor() works
+        self._replicas_agree(module)
+        if id(module) not in self._buffer_syncs:
+            self._buffer_syncs[id(module)] = _keep_buffers_in_step(module)
         self._models.append(module)
         return module
 
@@ -332,6 +342,8 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             _megatron.join_gradient_reduction(model)
             _megatron.release_prefetched(model)
             bind_full_tensor(model, gradients=True)
+            if id(model) in self._buffer_syncs:  # rank 0's buffers, as DDP's
+                self._buffer_syncs[id(model)].settle(model)
 
     @override
     def clip_gradients_norm(
@@ -410,6 +422,8 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         fabric_state = split_state(state, _STRATEGY, "fabric.save")
         model = fabric_state.model
         _megatron.release_prefetched(model)  # every unit at rest: DTensors
+        if id(model) in self._buffer_syncs:
+            self._buffer_syncs[id(model)].settle(model)
         optimizer_states = []
         for _, optimizer in fabric_state.optimizers:
             ensure_optimizer_state(optimizer)
@@ -460,6 +474,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         if isinstance(state, nn.Module):
             load_full_weights(state, target, strict=strict, weights_only=weights_only is not False)
             _megatron.sync_compute_weights(state)
+            self._check_replicas(state, f"after loading {target}")
             return {}
         if isinstance(state, Optimizer):
             raise NotImplementedError(
@@ -492,6 +507,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         checkpoint = result.checkpoint
         self._exact_resume.checkpoint_loaded(checkpoint, fitting=True)
         _restore_streams_at_next_forward(model, self._exact_resume, self.root_device)
+        self._check_replicas(model, f"after loading {target}")
         return restore_rest(checkpoint, state, fabric_state, strict)
 
     @override
@@ -562,6 +578,18 @@ def _peek(io: CheckpointIO, path: str, weights_only: bool | None) -> Any:
         )
     keys = {FABRIC_KEYS: meta.get(FABRIC_KEYS)} if isinstance(meta, dict) else {}
     return keys, len(manifest.optimizer_fingerprints)
+
+
+def _keep_buffers_in_step(model: nn.Module) -> BufferSync:
+    """Keep ``model``'s buffers in step (``replicas.BufferSync``): a forward with gradients
+    enabled is a training forward, as for DDP."""
+    sync = BufferSync()
+
+    def hook(module: nn.Module, args: Any) -> None:
+        sync.before_forward(module, training=torch.is_grad_enabled())
+
+    model.register_forward_pre_hook(hook)
+    return sync
 
 
 def _restore_streams_at_next_forward(

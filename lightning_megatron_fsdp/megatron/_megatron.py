@@ -63,6 +63,7 @@ __all__ = [
     "join_gradient_reduction",
     "main_weight",
     "main_weight_local",
+    "main_weight_storage",
     "microbatch",
     "nested_calls_unhooked",
     "owned_range",
@@ -70,6 +71,7 @@ __all__ = [
     "parameter_groups",
     "placements_problem",
     "release_prefetched",
+    "replicated_mesh_dims",
     "root_modules",
     "sharding_placements",
     "sync_compute_weights",
@@ -378,6 +380,29 @@ def main_weight(group: FsdpParameterGroup) -> DBuffer:
 def main_weight_local(group: FsdpParameterGroup, index: int) -> torch.Tensor:
     """This rank's rows of logical tensor ``index`` in the main weights, a writable view."""
     return group.main_weight.get_local_tensor(index)
+
+
+def main_weight_storage(group: FsdpParameterGroup) -> torch.Tensor:
+    """This rank's whole main-weight buffer, one flat tensor (dbuffer.py ``local_buffer``).
+
+    Writing it changes every logical tensor's rows this rank holds; refresh the compute
+    weights afterwards (:func:`sync_group_compute_weights`).
+    """
+    return group.main_weight.local_buffer
+
+
+def replicated_mesh_dims(group: FsdpParameterGroup) -> tuple[int, ...]:
+    """The mesh dims across which ``group``'s main weights are replicated, in mesh order.
+
+    A ``Replicate`` placement at index ``i`` of the main weight's placements (one per
+    mesh dim, both versions) means the ranks along mesh dim ``i`` hold the same rows.
+    """
+    placements = tuple(group.main_weight.placements)
+    if len(placements) != group.mesh.ndim:
+        raise AssertionError(
+            f"main weight placements {placements} do not match a {group.mesh.ndim}-D mesh."
+        )
+    return tuple(i for i, p in enumerate(placements) if isinstance(p, _REPLICATE_TYPES))
 
 
 def group_mesh(group: FsdpParameterGroup) -> Any:

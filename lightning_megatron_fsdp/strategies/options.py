@@ -31,6 +31,7 @@ from lightning_megatron_fsdp.megatron.mesh import (
     mesh_ndim,
     validate_device_mesh,
 )
+from lightning_megatron_fsdp.megatron.replicas import check_replicas, sync_replicas
 from lightning_megatron_fsdp.megatron.sharding import AutoWrapPolicy, validate_auto_wrap_policy
 from lightning_megatron_fsdp.megatron.sharding_modes import ShardingMode, resolve_sharding_mode
 from lightning_megatron_fsdp.strategies.model_setup import ModelSharder, join_process_group
@@ -51,6 +52,8 @@ class StrategyOptions:
         mixed_precision_policy: The user's policy, if any.
         process_group_backend: The user's backend, if any.
         timeout: Timeout of every collective of the groups the strategy creates.
+        check_replicas: Compare a checksum of every replicated tensor across its replica
+            group after setup and after a load (``megatron/replicas.py``).
     """
 
     where: str
@@ -60,6 +63,7 @@ class StrategyOptions:
     mixed_precision_policy: MixedPrecisionPolicy | None
     process_group_backend: str | None
     timeout: timedelta | None
+    check_replicas: bool
 
     @classmethod
     def validate(
@@ -72,12 +76,13 @@ class StrategyOptions:
         mixed_precision_policy: MixedPrecisionPolicy | None,
         process_group_backend: str | None,
         timeout: timedelta | None,
+        check_replicas: bool,
     ) -> StrategyOptions:
         """Validate the constructor's options (see either strategy's docstring).
 
         Raises:
-            TypeError: If ``auto_wrap_policy``, ``device_mesh``, ``timeout`` or
-                ``mixed_precision_policy`` has the wrong type.
+            TypeError: If ``auto_wrap_policy``, ``device_mesh``, ``timeout``,
+                ``mixed_precision_policy`` or ``check_replicas`` has the wrong type.
             ValueError: If ``device_mesh`` has a non-positive size, or
                 ``sharding_strategy`` is unknown, does not fit the mesh, or needs another
                 megatron-fsdp version.
@@ -94,6 +99,8 @@ class StrategyOptions:
             )
         if timeout is not None and not isinstance(timeout, timedelta):
             raise TypeError(f"{where}: timeout must be a datetime.timedelta, got {timeout!r}.")
+        if not isinstance(check_replicas, bool):
+            raise TypeError(f"{where}: check_replicas must be a bool, got {check_replicas!r}.")
         return cls(
             where,
             policy,
@@ -102,6 +109,7 @@ class StrategyOptions:
             mixed_precision_policy,
             process_group_backend,
             timeout,
+            check_replicas,
         )
 
 
@@ -235,6 +243,17 @@ class StrategyOptionsMixin:
             compute_dtype=precision.compute_dtype if precision.casts_parameters else None,
             mixed_precision_policy=self.mixed_precision_policy,
         )
+
+    def _replicas_agree(self, model: nn.Module) -> None:
+        """After sharding (and initial weights): every replica group takes its first rank's
+        replicated tensors (``replicas.sync_replicas``), then the optional check."""
+        sync_replicas(model)
+        self._check_replicas(model, "after setup")
+
+    def _check_replicas(self, model: nn.Module, when: str) -> None:
+        """``replicas.check_replicas`` when the ``check_replicas`` option is on."""
+        if self._options.check_replicas:
+            check_replicas(model, f"{self._options.where}: {when}")
 
     def barrier(self, name: str | None = None) -> None:
         """Wait until every process is here (nothing to wait for without a group)."""

@@ -39,6 +39,7 @@ from lightning_megatron_fsdp.megatron import _megatron
 from lightning_megatron_fsdp.megatron._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.megatron.gather import bind_full_tensor, lightning_grad_norm_explained
 from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
+from lightning_megatron_fsdp.megatron.replicas import BufferSync
 from lightning_megatron_fsdp.megatron.sharding import (
     AutoWrapPolicy,
     check_optimizer_parameters,
@@ -118,6 +119,11 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             :class:`~lightning_megatron_fsdp.weights.pretrained.PretrainedWeights` for key prefixes
             and non-strict loading. Applied once per model; a ``ckpt_path`` restore
             overrides it.
+        check_replicas: After setup and after each checkpoint load, compare a checksum of
+            every replicated tensor (main weights of the replicated modes, buffers) across
+            its replica group and raise :class:`~lightning_megatron_fsdp.megatron.replicas.
+            ReplicaMismatchError` on every rank, naming the first that differs. Off by
+            default: one round per replica group, a few percent of a small model's step.
         allow_weights_only_resume: Let ``fit(ckpt_path=...)`` resume from a checkpoint
             without optimizer state (saved with ``weights_only=True``): weights and the
             training position load, the optimizers start fresh. Off by default, so such a
@@ -130,7 +136,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
 
     Raises:
         TypeError: If ``auto_wrap_policy``, ``device_mesh``, ``timeout``,
-            ``mixed_precision_policy``, ``allow_weights_only_resume`` or
+            ``mixed_precision_policy``, ``check_replicas``, ``allow_weights_only_resume`` or
             ``init_weights_from`` has the wrong type.
         ValueError: If ``device_mesh`` has a non-positive size, or ``sharding_strategy`` is
             unknown, does not fit ``device_mesh``, or needs another megatron-fsdp version.
@@ -148,6 +154,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         init_weights_from: _lightning.PATH | PretrainedWeights | None = None,
+        check_replicas: bool = False,
         allow_weights_only_resume: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -171,6 +178,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             mixed_precision_policy=mixed_precision_policy,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            check_replicas=check_replicas,
         )
         if not isinstance(allow_weights_only_resume, bool):
             raise TypeError(
@@ -182,6 +190,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         self._sharder = ModelSharder(_STRATEGY)
         self._join: UnevenBatchJoin | None = None
         self._exact_resume = ExactResume(_STRATEGY)
+        self._buffer_sync = BufferSync()
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ properties
@@ -306,6 +315,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         bind_full_tensor(self.lightning_module, gradients=False)  # p.full_tensor() works
         if self._init_weights_from is not None:
             apply_pretrained_weights(self.lightning_module, self._init_weights_from)
+        self._replicas_agree(self.lightning_module)
         self.model = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -416,6 +426,9 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         unit is a submodule with hooks of its own, and the step runs as it is.
         """
         with peer_failures_explained(f"{_STRATEGY}: {method_name}"):
+            assert self.lightning_module is not None
+            training = method_name == "training_step"
+            self._buffer_sync.before_forward(self.lightning_module, training=training)
             return self._run_step(method_name, *args, **kwargs)
 
     def _run_step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
@@ -460,6 +473,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         # registers that callback, so join it here before anything reads .grad.
         assert self.lightning_module is not None
         _megatron.join_gradient_reduction(self.lightning_module)
+        self._buffer_sync.settle(self.lightning_module)  # rank 0's buffers, as DDP's
 
     @contextlib.contextmanager
     @override
@@ -612,6 +626,8 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         """
         model = self.lightning_module
         assert model is not None
+        # In place: ``checkpoint["state_dict"]`` holds the buffers themselves.
+        self._buffer_sync.settle(model)
         # After fit nothing else waits for an async write (no later step, save or
         # teardown): the checkpoint must be committed when the call returns.
         save_sharded_checkpoint(
@@ -682,6 +698,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         )
         if fitting and not result.optimizers_loaded:
             checkpoint = self._weights_only_resume(checkpoint, path)
+        self._check_replicas(model, f"after loading {path}")
         return checkpoint
 
     @override
