@@ -189,3 +189,20 @@ def test_throttled_saves_store_every_byte_or_fail_and_keep_last(seaweed: Seaweed
                 assert result["error"] is None, f"{what}: {result['error']}"
             assert result["step"] == result["want"], what
             assert_same_facts(result["facts"], result["want_facts"], what)
+
+
+def test_random_503_500_and_resets_are_retried_and_store_every_byte(
+    seaweed: SeaweedServer,
+) -> None:
+    """30% of the requests of a multipart upload answered 503, 500 or a reset
+    connection (seed 26: all three within 8 requests, never more than 2 in a row):
+    retried, and the object holds every byte."""
+    bucket = seaweed.new_bucket()
+    data = bytes(range(256)) * ((2 * PART + 7) // 256)
+    kinds = ("503", "500", "reset")
+    with FaultProxy(seaweed.ports["s3.port"], share=0.3, kinds=kinds, seed=26) as proxy:
+        upload = _S3Upload(_client(proxy, None), f"{bucket}/obj", _PartBudget(PART, 1))
+        upload.write(data)
+        upload.close()
+        assert all(proxy.answered(kind) for kind in kinds), proxy.log
+    assert seaweed.filesystem().cat(f"{bucket}/obj") == data
