@@ -37,12 +37,12 @@ KNOWN_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
     # megatron-fsdp unshards a unit for backward from a full backward pre-hook on the unit;
     # on the root, whose inputs (token ids) need no gradient, torch says the hook fires on
     # the outputs' gradients, which is what megatron-fsdp means it to do. Attributed to the
-    # Fabric precision plugin's ``backward`` call.
+    # call of ``backward``: the Fabric precision plugin's, or the LightningModule's.
     (
         r"Full backward hook is firing when gradients are computed with respect to module "
         r"outputs since no inputs require gradients",
         UserWarning,
-        r"lightning_megatron_fsdp\.fabric\.precision",
+        r"(lightning_megatron_fsdp\.fabric\.precision|lightning\.pytorch\.core\.module)$",
     ),
 )
 
