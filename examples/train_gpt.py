@@ -13,13 +13,17 @@ period it can predict the rest, so next-token accuracy climbs from chance (1/32)
 
 Outputs under ``--out`` (default ``runs/gpt``): ``checkpoints/`` (periodic + ``last.ckpt``,
 each a Megatron-FSDP DCP directory), ``logs/`` (CSV metrics per run) and ``loss.png``: the
-runs so far as one loss curve (a resumed run continues it), each resume point marked.
+runs so far as one loss curve (a resumed run continues it), each resume point marked. A run
+without ``--ckpt-path`` starts fresh: it deletes the checkpoints an earlier run left in
+``checkpoints/`` (else Lightning would save beside them as ``last-v1.ckpt``).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import shutil
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -195,6 +200,15 @@ def plot_losses(log_dir: Path, output: Path) -> None:
     figure.savefig(output, dpi=120)
 
 
+@rank_zero_only
+def clear_checkpoints(directory: Path) -> None:
+    """Delete an earlier run's checkpoints before a fresh run (rank 0, before the others
+    start), so that ``last.ckpt`` is this run's."""
+    if directory.is_dir() and any(directory.iterdir()):
+        print(f"starting fresh: deleting the earlier run's checkpoints in {directory}")
+        shutil.rmtree(directory)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--accelerator", default="cpu")
@@ -204,21 +218,29 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=150)
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="train steps")
-    parser.add_argument("--ckpt-path", default=None, help='"last", a checkpoint directory, or none')
+    parser.add_argument(
+        "--ckpt-path",
+        default=None,
+        help='"last" or a checkpoint directory: resume; none: start fresh (deletes checkpoints/)',
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/gpt"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=5, help="train steps")
     args = parser.parse_args()
 
+    if args.ckpt_path is None:
+        clear_checkpoints(args.out / "checkpoints")
     pl.seed_everything(args.seed, workers=True)
     model = GPT()
     # A resumable loader: Lightning saves its position in every checkpoint, so a resume in the
     # middle of an epoch continues with the next batch instead of replaying the epoch (a plain
     # DataLoader restarts it). With the RNG states the strategy checkpoints, the resumed run
     # trains exactly as an uninterrupted one would.
-    train = StatefulDataLoader(
-        RepeatedPatterns(20_000, 32, 32, seed=1), batch_size=args.batch_size, shuffle=True
-    )
+    with warnings.catch_warnings():  # torchdata calls torch's deprecated set_vital
+        warnings.filterwarnings("ignore", "'set_vital' is deprecated", UserWarning, "torchdata")
+        train = StatefulDataLoader(
+            RepeatedPatterns(20_000, 32, 32, seed=1), batch_size=args.batch_size, shuffle=True
+        )
     val = DataLoader(RepeatedPatterns(256, 32, 32, seed=2), batch_size=args.batch_size)
     checkpoints = ModelCheckpoint(
         dirpath=args.out / "checkpoints",

@@ -9,6 +9,7 @@ with the Trainer and with Fabric.
 import importlib
 import os
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -119,11 +120,32 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+def _import_ignoring(module: str, message: str) -> None:
+    """Import ``module`` with the one ``UserWarning`` it raises on import that starts with
+    ``message`` ignored, by a filter that exists for the import only: any other warning,
+    and this one raised later, still shows.
+
+    ``warnings.catch_warnings`` was rejected: on exit it also drops the filters the import
+    itself installs (torch's and sympy's, for modules they import lazily).
+    """
+    warnings.filterwarnings("ignore", message=message, category=UserWarning, module=module)
+    ignored = warnings.filters[0]  # filterwarnings moves an equal filter to the front
+    existed = warnings.filters.count(ignored) > 1
+    try:
+        importlib.import_module(module)
+    finally:
+        if not existed:
+            warnings.filters.remove(ignored)
+
+
 def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
 
 if os.path.basename(getattr(sys, "argv", [""])[0] or "") != CONSOLE_SCRIPT:
+    # megatron-fsdp says on import, without Transformer Engine or Apex (every CPU install),
+    # that it falls back to its own kernels: nothing a user can act on.
+    _import_ignoring("megatron_fsdp", "Transformer Engine and Apex are not installed")
     # Registers strategy="megatron_fsdp" with the Trainer and with Fabric.
     importlib.import_module(f"{__name__}.strategies.strategy")
     importlib.import_module(f"{__name__}.fabric")

@@ -1,6 +1,7 @@
 """The README's main command works: the example trains on 2 CPU processes, checkpoints,
 resumes from ``last`` in a new process group mid-epoch, exactly as an uninterrupted run
-trains, and plots both runs as one loss curve with the resume point marked."""
+trains, and plots both runs as one loss curve with the resume point marked. A fresh run
+replaces an earlier run's checkpoints (no ``-v1`` files)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,11 @@ def _runs(*runs: tuple[Path, tuple[str, ...]]) -> list[str]:
 
 def test_example_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     # The first half, and beside it the uninterrupted run the resume is compared with.
+    # An earlier run's files: the fresh run (no --ckpt-path) deletes them, rather than saving
+    # beside them as Lightning's last-v1.ckpt and step=3-v1.ckpt.
+    for stale in ("last.ckpt", "step=3.ckpt", "step=12.ckpt"):
+        (tmp_path / "checkpoints" / stale).mkdir(parents=True)
+        (tmp_path / "checkpoints" / stale / "stale.txt").write_text("an earlier run")
     straight = tmp_path / "uninterrupted"
     first, _ = _runs((tmp_path, ("--max-steps", "6")), (straight, ("--max-steps", "9")))
     last = tmp_path / "checkpoints" / "last.ckpt"
@@ -57,8 +63,8 @@ def test_example_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
 
     assert inspect_checkpoint(last).global_step == 9
     assert inspect_checkpoint(last).world_size == 2
-    periodic = sorted(p.name for p in (tmp_path / "checkpoints").glob("step=*.ckpt"))
-    assert periodic == ["step=3.ckpt", "step=6.ckpt", "step=9.ckpt"]
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert saved == ["last.ckpt", "step=3.ckpt", "step=6.ckpt", "step=9.ckpt"], saved
     runs = sorted((tmp_path / "logs").glob("version_*"))
     assert [(run / "start_step.txt").read_text() for run in runs] == ["0", "6"]
     for run in runs:

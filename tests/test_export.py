@@ -574,7 +574,7 @@ def test_a_directory_of_checkpoints_is_named_once_with_its_checkpoints(
     (problem,) = verify_checkpoint(run)
     assert re.search(named, problem), problem
     status, out, err = _main(capsys, "inspect", "--verify", str(run))
-    assert status == 1 and "verify: FAILED, 1 problem:\n" in out, out
+    assert status == 1 and out == "" and len(re.findall(named, err)) == 1, out + err
     status, out, err = _main(capsys, "consolidate", str(run), str(tmp_path / "x.pt"))
     assert status == 1 and len(re.findall(named, err)) == 1 and "Nothing was written" in err, err
     assert not (tmp_path / "x.pt").exists()
@@ -711,3 +711,74 @@ def test_storage_problems_count_their_items_in_agreement() -> None:
     assert two == [f"b.distcp: missing; {DCP_METADATA_FILE} stores 2 items there: 'w'; 'v'"]
     lone = _storage_problems(stored(("w", "b.distcp", 0, 8)), {}, None)
     assert lone == [f"b.distcp: missing; {DCP_METADATA_FILE} stores 1 item there: 'w'"]
+
+
+# ---------------------------------------------------------------------------------------
+# The console script's papercuts: what it says on a damaged, missing or foreign input
+# ---------------------------------------------------------------------------------------
+
+
+def test_random_bytes_metadata_is_not_dcp_metadata_with_or_without_trust(
+    saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``.metadata`` that is no pickle at all is "not DCP metadata": the allow-list did not
+    refuse anything, so neither run suggests ``--trust-checkpoint``, which would not help."""
+
+    def garble(directory: Path) -> None:
+        (directory / "manifest.json").unlink()  # else its checksum catches the bytes first
+        (directory / DCP_METADATA_FILE).write_bytes(np.random.default_rng(0).bytes(4096))
+
+    garbled = _copy(saved2["dir"], tmp_path / "garbled", garble)
+    for trust in ([], ["--trust-checkpoint"]):
+        status, _out, err = _main(capsys, "inspect", *trust, str(garbled))
+        assert status == 1 and ".metadata: not DCP metadata" in err, (trust, err)
+        assert "refused" not in err and "--trust-checkpoint" not in err, (trust, err)
+
+
+def test_plain_inspect_compares_file_sizes_with_the_manifest(
+    saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A truncated shard: plain ``inspect`` (which reads no tensor bytes) still prints the
+    table, then says the file is damaged and to run ``--verify``, with exit status 1."""
+    truncated = _copy(saved2["dir"], tmp_path / "truncated", _truncate)
+    file = _shard_files(truncated)[-1]
+    status, out, err = _main(capsys, "inspect", str(truncated))
+    assert status == 1 and re.search(r"^global_step +\d+$", out, re.MULTILINE), out + err
+    assert "damaged: run --verify" in err and re.search(rf"{file}: \d+ bytes on disk", err), err
+    status, out, err = _main(capsys, "inspect", "--json", str(truncated))
+    data = json.loads(out)
+    assert status == 1 and any(p.startswith(f"{file}: ") for p in data["damaged"]), out
+    status, out, err = _main(capsys, "inspect", "--json", str(saved2["dir"]))
+    assert status == 0 and json.loads(out)["damaged"] == [], out + err
+
+
+def test_verify_prints_its_verdict_before_the_table(
+    saved2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``inspect --verify`` says OK or FAILED on its first line, once, not after every row."""
+    truncated = _copy(saved2["dir"], tmp_path / "truncated", _truncate)
+    for directory, verdict in ((saved2["dir"], "verify: OK"), (truncated, "verify: FAILED")):
+        _status, out, err = _main(capsys, "inspect", "--verify", str(directory))
+        assert out.startswith(verdict) and out.count("verify:") == 1, out + err
+
+
+def test_a_missing_path_is_one_line_everywhere(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every command on a path that does not exist: one line naming it, no ``--verify``
+    suggestion on it; with ``--json``, that error as JSON on stdout."""
+    missing = str(tmp_path / "nope")
+    for command in (
+        ["inspect", missing],
+        ["inspect", "--verify", missing],
+        ["consolidate", missing, str(tmp_path / "w.pt")],
+        ["export-lightning", missing, str(tmp_path / "m.ckpt")],
+    ):
+        status, out, err = _main(capsys, *command)
+        assert status == 1 and out == "" and err.count("\n") == 1, (command, out, err)
+        assert f"{missing} does not exist" in err and "--verify" not in err, (command, err)
+    assert not list(tmp_path.iterdir()), "something was written"
+    for options in ([], ["--verify"]):
+        status, out, err = _main(capsys, "inspect", "--json", *options, missing)
+        data = json.loads(out)
+        assert status == 1 and err == "" and f"{missing} does not exist" in data["error"], out

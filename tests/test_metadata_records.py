@@ -147,5 +147,5 @@ def test_records_refuse_what_dcps_classes_refuse(
     buffer = io.BytesIO()
     _CraftedProperties(buffer, state).dump(dcp)
     for records in (True, False):
-        with pytest.raises(CheckpointCorruptedError, match=r"\.metadata: unreadable as DCP"):
+        with pytest.raises(CheckpointCorruptedError, match=r"\.metadata: not DCP metadata"):
             load_dcp_metadata(buffer.getvalue(), source=".metadata", records=records)

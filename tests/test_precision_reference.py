@@ -246,6 +246,8 @@ def test_16_mixed_runs_as_bf16_mixed_on_cpu_and_is_refused_for_cuda() -> None:
             logger=False,
         )
     assert trainer.strategy.precision_plugin.precision == "bf16-mixed"
-    # On a GPU, Trainer(precision="16-mixed") hands the strategy this plugin.
+    # On a GPU, Trainer(precision="16-mixed") hands the strategy this plugin (its scaler
+    # disabled here: built enabled on a machine without CUDA, it warns that it disables itself).
+    plugin = MixedPrecision("16-mixed", "cuda", scaler=torch.amp.GradScaler("cuda", enabled=False))
     with pytest.raises(ValueError, match=r"'16-mixed' is not supported.*loss scaler"):
-        MegatronFSDPStrategy(precision_plugin=MixedPrecision("16-mixed", "cuda"))
+        MegatronFSDPStrategy(precision_plugin=plugin)

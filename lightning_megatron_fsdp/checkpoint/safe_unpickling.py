@@ -155,6 +155,11 @@ def _allowed(records: bool) -> dict[tuple[str, str], Any]:
     return allowed
 
 
+class _Refused(pickle.UnpicklingError):
+    """The allow-list refused what the pickle names (``trust`` would unpickle it), as
+    opposed to bytes that are no pickle at all (``trust`` would not help)."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` that resolves the allow-listed globals as ``allowed`` says and
     refuses every other one, unless ``trust`` (then it resolves them as ``pickle`` does)."""
@@ -170,13 +175,13 @@ class _MetadataUnpickler(pickle.Unpickler):
             return found
         if self._trust:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(
+        raise _Refused(
             f"it references {module}.{name}, which is not among the DCP metadata types "
             "this library accepts from a checkpoint"
         )
 
     def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("it holds a persistent id, which DCP metadata never has")
+        raise _Refused("it holds a persistent id, which DCP metadata never has")
 
 
 def load_dcp_metadata(
@@ -204,14 +209,14 @@ def load_dcp_metadata(
     """
     try:
         metadata = _MetadataUnpickler(data, _allowed(records), trust=trust).load()
-    except pickle.UnpicklingError as err:
+    except _Refused as err:
         raise CheckpointCorruptedError(
             f"{source}: refused to unpickle: {err}. Nothing from it was run. {TRUST_HINT}"
         ) from err
     except Exception as err:  # truncated or garbled pickles raise anything
         raise CheckpointCorruptedError(
-            f"{source}: unreadable as DCP metadata ({type(err).__name__}: {err}); the file "
-            "is corrupt or was not written by torch.distributed.checkpoint."
+            f"{source}: not DCP metadata ({type(err).__name__}: {err}); the file is corrupt "
+            "or was not written by torch.distributed.checkpoint."
         ) from err
     problem = _metadata_problem(metadata, _types(records), check_planner_data=not trust)
     if problem is not None:

@@ -53,6 +53,7 @@ from lightning_megatron_fsdp.fabric.precision import (
     MegatronFSDPFabricPrecision,
     to_fabric_precision,
 )
+from lightning_megatron_fsdp.known_warnings import ignore_known_warnings, stop_ignoring
 from lightning_megatron_fsdp.megatron import _megatron
 from lightning_megatron_fsdp.megatron._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.megatron.gather import bind_full_tensor
@@ -215,6 +216,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         """Join the process group (once per process; it lives until the process ends), build
         the mesh."""
         super().setup_environment()
+        self._ignored_warnings = ignore_known_warnings()  # until teardown
         self._join_processes(nn.Module())
 
     # ------------------------------------------------------------------ model setup
@@ -514,6 +516,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
     def teardown(self) -> None:
         """Finish an async save; the process group stays (the model holds it) until exit."""
         self._sharder.close(RuntimeError("teardown before setup finished sharding"))
+        stop_ignoring(getattr(self, "_ignored_warnings", []))
         self.precision.teardown()
         if self.accelerator is not None:
             self.accelerator.teardown()

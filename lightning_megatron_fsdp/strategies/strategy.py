@@ -35,6 +35,7 @@ from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_f
 from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.checkpoint.load import load_into_sharded_model
+from lightning_megatron_fsdp.known_warnings import ignore_known_warnings, stop_ignoring
 from lightning_megatron_fsdp.megatron import _megatron
 from lightning_megatron_fsdp.megatron._megatron import FsdpModule, MixedPrecisionPolicy, Placements
 from lightning_megatron_fsdp.megatron.gather import bind_full_tensor, lightning_grad_norm_explained
@@ -294,6 +295,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         with Python (:mod:`~lightning_megatron_fsdp.strategies.interpreter_exit`).
         """
         super().setup_environment()
+        self._ignored_warnings = ignore_known_warnings()  # until teardown
         module = self.lightning_module
         assert module is not None
         _lightning.set_device_mesh(module, self._join_processes(module))
@@ -755,6 +757,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         checkpoint IO finishes an async save and drops its background group here.
         """
         self._sharder.close(RuntimeError("teardown before setup finished sharding"))
+        stop_ignoring(getattr(self, "_ignored_warnings", []))
         self._join = None  # the stage's join and its cached batches (the next stage makes its own)
         self._exact_resume.reset()
         if self.cluster_environment is not None:

@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="list tensors (shape, dtype, chunks) and the epoch, step and versions",
         description=(
             "Print each tensor's global shape, dtype and number of saved chunks, and the "
-            "Lightning metadata (epoch, global step, versions, world size)."
+            "Lightning metadata (epoch, global step, versions, world size). Reads no tensor "
+            "data, but compares the files' sizes with manifest.json: exit status 1 when one "
+            "differs (then run --verify)."
         ),
     )
     inspect.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
@@ -102,7 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--verify",
         action="store_true",
-        help="also check completeness, file sizes and checksums; exit 1 on problems",
+        help=(
+            "also check completeness, file sizes and checksums, printing the verdict first; "
+            "exit 1 on problems"
+        ),
     )
     inspect.add_argument(
         "--skip-checksums",
@@ -219,7 +224,7 @@ def _print_table(info: CheckpointInfo, out: TextIO) -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
-    from lightning_megatron_fsdp.checkpoint.format import count
+    from lightning_megatron_fsdp.checkpoint.format import MANIFEST_FILE, count, summarise
     from lightning_megatron_fsdp.tools.inspection import inspect_checkpoint, verify_checkpoint
 
     info: CheckpointInfo | None = None
@@ -237,9 +242,8 @@ def _inspect(args: argparse.Namespace) -> int:
         if args.verify
         else None
     )
-    if error is not None and problems is None:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        return 1
+    damaged = () if info is None else info.damaged
+    status = 1 if (error is not None or problems or damaged) else 0
     if args.json:
         data: dict[str, Any] = info.to_json() if info is not None else {"path": args.checkpoint}
         if error is not None:
@@ -247,30 +251,50 @@ def _inspect(args: argparse.Namespace) -> int:
         if problems is not None:
             data["verify"] = {"ok": not problems, "problems": problems}
         print(json.dumps(data, indent=2))
-    else:
-        if info is not None:
-            _print_table(info, sys.stdout)
+        return status
+    if error is not None and (problems is None or problems == [str(error)]):
+        # Nothing to describe and nothing the verdict would add (a path that does not exist,
+        # a directory of checkpoints): the error, once.
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 1
+    if problems is not None:  # the verdict first, so that a long table cannot bury it
+        _print_verdict(problems, info, args.skip_checksums)
+    if info is not None:
         if problems is not None:
-            gap = "\n" if info is not None else ""
-            if problems:
-                print(f"{gap}verify: FAILED, {count(len(problems), 'problem')}:")
-                for problem in problems:
-                    print(f"  - {problem}", file=sys.stdout)
-            elif info is not None and info.manifest is None:  # a recognised foreign format
-                print(
-                    f"{gap}verify: OK ({info.source_format}: no manifest.json, so no sizes or "
-                    "checksums to compare; every stored item lies inside an existing file; "
-                    "every tensor's chunks tile it exactly once)",
-                    file=sys.stdout,
-                )
-            else:
-                what = "sizes" if args.skip_checksums else "sizes and checksums"
-                print(
-                    f"{gap}verify: OK (complete; every file matches manifest.json {what}; "
-                    "every tensor's chunks tile it exactly once)",
-                    file=sys.stdout,
-                )
-    return 1 if (error is not None or problems) else 0
+            print("")
+        _print_table(info, sys.stdout)
+    if damaged and problems is None:
+        files = count(len(damaged), "file")
+        print(
+            summarise(
+                f"{PROG}: error: {args.checkpoint}: damaged: run --verify ({files} differ "
+                f"from {MANIFEST_FILE})",
+                list(damaged),
+            ),
+            file=sys.stderr,
+        )
+    return status
+
+
+def _print_verdict(problems: list[str], info: CheckpointInfo | None, sizes_only: bool) -> None:
+    from lightning_megatron_fsdp.checkpoint.format import count
+
+    if problems:
+        print(f"verify: FAILED, {count(len(problems), 'problem')}:")
+        for problem in problems:
+            print(f"  - {problem}")
+    elif info is not None and info.manifest is None:  # a recognised foreign format
+        print(
+            f"verify: OK ({info.source_format}: no manifest.json, so no sizes or checksums "
+            "to compare; every stored item lies inside an existing file; every tensor's "
+            "chunks tile it exactly once)"
+        )
+    else:
+        what = "sizes" if sizes_only else "sizes and checksums"
+        print(
+            f"verify: OK (complete; every file matches manifest.json {what}; every "
+            "tensor's chunks tile it exactly once)"
+        )
 
 
 def _consolidate(args: argparse.Namespace) -> int:
@@ -362,11 +386,11 @@ def main(argv: list[str] | None = None) -> int:
 def _report(args: argparse.Namespace, err: BaseException) -> int:
     if args.debug:
         raise err
-    print(
-        f"{PROG}: error: {args.checkpoint}: {type(err).__name__}: {err}{_hint(err)} (rerun "
-        "with --debug for the traceback)",
-        file=sys.stderr,
-    )
+    message = f"{args.checkpoint}: {type(err).__name__}: {err}{_hint(err)}"
+    if getattr(args, "json", False):
+        print(json.dumps({"path": args.checkpoint, "error": message}, indent=2))
+    else:
+        print(f"{PROG}: error: {message} (rerun with --debug for the traceback)", file=sys.stderr)
     return 1
 
 

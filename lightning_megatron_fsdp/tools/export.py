@@ -319,6 +319,10 @@ def refuse_problems(
             f"{who}: {checkpoint} is a directory of checkpoints "
             f"({summarise('pass one of them', inside)}), not a checkpoint. Nothing was written."
         )
+    if checked.manifest is None and checked.metadata is None and len(checked.problems) == 1:
+        # Not a checkpoint at all (a path that does not exist, a file, an empty directory):
+        # the one problem says what it is, and `inspect --verify` would only repeat it.
+        raise NotACheckpointError(f"{who}: {checked.problems[0]} Nothing was written.")
     listing = "\n".join(f"  - {problem}" for problem in checked.problems)
     error = NotACheckpointError if checked.manifest is None else CheckpointCorruptedError
     raise error(

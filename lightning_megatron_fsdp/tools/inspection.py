@@ -132,6 +132,8 @@ class CheckpointInfo:
         source_format: The format of a directory without a manifest that was recognised
             anyway (megatron-fsdp's own ``save_checkpoint``,
             ``upstream_checkpoint.FORMAT_NAME``), else ``None``.
+        damaged: One line per file the manifest lists that is missing or has another
+            size (compared without reading it); :func:`verify_checkpoint` checks the rest.
     """
 
     path: Path
@@ -141,6 +143,7 @@ class CheckpointInfo:
     meta: Mapping[str, Any] | None
     notes: tuple[str, ...] = ()
     source_format: str | None = None
+    damaged: tuple[str, ...] = ()
 
     @property
     def epoch(self) -> int | None:
@@ -185,6 +188,7 @@ class CheckpointInfo:
             "tensors": [tensor.to_json() for tensor in self.tensors],
             "objects": list(self.objects),
             "notes": list(self.notes),
+            "damaged": list(self.damaged),
         }
 
 
@@ -733,7 +737,8 @@ def inspect_checkpoint(
 
     Works on an incomplete directory too (a missing manifest becomes a note), as long as
     ``.metadata`` is readable; :func:`verify_checkpoint` checks integrity. Reads
-    ``.metadata``, ``manifest.json`` and ``meta.pt`` only, no tensor data.
+    ``.metadata``, ``manifest.json`` and ``meta.pt`` only, no tensor data; the other
+    files' sizes are compared with the manifest's (``CheckpointInfo.damaged``).
 
     Args:
         checkpoint_dir: The checkpoint directory, or a URL (``s3://...``): then the
@@ -769,6 +774,11 @@ def inspect_checkpoint(
     if manifest is None and is_upstream_checkpoint(metadata):
         # megatron-fsdp's own save_checkpoint writes neither file: its format, not damage.
         source_format, notes = UPSTREAM_FORMAT_NAME, [UPSTREAM_NOTE]
+    damaged: list[str] = []
+    if isinstance(path, StoreCheckpoint) and manifest is not None:
+        damaged = path.check_files(manifest)
+    elif manifest is not None:
+        damaged = check_files(path, manifest)
     tensors = []
     objects = []
     for key in ordered_keys(metadata, manifest):
@@ -778,5 +788,12 @@ def inspect_checkpoint(
         else:
             objects.append(key)
     return CheckpointInfo(
-        path, tuple(tensors), tuple(objects), manifest, meta, tuple(notes), source_format
+        path,
+        tuple(tensors),
+        tuple(objects),
+        manifest,
+        meta,
+        tuple(notes),
+        source_format,
+        tuple(damaged),
     )
