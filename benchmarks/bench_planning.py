@@ -45,6 +45,8 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from lightning_megatron_fsdp import _torch
+from lightning_megatron_fsdp.checkpoint.metadata_slices import MetadataSlices
+from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_dcp_metadata
 from lightning_megatron_fsdp.checkpoint.save_plan import global_save_plan
 
 VOCAB, HIDDEN, FFN, LAYERS = 32000, 4096, 11008, 32
@@ -118,18 +120,25 @@ def local_plans(world: int) -> list[SavePlan]:
     return plans
 
 
-def metadata_bytes(metadata: Any, global_plan: list[SavePlan]) -> int:
-    """The pickled ``.metadata``: one storage entry per record, each with our annotation."""
+def metadata_file(metadata: Any, global_plan: list[SavePlan]) -> bytes:
+    """The pickled ``.metadata``: one storage entry per record (a ``torch.save`` record of
+    the chunk: 512 header bytes, then its payload), each with our annotation."""
     storage = {}
     for rank, plan in enumerate(global_plan):
         offset = 0
         for item in plan.items:
-            info = _torch.storage_info(f"__{rank}_0.distcp", offset, 1 << 20)
-            info.lmf_record = {"crc32c": 0x12345678, "payload": [0, 512], "byteorder": "little"}
+            data = item.tensor_data
+            length = 512 + math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+            info = _torch.storage_info(f"__{rank}_0.distcp", offset, length)
+            info.lmf_record = {
+                "crc32c": 0x12345678,
+                "payload": [512, length],
+                "byteorder": "little",
+            }
             storage[item.index] = info
-            offset += 1 << 20
+            offset += length
     metadata.storage_data = storage
-    return len(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
+    return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _clear_caches() -> None:
@@ -172,8 +181,12 @@ def measure(world: int, dcp: bool) -> dict[str, Any]:
     delta, _ = later.create_global_plan(empty)
     cached = time.perf_counter() - began
     cached_scattered = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in delta)
-    size = metadata_bytes(metadata, global_plan)
-    return {
+    data = metadata_file(metadata, global_plan)
+    size = len(data)
+    del global_plan, metadata, delta, planner, later
+    gc.collect()
+    load = measure_load(data, plans)
+    return load | {
         "ranks": world,
         "items": items,
         "plans_mb": gathered / 1e6,
@@ -183,6 +196,41 @@ def measure(world: int, dcp: bool) -> dict[str, Any]:
         "cached_s": cached,
         "cached_mb": (cached_gathered + cached_scattered) / 1e6,
         "metadata_mb": size / 1e6,
+    }
+
+
+def measure_load(data: bytes, plans: list[SavePlan]) -> dict[str, Any]:
+    """A load's metadata work: every rank parsing the whole ``.metadata`` (plain pickle and
+    the allow-list reader), against rank 0 parsing and cutting it once and each rank
+    assembling its part (the skeleton and its keys' slices; a few ranks sampled, the one
+    holding the most keys among them)."""
+    began = time.perf_counter()
+    pickle.loads(data)
+    plain = time.perf_counter() - began
+    gc.collect()
+    source = "bench/.metadata"
+    began = time.perf_counter()
+    slices = MetadataSlices.cut(load_dcp_metadata(data, source=source), source=source)
+    once = time.perf_counter() - began
+    gc.collect()
+    world = len(plans)
+    per_rank = []
+    for rank in sorted({0, world // 3, world // 2, world - 1}):
+        keys = {item.index.fqn for item in plans[rank].items}
+        began = time.perf_counter()
+        metadata = slices.skeleton_metadata(trust=False)
+        for key in keys:
+            slices.fill(metadata, key, trust=False)
+        per_rank.append(time.perf_counter() - began)
+    began = time.perf_counter()
+    load_dcp_metadata(data, source=source)
+    allow_list = time.perf_counter() - began
+    return {
+        "plain_s": plain,
+        "allow_list_s": allow_list,
+        "once_s": once,
+        "slices_mb": (len(slices.skeleton) + sum(map(len, slices.keys.values()))) / 1e6,
+        "rank_s": max(per_rank),
     }
 
 
@@ -200,8 +248,10 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     previous: tuple[int, float] | None = None
+    rows = []
     for world in args.ranks:
         r = measure(world, not args.no_dcp)
+        rows.append(r)
         growth = "-"
         if previous is not None and world == 2 * previous[0]:
             growth = f"{r['plan_s'] / previous[1]:.2f}"
@@ -213,6 +263,19 @@ def main() -> None:
             flush=True,
         )
         gc.collect()
+    print(
+        "\n| ranks | .metadata MB | before: read from storage per load GB | before: per-rank "
+        "parse s (plain pickle / allow-list) | after: read per load GB | after: rank 0 "
+        "parse + cut s | after: slices MB sent in round 1 | after: per-rank assembly s (max "
+        "of 4 ranks) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['ranks']} | {r['metadata_mb']:.1f} | {r['ranks'] * r['metadata_mb'] / 1e3:.2f} "
+            f"| {r['plain_s']:.2f} / {r['allow_list_s']:.2f} | {r['metadata_mb'] / 1e3:.3f} "
+            f"| {r['once_s']:.2f} | {r['slices_mb']:.1f} | {r['rank_s']:.3f} |"
+        )
 
 
 if __name__ == "__main__":
