@@ -16,9 +16,14 @@ at every size:
 - ``later saves`` / ``cached MB``: the same on a later save of the same layout with DCP's
   plan caching (what ``checkpoint.save.write_save`` uses): every rank sends an empty plan;
 - ``.metadata MB``: the pickled ``Metadata`` with one storage entry per record (with our
-  ``lmf_record`` annotation), what rank 0 writes and a load reads.
+  ``lmf_record`` annotation), what rank 0 writes and a load reads;
+- the load's table: that file's bytes read from storage per load and its parse (plain
+  pickle, the allow-list reader) when every rank reads it, against rank 0 reading, checking
+  and cutting it once (``checkpoint.metadata_slices``) and each rank assembling the keys it
+  holds (its own local plan's keys), in CPU seconds.
 
     python -m benchmarks.bench_planning [--ranks 64 256 1024 2048 4096 8192] [--no-dcp]
+        [--no-load]
 """
 
 from __future__ import annotations
@@ -152,23 +157,24 @@ def _clear_caches() -> None:
         cache.clear()
 
 
-def first_plan(plans: list[SavePlan], ours: bool) -> tuple[list[SavePlan], Any, float]:
+def first_plan(plans: list[SavePlan], ours: bool) -> tuple[list[SavePlan], Any, float, float]:
     """The coordinator's first planning of ``plans`` through the planner a save uses
-    (``ours``) or DCP's default planner (plan caching on in both), timed whole."""
+    (``ours``) or DCP's default planner (plan caching on in both), timed whole: wall and
+    CPU seconds (the CPU time shows the work where other jobs share the cores)."""
     _clear_caches()
     planner = _torch.caching_save_planner("bench", global_save_plan if ours else None)
     gc.collect()
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     global_plan, metadata = planner.create_global_plan(plans)
-    return global_plan, metadata, time.perf_counter() - began
+    return global_plan, metadata, time.perf_counter() - began, time.process_time() - cpu
 
 
-def measure(world: int, dcp: bool) -> dict[str, Any]:
+def measure(world: int, dcp: bool, load: bool = True) -> dict[str, Any]:
     plans = local_plans(world)
     items = sum(len(p.items) for p in plans)
     gathered = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in plans)
-    dcp_s = first_plan(plans, ours=False)[2] if dcp else math.nan
-    global_plan, metadata, planned = first_plan(plans, ours=True)
+    dcp_s, dcp_cpu = first_plan(plans, ours=False)[2:] if dcp else (math.nan, math.nan)
+    global_plan, metadata, planned, planned_cpu = first_plan(plans, ours=True)
     scattered = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in global_plan)
     planner = _torch.caching_save_planner("bench", global_save_plan)
     for rank_plan in global_plan:  # every rank's finish_plan fills the caches
@@ -185,14 +191,16 @@ def measure(world: int, dcp: bool) -> dict[str, Any]:
     size = len(data)
     del global_plan, metadata, delta, planner, later
     gc.collect()
-    load = measure_load(data, plans)
-    return load | {
+    loaded = measure_load(data, plans) if load else {}
+    return loaded | {
         "ranks": world,
         "items": items,
         "plans_mb": gathered / 1e6,
         "scatter_mb": scattered / 1e6,
         "dcp_s": dcp_s,
+        "dcp_cpu": dcp_cpu,
         "plan_s": planned,
+        "plan_cpu": planned_cpu,
         "cached_s": cached,
         "cached_mb": (cached_gathered + cached_scattered) / 1e6,
         "metadata_mb": size / 1e6,
@@ -203,28 +211,28 @@ def measure_load(data: bytes, plans: list[SavePlan]) -> dict[str, Any]:
     """A load's metadata work: every rank parsing the whole ``.metadata`` (plain pickle and
     the allow-list reader), against rank 0 parsing and cutting it once and each rank
     assembling its part (the skeleton and its keys' slices; a few ranks sampled, the one
-    holding the most keys among them)."""
-    began = time.perf_counter()
+    holding the most keys among them); CPU seconds."""
+    began = time.process_time()
     pickle.loads(data)
-    plain = time.perf_counter() - began
+    plain = time.process_time() - began
     gc.collect()
     source = "bench/.metadata"
-    began = time.perf_counter()
-    slices = MetadataSlices.cut(load_dcp_metadata(data, source=source), source=source)
-    once = time.perf_counter() - began
+    began = time.process_time()
+    metadata = load_dcp_metadata(data, source=source)
+    allow_list = time.process_time() - began
+    slices = MetadataSlices.cut(metadata, source=source)
+    once = time.process_time() - began
+    del metadata
     gc.collect()
     world = len(plans)
     per_rank = []
     for rank in sorted({0, world // 3, world // 2, world - 1}):
         keys = {item.index.fqn for item in plans[rank].items}
-        began = time.perf_counter()
-        metadata = slices.skeleton_metadata(trust=False)
+        began = time.process_time()
+        assembled = slices.skeleton_metadata(trust=False)
         for key in keys:
-            slices.fill(metadata, key, trust=False)
-        per_rank.append(time.perf_counter() - began)
-    began = time.perf_counter()
-    load_dcp_metadata(data, source=source)
-    allow_list = time.perf_counter() - began
+            slices.fill(assembled, key, trust=False)
+        per_rank.append(time.process_time() - began)
     return {
         "plain_s": plain,
         "allow_list_s": allow_list,
@@ -240,17 +248,18 @@ def main() -> None:
     parser.add_argument(
         "--no-dcp", action="store_true", help="skip DCP's default planner (the slow reference)"
     )
+    parser.add_argument("--no-load", action="store_true", help="skip the load's table")
     args = parser.parse_args()
     print(
         "| ranks | records | plans gathered MB | plans scattered MB | first save: DCP s "
-        "| first save: ours s | DCP / ours | ours x per 2x ranks | later saves s "
-        "| cached MB moved | .metadata MB |"
+        "(CPU s) | first save: ours s (CPU s) | DCP / ours | ours x per 2x ranks "
+        "| later saves s | cached MB moved | .metadata MB |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     previous: tuple[int, float] | None = None
     rows = []
     for world in args.ranks:
-        r = measure(world, not args.no_dcp)
+        r = measure(world, not args.no_dcp, not args.no_load)
         rows.append(r)
         growth = "-"
         if previous is not None and world == 2 * previous[0]:
@@ -258,19 +267,20 @@ def main() -> None:
         previous = (world, r["plan_s"])
         print(
             f"| {r['ranks']} | {r['items']} | {r['plans_mb']:.1f} | {r['scatter_mb']:.1f} "
-            f"| {r['dcp_s']:.2f} | {r['plan_s']:.2f} | {r['dcp_s'] / r['plan_s']:.1f} "
+            f"| {r['dcp_s']:.2f} ({r['dcp_cpu']:.2f}) | {r['plan_s']:.2f} ({r['plan_cpu']:.2f}) "
+            f"| {r['dcp_s'] / r['plan_s']:.1f} "
             f"| {growth} | {r['cached_s']:.4f} | {r['cached_mb']:.2f} | {r['metadata_mb']:.1f} |",
             flush=True,
         )
         gc.collect()
     print(
         "\n| ranks | .metadata MB | before: read from storage per load GB | before: per-rank "
-        "parse s (plain pickle / allow-list) | after: read per load GB | after: rank 0 "
-        "parse + cut s | after: slices MB sent in round 1 | after: per-rank assembly s (max "
-        "of 4 ranks) |"
+        "parse CPU s (plain pickle / allow-list) | after: read per load GB | after: rank 0 "
+        "parse + cut CPU s | after: slices MB sent in round 1 | after: per-rank assembly CPU s "
+        "(max of 4 ranks) |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    for r in rows if not args.no_load else []:
         print(
             f"| {r['ranks']} | {r['metadata_mb']:.1f} | {r['ranks'] * r['metadata_mb'] / 1e3:.2f} "
             f"| {r['plain_s']:.2f} / {r['allow_list_s']:.2f} | {r['metadata_mb'] / 1e3:.3f} "
