@@ -1,4 +1,4 @@
-"""DCP's coordinator work per save at 64 to 8,192 ranks, from synthetic local plans.
+"""The coordinator's work per save at 64 to 8,192 ranks, from synthetic local plans.
 
 At thousands of ranks the save's planning (every rank's local plan gathered to the
 coordinator, deduplicated, turned into the global plan and ``.metadata``, and scattered
@@ -6,50 +6,38 @@ back) is what times out. This builds the local plans every rank of a 7B-paramete
 Llama-shaped model would send (Megatron-FSDP layout: each unit's parameters packed into one
 buffer split evenly across the ranks, so each rank holds row ranges of the few parameters
 its slice crosses; fp32 main weights plus Adam's ``exp_avg`` and ``exp_avg_sq``) and runs
-the coordinator's part of DCP's planner on them, in one process (no process group):
+the coordinator's part of the planning on them, in one process (no process group), whole
+at every size:
 
 - ``plans MB``: the local plans pickled, what the coordinator gathers;
-- ``plan s``: ``DefaultSavePlanner.create_global_plan`` on them (dedup, global plan,
-  metadata, validation), the first save of a run;
-- ``cached s`` / ``cached MB``: the same on a later save of the same layout with DCP's plan
-  caching (what ``checkpoint.save.write_save`` uses): every rank sends an empty plan;
+- ``first save``: ``create_global_plan`` on them (dedup, global plan, metadata,
+  validation) through DCP's default planner and through the planner a save uses
+  (``checkpoint.save_plan``), on the same plans, and their ratio;
+- ``later saves`` / ``cached MB``: the same on a later save of the same layout with DCP's
+  plan caching (what ``checkpoint.save.write_save`` uses): every rank sends an empty plan;
 - ``.metadata MB``: the pickled ``Metadata`` with one storage entry per record (with our
-  ``lmf_record`` annotation), what rank 0 writes and every loader reads.
+  ``lmf_record`` annotation), what rank 0 writes and a load reads;
+- the load's table: that file's bytes read from storage per load and its parse (plain
+  pickle, the allow-list reader) when every rank reads it, against rank 0 reading, checking
+  and cutting it once (``checkpoint.metadata_slices``) and each rank assembling the keys it
+  holds (its own local plan's keys), in CPU seconds.
 
-Above ``--measure-up-to`` ranks (default: every size asked for) the first save's planning
-is not run whole: DCP's validation compares every pair of row chunks of a wide tensor
-(quadratic in the chunks per tensor), which can take too long on a small machine. There
-dedup and the global plan are measured whole, the validation is measured on the keys outside
-the layers and on three layers (every layer unit has the same chunk geometry), the median
-layer scaled by the layer count; the row says "extrapolated" (an estimate only:
-benchmarks/RESULTS.md compares it with whole runs). The cached path and the
-``.metadata`` size are always measured. ``--check-extrapolation`` also runs the
-extrapolation on the measured rows, to compare.
-
-    python -m benchmarks.bench_planning [--ranks 64 256 1024 4096 8192] [--measure-up-to N]
+    python -m benchmarks.bench_planning [--ranks 64 256 1024 2048 4096 8192] [--no-dcp]
+        [--no-load]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import math
 import pickle
-import statistics
 import time
-from collections import ChainMap
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import (
-    _validate_global_plan,
-    create_default_global_save_plan,
-    dedup_save_plans,
-)
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
-    Metadata,
     MetadataIndex,
     TensorProperties,
 )
@@ -62,10 +50,12 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from lightning_megatron_fsdp import _torch
+from lightning_megatron_fsdp.checkpoint.metadata_slices import MetadataSlices
+from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_dcp_metadata
+from lightning_megatron_fsdp.checkpoint.save_plan import global_save_plan
 
 VOCAB, HIDDEN, FFN, LAYERS = 32000, 4096, 11008, 32
 STATES = ("", ".exp_avg", ".exp_avg_sq")
-SAMPLED_LAYERS = (0, LAYERS // 2, LAYERS - 1)  # every layer unit has the same chunk geometry
 
 
 def units() -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -135,54 +125,28 @@ def local_plans(world: int) -> list[SavePlan]:
     return plans
 
 
-def metadata_bytes(metadata: Any, global_plan: list[SavePlan]) -> int:
-    """The pickled ``.metadata``: one storage entry per record, each with our annotation."""
+def metadata_file(metadata: Any, global_plan: list[SavePlan]) -> bytes:
+    """The pickled ``.metadata``: one storage entry per record (a ``torch.save`` record of
+    the chunk: 512 header bytes, then its payload), each with our annotation."""
     storage = {}
     for rank, plan in enumerate(global_plan):
         offset = 0
         for item in plan.items:
-            info = _torch.storage_info(f"__{rank}_0.distcp", offset, 1 << 20)
-            info.lmf_record = {"crc32c": 0x12345678, "payload": [0, 512], "byteorder": "little"}
+            data = item.tensor_data
+            length = 512 + math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+            info = _torch.storage_info(f"__{rank}_0.distcp", offset, length)
+            info.lmf_record = {
+                "crc32c": 0x12345678,
+                "payload": [512, length],
+                "byteorder": "little",
+            }
             storage[item.index] = info
-            offset += 1 << 20
+            offset += length
     metadata.storage_data = storage
-    return len(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
+    return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def extrapolated_first_plan(
-    key: str, plans: list[SavePlan]
-) -> tuple[list[SavePlan], Metadata, float]:
-    """DCP's ``_create_global_plan`` step by step (dedup, global plan, merged mappings,
-    validation), with the validation timed on the keys outside the layers and on three
-    layers, the median layer scaled by ``LAYERS``; the caches filled as DCP's caching path does
-    after a successful plan. Returns the global plan, the metadata and the estimated
-    seconds."""
-    began = time.perf_counter()
-    global_plan, metadata = create_default_global_save_plan(dedup_save_plans(plans, False))
-    merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
-    metadata = dataclasses.replace(metadata, planner_data=merged)
-    built = time.perf_counter() - began
-    keys = metadata.state_dict_metadata
-    rest = {k: v for k, v in keys.items() if ".layers." not in k}
-    began = time.perf_counter()
-    errors = _validate_global_plan(global_plan, Metadata(state_dict_metadata=rest))
-    outside = time.perf_counter() - began
-    per_layer = []
-    for layer in SAMPLED_LAYERS:
-        sample = {k: v for k, v in keys.items() if f".layers.{layer}." in k}
-        began = time.perf_counter()
-        errors += _validate_global_plan(global_plan, Metadata(state_dict_metadata=sample))
-        per_layer.append(time.perf_counter() - began)
-    if errors:
-        raise AssertionError(f"the synthetic plan does not validate: {errors[:3]}")
-    SavePlanner._cached_all_plans[key] = plans
-    SavePlanner._cached_global_plan[key] = global_plan
-    SavePlanner._cached_metadata[key] = metadata
-    return global_plan, metadata, built + outside + LAYERS * statistics.median(per_layer)
-
-
-def measure(world: int, extrapolate: bool) -> dict[str, Any]:
-    key = f"bench:{world}:{extrapolate}"
+def _clear_caches() -> None:
     for cache in (
         SavePlanner._cached_save_plan,
         SavePlanner._cached_all_plans,
@@ -191,77 +155,137 @@ def measure(world: int, extrapolate: bool) -> dict[str, Any]:
         SavePlanner._cached_final_save_plan,
     ):
         cache.clear()
+
+
+def first_plan(plans: list[SavePlan], ours: bool) -> tuple[list[SavePlan], Any, float, float]:
+    """The coordinator's first planning of ``plans`` through the planner a save uses
+    (``ours``) or DCP's default planner (plan caching on in both), timed whole: wall and
+    CPU seconds (the CPU time shows the work where other jobs share the cores)."""
+    _clear_caches()
+    planner = _torch.caching_save_planner("bench", global_save_plan if ours else None)
+    gc.collect()
+    began, cpu = time.perf_counter(), time.process_time()
+    global_plan, metadata = planner.create_global_plan(plans)
+    return global_plan, metadata, time.perf_counter() - began, time.process_time() - cpu
+
+
+def measure(world: int, dcp: bool, load: bool = True) -> dict[str, Any]:
     plans = local_plans(world)
     items = sum(len(p.items) for p in plans)
     gathered = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in plans)
-    planner = _torch.caching_save_planner(key)
-    gc.collect()
-    if extrapolate:
-        global_plan, metadata, planned = extrapolated_first_plan(key, plans)
-    else:
-        began = time.perf_counter()
-        global_plan, metadata = planner.create_global_plan(plans)
-        planned = time.perf_counter() - began
+    dcp_s, dcp_cpu = first_plan(plans, ours=False)[2:] if dcp else (math.nan, math.nan)
+    global_plan, metadata, planned, planned_cpu = first_plan(plans, ours=True)
     scattered = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in global_plan)
+    planner = _torch.caching_save_planner("bench", global_save_plan)
     for rank_plan in global_plan:  # every rank's finish_plan fills the caches
         planner._pending_local_plan = rank_plan  # (each rank caches its own in DCP)
         planner.finish_plan(rank_plan)
     empty = [SavePlan([], usable=False) for _ in range(world)]
     cached_gathered = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in empty)
-    later = _torch.caching_save_planner(key)
+    later = _torch.caching_save_planner("bench", global_save_plan)
     began = time.perf_counter()
     delta, _ = later.create_global_plan(empty)
     cached = time.perf_counter() - began
     cached_scattered = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in delta)
-    size = metadata_bytes(metadata, global_plan)
-    return {
+    data = metadata_file(metadata, global_plan)
+    size = len(data)
+    del global_plan, metadata, delta, planner, later
+    gc.collect()
+    loaded = measure_load(data, plans) if load else {}
+    return loaded | {
         "ranks": world,
         "items": items,
         "plans_mb": gathered / 1e6,
         "scatter_mb": scattered / 1e6,
+        "dcp_s": dcp_s,
+        "dcp_cpu": dcp_cpu,
         "plan_s": planned,
-        "extrapolated": extrapolate,
+        "plan_cpu": planned_cpu,
         "cached_s": cached,
         "cached_mb": (cached_gathered + cached_scattered) / 1e6,
         "metadata_mb": size / 1e6,
     }
 
 
+def measure_load(data: bytes, plans: list[SavePlan]) -> dict[str, Any]:
+    """A load's metadata work: every rank parsing the whole ``.metadata`` (plain pickle and
+    the allow-list reader), against rank 0 parsing and cutting it once and each rank
+    assembling its part (the skeleton and its keys' slices; a few ranks sampled, the one
+    holding the most keys among them); CPU seconds."""
+    began = time.process_time()
+    pickle.loads(data)
+    plain = time.process_time() - began
+    gc.collect()
+    source = "bench/.metadata"
+    began = time.process_time()
+    metadata = load_dcp_metadata(data, source=source)
+    allow_list = time.process_time() - began
+    slices = MetadataSlices.cut(metadata, source=source)
+    once = time.process_time() - began
+    del metadata
+    gc.collect()
+    world = len(plans)
+    per_rank = []
+    for rank in sorted({0, world // 3, world // 2, world - 1}):
+        keys = {item.index.fqn for item in plans[rank].items}
+        began = time.process_time()
+        assembled = slices.skeleton_metadata(trust=False)
+        for key in keys:
+            slices.fill(assembled, key, trust=False)
+        per_rank.append(time.process_time() - began)
+    return {
+        "plain_s": plain,
+        "allow_list_s": allow_list,
+        "once_s": once,
+        "slices_mb": (len(slices.skeleton) + sum(map(len, slices.keys.values()))) / 1e6,
+        "rank_s": max(per_rank),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096, 8192])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 2048, 4096, 8192])
     parser.add_argument(
-        "--measure-up-to",
-        type=int,
-        default=None,
-        help="run the first save's planning whole up to this many ranks (default: all); "
-        "extrapolate above",
+        "--no-dcp", action="store_true", help="skip DCP's default planner (the slow reference)"
     )
-    parser.add_argument(
-        "--check-extrapolation",
-        action="store_true",
-        help="also extrapolate the measured rows (to compare the estimate with the run)",
-    )
+    parser.add_argument("--no-load", action="store_true", help="skip the load's table")
     args = parser.parse_args()
     print(
-        "| ranks | records | plans gathered MB | plans scattered MB | plan s (first save) "
-        "| cached s (later saves) | cached MB moved | .metadata MB |"
+        "| ranks | records | plans gathered MB | plans scattered MB | first save: DCP s "
+        "(CPU s) | first save: ours s (CPU s) | DCP / ours | ours x per 2x ranks "
+        "| later saves s | cached MB moved | .metadata MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    previous: tuple[int, float] | None = None
+    rows = []
+    for world in args.ranks:
+        r = measure(world, not args.no_dcp, not args.no_load)
+        rows.append(r)
+        growth = "-"
+        if previous is not None and world == 2 * previous[0]:
+            growth = f"{r['plan_s'] / previous[1]:.2f}"
+        previous = (world, r["plan_s"])
+        print(
+            f"| {r['ranks']} | {r['items']} | {r['plans_mb']:.1f} | {r['scatter_mb']:.1f} "
+            f"| {r['dcp_s']:.2f} ({r['dcp_cpu']:.2f}) | {r['plan_s']:.2f} ({r['plan_cpu']:.2f}) "
+            f"| {r['dcp_s'] / r['plan_s']:.1f} "
+            f"| {growth} | {r['cached_s']:.4f} | {r['cached_mb']:.2f} | {r['metadata_mb']:.1f} |",
+            flush=True,
+        )
+        gc.collect()
+    print(
+        "\n| ranks | .metadata MB | before: read from storage per load GB | before: per-rank "
+        "parse CPU s (plain pickle / allow-list) | after: read per load GB | after: rank 0 "
+        "parse + cut CPU s | after: slices MB sent in round 1 | after: per-rank assembly CPU s "
+        "(max of 4 ranks) |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for world in args.ranks:
-        modes = [args.measure_up_to is not None and world > args.measure_up_to]
-        if args.check_extrapolation and not modes[0]:
-            modes.append(True)
-        for extrapolate in modes:
-            r = measure(world, extrapolate)
-            how = "extrapolated" if extrapolate else "measured"
-            print(
-                f"| {r['ranks']} | {r['items']} | {r['plans_mb']:.1f} | {r['scatter_mb']:.1f} "
-                f"| {r['plan_s']:.2f} ({how}) | {r['cached_s']:.4f} | {r['cached_mb']:.2f} "
-                f"| {r['metadata_mb']:.1f} |",
-                flush=True,
-            )
-            gc.collect()
+    for r in rows if not args.no_load else []:
+        print(
+            f"| {r['ranks']} | {r['metadata_mb']:.1f} | {r['ranks'] * r['metadata_mb'] / 1e3:.2f} "
+            f"| {r['plain_s']:.2f} / {r['allow_list_s']:.2f} | {r['metadata_mb'] / 1e3:.3f} "
+            f"| {r['once_s']:.2f} | {r['slices_mb']:.1f} | {r['rank_s']:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import filesystem as _filesystem
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import SerializationFormat
-from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
@@ -32,6 +33,7 @@ from typing_extensions import override
 __all__ = [
     "CHECKPOINTABLE_TENSOR_PROTOCOL",
     "SYNC_WITHOUT_FD_CALLS_OS_SYNC",
+    "GlobalSavePlanning",
     "OwnWriteLoopWriter",
     "caching_save_planner",
     "checkpoint_offset",
@@ -163,15 +165,38 @@ def fake_tensor_mode() -> Any:
 # ------------------------------------------------------------------------ DCP planning
 
 
-def caching_save_planner(key: str) -> Any:
+GlobalSavePlanning = Callable[..., "tuple[list[SavePlan], Any]"]
+"""A coordinator's save planning: ``(all_plans, *, merge_planner_data, to_lowest_rank)`` to
+the global plan and metadata, as DCP's default planner gives them."""
+
+
+class _CachingSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner whose coordinator step ``global_planning`` replaces."""
+
+    global_planning: GlobalSavePlanning | None = None
+
+    @override
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Any]:
+        if self.global_planning is None:
+            return super()._create_global_plan(all_plans)
+        return self.global_planning(
+            all_plans,
+            merge_planner_data=self.flatten_state_dict,
+            to_lowest_rank=self.dedup_save_to_lowest_rank,
+        )
+
+
+def caching_save_planner(key: str, global_plan: GlobalSavePlanning | None = None) -> Any:
     """DCP's default save planner with its plan caching on, under ``key``: a save whose
     local plans equal the last successful save's under the same key sends empty plans, and
     the coordinator reuses its global plan and metadata instead of planning again. ``key``
-    must name the layout (DCP's own key is the planner's class name, one for the process)."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    must name the layout (DCP's own key is the planner's class name, one for the process).
 
-    planner = DefaultSavePlanner(enable_plan_caching=True)
+    ``global_plan`` replaces DCP's coordinator step (dedup, global plan, metadata,
+    validation) where a save is planned afresh; it must return what that step would."""
+    planner = _CachingSavePlanner(enable_plan_caching=True)
     planner._cached_plans_key = key
+    planner.global_planning = global_plan
     return planner
 
 

@@ -27,7 +27,10 @@ from lightning_megatron_fsdp import MegatronFSDPStrategy
 from lightning_megatron_fsdp.checkpoint import commit
 from lightning_megatron_fsdp.checkpoint.format import Manifest
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
+from lightning_megatron_fsdp.checkpoint.storage import (
+    ChecksummingFileSystemWriter,
+    VerifyingFileSystemReader,
+)
 from lightning_megatron_fsdp.strategies.exact_resume import RNG_STATES_KEY
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock
@@ -104,7 +107,13 @@ class CountingStrategy(MegatronFSDPStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.counted: dict[str, list[Any]] = {"save": [], "load": [], "parsed": [], "recovered": []}
+        self.counted: dict[str, list[Any]] = {
+            "save": [],
+            "load": [],
+            "parsed": [],
+            "recovered": [],
+            "metadata_read": [],
+        }
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         with our_rounds() as rounds:
@@ -116,8 +125,10 @@ class CountingStrategy(MegatronFSDPStrategy):
             our_rounds() as rounds,
             calls_to(Manifest, "from_json") as parsed,
             calls_to(commit, "recover_checkpoint") as recovered,
+            calls_to(VerifyingFileSystemReader, "_read_metadata_file") as metadata_read,
         ):
             result = super().load_checkpoint(*args, **kwargs)
+        self.counted["metadata_read"].append(metadata_read[0])
         self.counted["load"].append(rounds)
         self.counted["parsed"].append(parsed[0])
         self.counted["recovered"].append(recovered[0])
@@ -134,7 +145,7 @@ def _fit_save_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
     trainer = make_trainer(world_size, strategy=second, max_steps=3, enable_checkpointing=False)
     trainer.fit(CheckpointedLM(), token_loader(world_size), ckpt_path=str(path))
     return {"save": first.counted["save"]} | {
-        key: second.counted[key] for key in ("load", "parsed", "recovered")
+        key: second.counted[key] for key in ("load", "parsed", "recovered", "metadata_read")
     }
 
 
@@ -153,6 +164,8 @@ def test_a_save_and_a_load_take_at_most_three_rounds_of_ours(tmp_path: Path) -> 
         # Rank 0 parses the manifest once and runs crash recovery once, for every rank.
         assert result["parsed"] == [1 if rank == 0 else 0], result["parsed"]
         assert result["recovered"] == [1 if rank == 0 else 0], result["recovered"]
+        # ... and reads and unpickles .metadata once, in the first round (metadata_slices).
+        assert result["metadata_read"] == [1 if rank == 0 else 0], result["metadata_read"]
 
 
 class _PlanRecordingWriter(ChecksummingFileSystemWriter):

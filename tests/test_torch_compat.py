@@ -193,6 +193,18 @@ def test_caching_save_planner() -> None:
     assert source.count("self._cached_plans_key") >= 3 and planner._cached_plans_key == "our key", (
         _broken(shim, "DefaultSavePlanner no longer keys its plan caches by _cached_plans_key")
     )
+    # The coordinator's step is the method both of DCP's paths (cached or not) call.
+    calls = [
+        inspect.getsource(getattr(DefaultSavePlanner, name))
+        for name in ("create_global_plan", "_create_global_plan_with_caching")
+    ]
+    assert "self._create_global_plan(" in calls[1] and "_create_global_plan" in calls[0], _broken(
+        shim, "DefaultSavePlanner no longer plans globally in _create_global_plan"
+    )
+    seen = []
+    ours = _torch.caching_save_planner("hooked", lambda plans, **kw: seen.append(kw) or ([], 0))
+    assert ours.create_global_plan([]) == ([], 0)
+    assert seen == [{"merge_planner_data": True, "to_lowest_rank": False}]
 
 
 def test_storage_info_and_metadata_path(tmp_path: Path) -> None:
@@ -421,6 +433,7 @@ def test_this_module_covers_every_private_name_of_the_adapter() -> None:
         "_loader",
         "_sync_without_fd_calls_os_sync",
         "_cached_plans_key",
+        "_create_global_plan",
         "_MEM_FORMAT_ENCODING",
         "_get_layout",
         "_create_write_items",

@@ -466,7 +466,8 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         self.store.location(path)  # a URL whose filesystem is missing fails on every rank
         ranks = Ranks.of(self.process_group)
         options = self.load_options
-        opened = open_checkpoint(path, ranks, options.store)
+        # Without targets nothing reads .metadata: rank 0 need not either.
+        opened = open_checkpoint(path, ranks, options.store, options if state is not None else None)
         return read_checkpoint(
             opened,
             state,

@@ -55,6 +55,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
     model_fingerprint,
     optimizer_fingerprint,
 )
+from lightning_megatron_fsdp.checkpoint.metadata_slices import MetadataSlices, SlicedLoadPlanner
 from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
 from lightning_megatron_fsdp.checkpoint.storage import ReadProgress, VerifyingFileSystemReader
 from lightning_megatron_fsdp.megatron import _megatron
@@ -123,19 +124,29 @@ class OpenedCheckpoint:
         manifest: The parsed manifest, or ``None``.
         problem: Why there is no manifest (a :class:`NotACheckpointError` text).
         foreign: A ``ModelParallelStrategy`` (FSDP2) DCP directory.
+        slices: ``.metadata`` as rank 0 read and checked it, cut by key; ``None`` where
+            each rank's reader reads it (a reader of the user's, or none to read).
+        metadata_error: Why rank 0 could not read ``.metadata``.
     """
 
     path: Any
     manifest: Manifest | None
     problem: str | None
     foreign: bool
+    slices: MetadataSlices | None = None
+    metadata_error: CheckpointError | None = None
 
 
 def open_checkpoint(
-    path: str | os.PathLike[str], ranks: Ranks, store: CheckpointStore
+    path: str | os.PathLike[str],
+    ranks: Ranks,
+    store: CheckpointStore,
+    options: LoadOptions | None = None,
 ) -> OpenedCheckpoint:
-    """Round 1: rank 0 repairs what a crashed commit left, parses the manifest (once, for
-    every rank) and recognises a foreign directory; every rank gets its findings.
+    """Round 1: rank 0 repairs what a crashed commit left, parses the manifest and, given
+    ``options``, ``.metadata`` (each once, for every rank; ``.metadata`` cut by key, see
+    ``checkpoint.metadata_slices``) and recognises a foreign directory; every rank gets its
+    findings.
 
     Raises:
         CheckpointError: If a peer was lost.
@@ -154,7 +165,17 @@ def open_checkpoint(
             problem = f"{path}: {describe(err)}"
         if isinstance(final, Path):
             foreign = manifest is None and _is_foreign_lightning_dcp(final)
-        found = OpenedCheckpoint(final if final is not None else path, manifest, problem, foreign)
+        slices, metadata_error = None, None
+        if manifest is not None and options is not None:
+            slices, metadata_error = _read_metadata_once(final, manifest, options)
+        found = OpenedCheckpoint(
+            final if final is not None else path,
+            manifest,
+            problem,
+            foreign,
+            slices,
+            metadata_error,
+        )
     try:
         opened = ranks.broadcast_from_first(found)
     except PeerLostError as err:
@@ -164,6 +185,24 @@ def open_checkpoint(
         ) from err
     assert isinstance(opened, OpenedCheckpoint)
     return opened
+
+
+def _read_metadata_once(
+    final: Any, manifest: Manifest, options: LoadOptions
+) -> tuple[MetadataSlices | None, CheckpointError | None]:
+    """Rank 0's ``.metadata`` through the load's reader (its digest checked against
+    ``manifest``), cut by key; ``(None, None)`` for a reader of the user's."""
+    try:
+        reader = options.reader(final)
+        if not isinstance(reader, VerifyingFileSystemReader):
+            return None, None
+        reader.expect(manifest, verify=options.verify_checksums)
+        metadata = reader.read_metadata()
+        return MetadataSlices.cut(metadata, source=f"{final}/{DCP_METADATA_FILE}"), None
+    except CheckpointError as err:
+        return None, err
+    except Exception as err:
+        return None, CheckpointError(f"reading {DCP_METADATA_FILE}: {describe(err)}")
 
 
 def read_checkpoint(
@@ -216,6 +255,13 @@ def read_checkpoint(
             reader = options.reader(final)
         except Exception as err:
             problems.append(Problem(CheckpointError, describe(err)))
+        if (failed := opened.metadata_error) is not None:
+            problems.append(Problem(type(failed), str(failed)))
+        elif opened.slices is not None and isinstance(reader, VerifyingFileSystemReader):
+            try:
+                reader.use_metadata(opened.slices.skeleton_metadata(trust=options.trust_checkpoint))
+            except CheckpointError as err:
+                problems.append(Problem(CheckpointCorruptedError, str(err)))
         if reader is not None:
             problems, meta = _validate(
                 final,
@@ -247,7 +293,13 @@ def read_checkpoint(
             dcp.load(
                 view,
                 storage_reader=reader,
-                planner=DefaultLoadPlanner(allow_partial_load=not strict),
+                planner=(
+                    SlicedLoadPlanner(
+                        opened.slices, trust=options.trust_checkpoint, allow_partial_load=not strict
+                    )
+                    if opened.slices is not None and isinstance(reader, VerifyingFileSystemReader)
+                    else DefaultLoadPlanner(allow_partial_load=not strict)
+                ),
                 process_group=ranks.group,
             )
         except (CheckpointException, Exception) as err:
@@ -534,7 +586,7 @@ def load_into_sharded_model(
         from lightning_megatron_fsdp.checkpoint.commit import LocalDirectories
 
         store = LocalDirectories()
-    opened = open_checkpoint(path, ranks, store)
+    opened = open_checkpoint(path, ranks, store, options)
     if opened.foreign:
         load_full_weights(model, opened.path, optimizers=optimizers, strict=strict)
         meta = load_weights_only(

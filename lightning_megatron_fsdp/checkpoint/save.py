@@ -54,6 +54,7 @@ from lightning_megatron_fsdp.checkpoint.format import (
     optimizer_fingerprint,
     package_versions,
 )
+from lightning_megatron_fsdp.checkpoint.save_plan import global_save_plan
 from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
 from lightning_megatron_fsdp.megatron.checkpointable_chunks import dcp_view
 
@@ -325,7 +326,9 @@ def write_save(pending: PendingSave, ranks: Ranks) -> Metadata:
         return dcp.save(
             dcp_view(pending.tensors),
             storage_writer=pending.writer,
-            planner=_torch.caching_save_planner(pending.plan_key or "lightning_megatron_fsdp"),
+            planner=_torch.caching_save_planner(
+                pending.plan_key or "lightning_megatron_fsdp", global_save_plan
+            ),
             process_group=ranks.group,
         )
     except (CheckpointException, Exception) as err:

@@ -532,6 +532,11 @@ class VerifyingFileSystemReader(FileSystemReader):
         self._manifest: Manifest | None = None
         self._manifest_read = False
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]] = {}
+        self._given: Metadata | None = None
+
+    def use_metadata(self, metadata: Metadata) -> None:
+        """Hand DCP ``metadata`` (checked already) instead of reading ``.metadata``."""
+        self._given = metadata
 
     def expect(self, manifest: Manifest, *, verify: bool) -> None:
         """Verify against ``manifest`` (already read and validated), or not at all."""
@@ -585,7 +590,17 @@ class VerifyingFileSystemReader(FileSystemReader):
 
     @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        name = Path(_torch.metadata_path(self, kwargs.get("rank"))).name
+        metadata = self._given
+        if metadata is None:
+            metadata = self._read_metadata_file(kwargs.get("rank"))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _read_metadata_file(self, rank: int | None) -> Metadata:
+        """``.metadata``, its digest checked, through the allow-list reader."""
+        name = Path(_torch.metadata_path(self, rank)).name
         try:
             data = self._read_whole(name)
         except OSError as err:
@@ -600,13 +615,9 @@ class VerifyingFileSystemReader(FileSystemReader):
                     f"{algorithm} {found} on disk, {digest} in the manifest (the file changed "
                     "after it was written)",
                 )
-        metadata = load_dcp_metadata(
+        return load_dcp_metadata(
             data, source=str(Path(self.path) / name), trust=self.trust_checkpoint
         )
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
     @override
     def set_up_storage_reader(
