@@ -574,10 +574,11 @@ def _peek(io: CheckpointIO, path: str, weights_only: bool | None) -> Any:
             )
         meta = load_weights_only(data, source=META_FILE, trust=trust)
     except Exception as err:
-        kind = type(err) if isinstance(err, CheckpointError) else CheckpointError
-        return kind(
+        # Our errors keep their whole text: it names the file and the fix (the trust hint).
+        ours = isinstance(err, CheckpointError)
+        return (type(err) if ours else CheckpointError)(
             f"{_STRATEGY}: reading the optimizer keys saved in checkpoint {path} failed: "
-            f"{describe(err)}"
+            f"{err if ours else describe(err)}"
         )
     keys = {FABRIC_KEYS: meta.get(FABRIC_KEYS)} if isinstance(meta, dict) else {}
     return keys, len(manifest.optimizer_fingerprints)
