@@ -9,7 +9,6 @@ with the Trainer and with Fabric.
 import importlib
 import os
 import sys
-import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -128,14 +127,13 @@ def _import_ignoring(module: str, message: str) -> None:
     ``warnings.catch_warnings`` was rejected: on exit it also drops the filters the import
     itself installs (torch's and sympy's, for modules they import lazily).
     """
-    warnings.filterwarnings("ignore", message=message, category=UserWarning, module=module)
-    ignored = warnings.filters[0]  # filterwarnings moves an equal filter to the front
-    existed = warnings.filters.count(ignored) > 1
+    from lightning_megatron_fsdp.known_warnings import ignore, stop_ignoring
+
+    added = ignore(message, UserWarning, module)
     try:
         importlib.import_module(module)
     finally:
-        if not existed:
-            warnings.filters.remove(ignored)
+        stop_ignoring(added)
 
 
 def __dir__() -> list[str]:

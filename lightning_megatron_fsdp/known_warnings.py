@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 
-__all__ = ["KNOWN_WARNINGS", "ignore_known_warnings", "stop_ignoring"]
+__all__ = ["KNOWN_WARNINGS", "ignore", "ignore_known_warnings", "stop_ignoring"]
 
 KNOWN_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
     # megatron-fsdp's sharded parameters all-gather and reduce-scatter through torch's
@@ -53,13 +53,18 @@ def ignore_known_warnings() -> list[tuple[object, ...]]:
     Returns:
         The filters added (those not already present), for :func:`stop_ignoring`.
     """
-    added = []
-    for message, category, module in KNOWN_WARNINGS:
-        present = set(warnings.filters)
-        warnings.filterwarnings("ignore", message=message, category=category, module=module)
-        if warnings.filters[0] not in present:
-            added.append(warnings.filters[0])
-    return added
+    return [entry for known in KNOWN_WARNINGS for entry in ignore(*known)]
+
+
+def ignore(message: str, category: type[Warning], module: str) -> list[tuple[object, ...]]:
+    """Add one ``ignore`` filter.
+
+    Returns:
+        The filter, if it was not already present (else nothing), for :func:`stop_ignoring`.
+    """
+    present = set(warnings.filters)
+    warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    return [] if warnings.filters[0] in present else [warnings.filters[0]]
 
 
 def stop_ignoring(added: list[tuple[object, ...]]) -> None:
