@@ -51,8 +51,8 @@ from torch.distributed.checkpoint.planner import (
 
 from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.checkpoint.metadata_slices import MetadataSlices
-from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_dcp_metadata
 from lightning_megatron_fsdp.checkpoint.save_plan import global_save_plan
+from lightning_megatron_fsdp.storage.safe_unpickling import load_dcp_metadata
 
 VOCAB, HIDDEN, FFN, LAYERS = 32000, 4096, 11008, 32
 STATES = ("", ".exp_avg", ".exp_avg_sq")

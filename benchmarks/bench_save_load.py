@@ -85,7 +85,7 @@ from lightning_megatron_fsdp.megatron import _megatron
 from lightning_megatron_fsdp.megatron._megatron import fully_shard_optimizer
 
 try:  # the default writer since issue 13; older checkouts write with torch's own
-    from lightning_megatron_fsdp.checkpoint.storage import (
+    from lightning_megatron_fsdp.storage.filesystem import (
         ChecksummingFileSystemWriter as _DefaultWriter,
     )
 except ImportError:  # pragma: no cover - only when benchmarking an older checkout

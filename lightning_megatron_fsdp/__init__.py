@@ -12,54 +12,51 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_megatron_fsdp.checkpoint.commit import (
-        interrupted_saves,
-        resolve_latest_checkpoint,
+    from lightning_megatron_fsdp.checkpoint import MegatronFSDPCheckpointIO
+    from lightning_megatron_fsdp.common import (
+        MegatronFSDPPrecision,
+        clip_sharded_grad_norm_,
+        clip_sharded_grad_value_,
     )
-    from lightning_megatron_fsdp.checkpoint.errors import (
+    from lightning_megatron_fsdp.errors import (
         CheckpointCorruptedError,
         CheckpointError,
         CheckpointMismatchError,
         CheckpointSaveError,
         NotACheckpointError,
     )
-    from lightning_megatron_fsdp.checkpoint.format import is_complete_checkpoint, read_manifest
-    from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-    from lightning_megatron_fsdp.megatron.cpu_execution import (
-        cpu_execution_enabled,
-        enable_cpu_execution,
-    )
-    from lightning_megatron_fsdp.megatron.gather import full_tensor, grad_norm, sharded_grad_norm
-    from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
-    from lightning_megatron_fsdp.megatron.sharding import (
-        fsdp_placements,
-        hsdp_placements,
-        shard_module,
-        sharding_scope,
-    )
-    from lightning_megatron_fsdp.megatron.sharding_modes import ShardingMode
-    from lightning_megatron_fsdp.megatron.uneven_dtensor import (
+    from lightning_megatron_fsdp.megatron import (
+        ShardingMode,
         attach_uneven_dtensor_metadata,
         chunk_metadata_by_fqn,
+        cpu_execution_enabled,
+        enable_cpu_execution,
+        ensure_optimizer_state,
+        fsdp_placements,
+        full_tensor,
+        grad_norm,
+        hsdp_placements,
+        shard_module,
+        sharded_grad_norm,
+        sharding_scope,
     )
-    from lightning_megatron_fsdp.strategies.precision import (
-        MegatronFSDPPrecision,
-        clip_sharded_grad_norm_,
-        clip_sharded_grad_value_,
+    from lightning_megatron_fsdp.storage import (
+        interrupted_saves,
+        is_complete_checkpoint,
+        read_manifest,
+        resolve_latest_checkpoint,
     )
-    from lightning_megatron_fsdp.strategies.strategy import MegatronFSDPStrategy
-    from lightning_megatron_fsdp.tools.export import consolidate_checkpoint
-    from lightning_megatron_fsdp.tools.inspection import (
+    from lightning_megatron_fsdp.strategies import MegatronFSDPStrategy
+    from lightning_megatron_fsdp.tools import (
         CheckpointInfo,
         TensorInfo,
+        consolidate_checkpoint,
+        export_lightning_checkpoint,
         inspect_checkpoint,
+        load_lightning_module,
         verify_checkpoint,
     )
-    from lightning_megatron_fsdp.tools.lightning_checkpoint import (
-        export_lightning_checkpoint,
-        load_lightning_module,
-    )
-    from lightning_megatron_fsdp.weights.pretrained import (
+    from lightning_megatron_fsdp.weights import (
         FullWeightsLoad,
         PretrainedWeights,
         load_full_weights,
@@ -68,43 +65,43 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "CheckpointCorruptedError": "checkpoint.errors",
-    "CheckpointError": "checkpoint.errors",
-    "CheckpointInfo": "tools.inspection",
-    "CheckpointMismatchError": "checkpoint.errors",
-    "CheckpointSaveError": "checkpoint.errors",
-    "FullWeightsLoad": "weights.pretrained",
-    "MegatronFSDPCheckpointIO": "checkpoint.io",
-    "MegatronFSDPPrecision": "strategies.precision",
-    "MegatronFSDPStrategy": "strategies.strategy",
-    "NotACheckpointError": "checkpoint.errors",
-    "PretrainedWeights": "weights.pretrained",
-    "ShardingMode": "megatron.sharding_modes",
-    "TensorInfo": "tools.inspection",
-    "attach_uneven_dtensor_metadata": "megatron.uneven_dtensor",
-    "chunk_metadata_by_fqn": "megatron.uneven_dtensor",
-    "clip_sharded_grad_norm_": "strategies.precision",
-    "clip_sharded_grad_value_": "strategies.precision",
-    "consolidate_checkpoint": "tools.export",
-    "cpu_execution_enabled": "megatron.cpu_execution",
-    "enable_cpu_execution": "megatron.cpu_execution",
-    "ensure_optimizer_state": "megatron.optimizer_state",
-    "export_lightning_checkpoint": "tools.lightning_checkpoint",
-    "fsdp_placements": "megatron.sharding",
-    "full_tensor": "megatron.gather",
-    "grad_norm": "megatron.gather",
-    "hsdp_placements": "megatron.sharding",
-    "inspect_checkpoint": "tools.inspection",
-    "interrupted_saves": "checkpoint.commit",
-    "is_complete_checkpoint": "checkpoint.format",
-    "load_full_weights": "weights.pretrained",
-    "load_lightning_module": "tools.lightning_checkpoint",
-    "read_manifest": "checkpoint.format",
-    "resolve_latest_checkpoint": "checkpoint.commit",
-    "shard_module": "megatron.sharding",
-    "sharded_grad_norm": "megatron.gather",
-    "sharding_scope": "megatron.sharding",
-    "verify_checkpoint": "tools.inspection",
+    "CheckpointCorruptedError": "errors",
+    "CheckpointError": "errors",
+    "CheckpointInfo": "tools",
+    "CheckpointMismatchError": "errors",
+    "CheckpointSaveError": "errors",
+    "FullWeightsLoad": "weights",
+    "MegatronFSDPCheckpointIO": "checkpoint",
+    "MegatronFSDPPrecision": "common",
+    "MegatronFSDPStrategy": "strategies",
+    "NotACheckpointError": "errors",
+    "PretrainedWeights": "weights",
+    "ShardingMode": "megatron",
+    "TensorInfo": "tools",
+    "attach_uneven_dtensor_metadata": "megatron",
+    "chunk_metadata_by_fqn": "megatron",
+    "clip_sharded_grad_norm_": "common",
+    "clip_sharded_grad_value_": "common",
+    "consolidate_checkpoint": "tools",
+    "cpu_execution_enabled": "megatron",
+    "enable_cpu_execution": "megatron",
+    "ensure_optimizer_state": "megatron",
+    "export_lightning_checkpoint": "tools",
+    "fsdp_placements": "megatron",
+    "full_tensor": "megatron",
+    "grad_norm": "megatron",
+    "hsdp_placements": "megatron",
+    "inspect_checkpoint": "tools",
+    "interrupted_saves": "storage",
+    "is_complete_checkpoint": "storage",
+    "load_full_weights": "weights",
+    "load_lightning_module": "tools",
+    "read_manifest": "storage",
+    "resolve_latest_checkpoint": "storage",
+    "shard_module": "megatron",
+    "sharded_grad_norm": "megatron",
+    "sharding_scope": "megatron",
+    "verify_checkpoint": "tools",
 }
 
 CONSOLE_SCRIPT = "lightning-megatron-fsdp"

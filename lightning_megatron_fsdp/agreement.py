@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
 
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
+from lightning_megatron_fsdp.errors import CheckpointError
 
 __all__ = [
     "Outcomes",

@@ -14,7 +14,7 @@ import json
 import pickle
 from pathlib import Path
 
-from lightning_megatron_fsdp.checkpoint.storage import RECORD_ATTR
+from lightning_megatron_fsdp.storage.filesystem import RECORD_ATTR
 
 __all__ = ["downgrade_to_format_1"]
 

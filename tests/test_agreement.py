@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from lightning_megatron_fsdp.agreement import Outcomes, Problem, Ranks
-from lightning_megatron_fsdp.checkpoint.errors import (
+from lightning_megatron_fsdp.errors import (
     CheckpointCorruptedError,
     CheckpointError,
     CheckpointMismatchError,

@@ -49,15 +49,17 @@ from lightning_megatron_fsdp import (
     shard_module,
     sharding_scope,
 )
-from lightning_megatron_fsdp.checkpoint.commit import resolve_latest_checkpoint
-from lightning_megatron_fsdp.checkpoint.errors import (
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.errors import (
     CheckpointCorruptedError,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointSaveError,
     NotACheckpointError,
 )
-from lightning_megatron_fsdp.checkpoint.format import (
+from lightning_megatron_fsdp.storage.commit import resolve_latest_checkpoint
+from lightning_megatron_fsdp.storage.filesystem import RECORD_ATTR, VerifyingFileSystemReader
+from lightning_megatron_fsdp.storage.format import (
     ASIDE,
     MANIFEST_FILE,
     STAGING,
@@ -70,8 +72,6 @@ from lightning_megatron_fsdp.checkpoint.format import (
     parse_hidden_name,
     read_manifest,
 )
-from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.checkpoint.storage import RECORD_ATTR, VerifyingFileSystemReader
 from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import run_distributed
 from tests.legacy_format import downgrade_to_format_1

@@ -24,14 +24,14 @@ from lightning.fabric.plugins import CheckpointIO
 from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
-from lightning_megatron_fsdp.checkpoint import commit
-from lightning_megatron_fsdp.checkpoint.format import Manifest
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.checkpoint.storage import (
+from lightning_megatron_fsdp.common.exact_resume import RNG_STATES_KEY
+from lightning_megatron_fsdp.storage import commit
+from lightning_megatron_fsdp.storage.filesystem import (
     ChecksummingFileSystemWriter,
     VerifyingFileSystemReader,
 )
-from lightning_megatron_fsdp.strategies.exact_resume import RNG_STATES_KEY
+from lightning_megatron_fsdp.storage.format import Manifest
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock
 from tests.scripts.fault_injection import checkpoint_dict, init_group, live_state, step, trained

@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_megatron_fsdp.checkpoint import commit
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointSaveError
-from lightning_megatron_fsdp.checkpoint.format import MANIFEST_FILE, META_FILE, read_manifest
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
+from lightning_megatron_fsdp.errors import CheckpointSaveError
+from lightning_megatron_fsdp.storage import commit
+from lightning_megatron_fsdp.storage.filesystem import ChecksummingFileSystemWriter
+from lightning_megatron_fsdp.storage.format import MANIFEST_FILE, META_FILE, read_manifest
 
 
 def _state() -> dict[str, Any]:

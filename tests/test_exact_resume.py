@@ -36,8 +36,8 @@ from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
-from lightning_megatron_fsdp.checkpoint.format import META_FILE
-from lightning_megatron_fsdp.strategies.exact_resume import RNG_STATES_KEY
+from lightning_megatron_fsdp.common.exact_resume import RNG_STATES_KEY
+from lightning_megatron_fsdp.storage.format import META_FILE
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import VOCAB, PackedBlock, build_packed_lm, make_batch
 
@@ -229,7 +229,7 @@ def _save_two_rank_checkpoint(rank: int, world_size: int, root: str) -> None:
 def test_a_checkpoint_without_random_states_names_this_runs_streams() -> None:
     """Another strategy's checkpoint (no random states): the warning names the streams this
     CPU process has, and no CUDA stream."""
-    from lightning_megatron_fsdp.strategies.exact_resume import ExactResume
+    from lightning_megatron_fsdp.common.exact_resume import ExactResume
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

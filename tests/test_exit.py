@@ -17,7 +17,7 @@ launches N runs without the zygote, each rank ``python script.py``, as a diagnos
 The same harness reproduces the cause without the strategy's exit hook, in every run, so
 it can see an abort: gloo's worker thread needing the GIL (to free a finished collective's
 tensors, or here to run a collective's Python callback) once the interpreter finalises
-(pytorch/pytorch#190489; :mod:`lightning_megatron_fsdp.strategies.interpreter_exit`).
+(pytorch/pytorch#190489; :mod:`lightning_megatron_fsdp.common.interpreter_exit`).
 """
 
 from __future__ import annotations

@@ -51,9 +51,9 @@ from lightning_megatron_fsdp import (
     chunk_metadata_by_fqn,
     enable_cpu_execution,
 )
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
-from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.errors import CheckpointCorruptedError, NotACheckpointError
+from lightning_megatron_fsdp.storage.format import DCP_METADATA_FILE
 from lightning_megatron_fsdp.tools.cli import main
 from lightning_megatron_fsdp.tools.export import consolidate_checkpoint
 from lightning_megatron_fsdp.tools.inspection import inspect_checkpoint, verify_checkpoint

@@ -39,16 +39,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_megatron_fsdp.checkpoint.commit import resolve_latest_checkpoint
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
-from lightning_megatron_fsdp.checkpoint.format import (
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.errors import CheckpointError
+from lightning_megatron_fsdp.storage.commit import resolve_latest_checkpoint
+from lightning_megatron_fsdp.storage.format import (
     ASIDE,
     STAGING,
     is_complete_checkpoint,
     parse_hidden_name,
     read_manifest,
 )
-from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.tools.inspection import verify_checkpoint
 from tests.harness import run_distributed
 from tests.models import train_unsharded

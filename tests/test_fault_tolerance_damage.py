@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.errors import CheckpointError
 from lightning_megatron_fsdp.tools.cli import main as cli_main
 from lightning_megatron_fsdp.tools.inspection import verify_checkpoint
 from tests.harness import run_distributed

@@ -33,20 +33,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import lightning_megatron_fsdp.checkpoint.commit
 import lightning_megatron_fsdp.checkpoint.save
-from lightning_megatron_fsdp.checkpoint.errors import (
+import lightning_megatron_fsdp.storage.commit
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointSaveError,
 )
-from lightning_megatron_fsdp.checkpoint.format import (
+from lightning_megatron_fsdp.storage.format import (
     ASIDE,
     STAGING,
     parse_hidden_name,
     read_manifest,
 )
-from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.tools.inspection import verify_checkpoint
 from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import run_distributed
@@ -133,7 +133,7 @@ def test_every_phase_the_code_names_is_injected() -> None:
     from tests.test_fault_tolerance import CRASHES
 
     save = _named_phases(FaultyWriter, "self.fault.reached")
-    save |= _named_phases(lightning_megatron_fsdp.checkpoint.commit, "reach")
+    save |= _named_phases(lightning_megatron_fsdp.storage.commit, "reach")
     save |= _named_phases(lightning_megatron_fsdp.checkpoint.save, "reach")
     load = _named_phases(FaultyReader, "self.fault.reached")
     assert {"plan", "metadata", "commit:hashed", "commit:replaced"} <= save  # parsed
@@ -192,7 +192,7 @@ def _phase_faults(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # After the rename nothing may fail the save: the new checkpoint is committed, and
     # the previous one is left behind for the next save to delete.
     records = _Records()
-    logging.getLogger("lightning_megatron_fsdp.checkpoint.commit").addHandler(records)
+    logging.getLogger("lightning_megatron_fsdp.storage.commit").addHandler(records)
     for phase, failing, how in COMMITTED_FAULTS:
         replaced = base / f"replaced-{how}" / "last.ckpt"
         plugin.save_checkpoint(checkpoint_dict(model, adam, 2), replaced)

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron_fsdp import CheckpointError
-from lightning_megatron_fsdp.checkpoint.format import parse_hidden_name, read_manifest
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.storage.format import parse_hidden_name, read_manifest
 from lightning_megatron_fsdp.tools.inspection import verify_checkpoint
 from tests.harness import run_distributed
 from tests.scripts.fault_injection import (

@@ -34,8 +34,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_megatron_fsdp import CheckpointSaveError, MegatronFSDPStrategy
-from lightning_megatron_fsdp.checkpoint.format import parse_hidden_name, read_manifest
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.storage.format import parse_hidden_name, read_manifest
 from lightning_megatron_fsdp.tools.inspection import verify_checkpoint
 from tests.harness import run_distributed
 from tests.models import VOCAB, PackedBlock, build_packed_lm, lm_loss

@@ -26,9 +26,9 @@ import torch
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from lightning_megatron_fsdp.checkpoint import metadata_records
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError
-from lightning_megatron_fsdp.checkpoint.safe_unpickling import is_tensor_entry, load_dcp_metadata
+from lightning_megatron_fsdp.errors import CheckpointCorruptedError
+from lightning_megatron_fsdp.storage import metadata_records
+from lightning_megatron_fsdp.storage.safe_unpickling import is_tensor_entry, load_dcp_metadata
 from tests.test_untrusted_checkpoints import checkpoints  # noqa: F401 (the fixture)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

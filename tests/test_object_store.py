@@ -35,15 +35,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointError, NotACheckpointError
-from lightning_megatron_fsdp.checkpoint.format import MANIFEST_FILE
-from lightning_megatron_fsdp.checkpoint.fsspec_storage import (
+from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.errors import CheckpointError, NotACheckpointError
+from lightning_megatron_fsdp.storage.filesystem import ChecksummingFileSystemWriter
+from lightning_megatron_fsdp.storage.format import MANIFEST_FILE
+from lightning_megatron_fsdp.storage.fsspec_storage import (
     ChecksummingFsspecWriter,
     VerifyingFsspecReader,
 )
-from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.checkpoint.object_store import ObjectStore, StoreCheckpoint
-from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
+from lightning_megatron_fsdp.storage.object_store import ObjectStore, StoreCheckpoint
 from tests.ci import skip_or_fail
 from tests.harness import run_distributed
 from tests.object_store import SeaweedServer

@@ -32,11 +32,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
-from lightning_megatron_fsdp.checkpoint.format import MANIFEST_FILE
-from lightning_megatron_fsdp.checkpoint.fsspec_storage import ChecksummingFsspecWriter
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.checkpoint.object_store import ObjectStore, StoreCheckpoint
+from lightning_megatron_fsdp.errors import CheckpointError
+from lightning_megatron_fsdp.storage.format import MANIFEST_FILE
+from lightning_megatron_fsdp.storage.fsspec_storage import ChecksummingFsspecWriter
+from lightning_megatron_fsdp.storage.object_store import ObjectStore, StoreCheckpoint
 from tests.harness import run_distributed
 from tests.object_store import ACCESS_KEY, SECRET_KEY, SeaweedServer
 from tests.scripts.fault_injection import Fault, arm_commit_fault, die, init_group
@@ -165,7 +165,7 @@ def test_a_killed_save_leaves_the_newest_complete_checkpoint_and_the_next_save_c
 def test_every_commit_step_of_the_object_store_is_killed_here() -> None:
     """Each commit step the object store marks (``reach("...")``) has a scenario above; a
     new step without one fails this test."""
-    import lightning_megatron_fsdp.checkpoint.object_store as object_store
+    import lightning_megatron_fsdp.storage.object_store as object_store
 
     marked = set(re.findall(r'reach\("([^"]+)"\)', inspect.getsource(object_store)))
     killed = {kill for kill, *_ in SCENARIOS.values() if kill.startswith("commit:")}

@@ -23,9 +23,9 @@ import pytest
 import s3fs
 import torch
 
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
-from lightning_megatron_fsdp.checkpoint.fsspec_storage import _PartBudget, _S3Upload
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.errors import CheckpointError
+from lightning_megatron_fsdp.storage.fsspec_storage import _PartBudget, _S3Upload
 from tests.harness import run_distributed
 from tests.object_store import ACCESS_KEY, SECRET_KEY, SeaweedServer
 from tests.s3_fault_proxy import Fault, FaultProxy

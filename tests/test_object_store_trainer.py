@@ -25,8 +25,8 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_megatron_fsdp import MegatronFSDPCheckpointIO, MegatronFSDPStrategy
-from lightning_megatron_fsdp.checkpoint.format import MANIFEST_FILE
-from lightning_megatron_fsdp.checkpoint.object_store import ObjectStore
+from lightning_megatron_fsdp.storage.format import MANIFEST_FILE
+from lightning_megatron_fsdp.storage.object_store import ObjectStore
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock
 from tests.object_store import SeaweedServer

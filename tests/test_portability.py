@@ -47,7 +47,7 @@ from lightning_megatron_fsdp import (
     shard_module,
     sharding_scope,
 )
-from lightning_megatron_fsdp.checkpoint.format import META_FILE
+from lightning_megatron_fsdp.storage.format import META_FILE
 from lightning_megatron_fsdp.strategies.strategy import fsdp_placements
 from lightning_megatron_fsdp.weights.pretrained import (
     PretrainedWeights,

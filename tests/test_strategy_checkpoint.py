@@ -18,7 +18,7 @@ import pytest
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_megatron_fsdp.checkpoint.format import MANIFEST_FILE
+from lightning_megatron_fsdp.storage.format import MANIFEST_FILE
 from tests.harness import run_distributed
 from tests.test_strategy import MLP, Block, _regression_data, _shards, _strategy, _trainer
 

@@ -9,8 +9,8 @@ private megatron-fsdp, torch or Lightning name outside its adapter.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
-import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_megatron_fsdp"
@@ -32,11 +32,12 @@ PUBLIC_MEGATRON = {"megatron_fsdp": {"MixedPrecisionPolicy"}}
 
 
 def _name(path: Path) -> str:
-    """``checkpoint.format`` for ``lightning_megatron_fsdp/checkpoint/format.py``."""
+    """``storage.format`` for ``lightning_megatron_fsdp/storage/format.py``."""
     parts = path.relative_to(PACKAGE).with_suffix("").parts
     return ".".join(parts)
 
 
+@functools.cache
 def _modules() -> dict[str, ast.Module]:
     return {_name(p): ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.rglob("*.py"))}
 
@@ -62,17 +63,6 @@ def _imports(tree: ast.Module) -> list[tuple[str, list[str]]]:
     return found
 
 
-def _design_order() -> list[str]:
-    """Module names in the order of DESIGN.md's module table (``checkpoint/format.py`` is
-    ``checkpoint.format``)."""
-    order = []
-    for line in DESIGN.read_text().splitlines():
-        if line.startswith("| `"):
-            found = re.findall(r"`([\w/]+)\.py`", line.split("|")[1])
-            order.extend(name.replace("/", ".") for name in found)
-    return order
-
-
 def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
@@ -86,35 +76,173 @@ def _package_module(target: str) -> str | None:
     return None
 
 
-def test_import_graph_is_one_way_in_design_order() -> None:
-    order = _design_order()
-    modules = _modules()
-    packages = {name for name in modules if name.endswith("__init__")}
-    assert set(modules) - packages <= set(order), set(modules) - packages - set(order)
-    rank = {name: i for i, name in enumerate(order)}
-    upward = []
-    for name, tree in modules.items():
-        if name in packages:
-            continue
+# The folders as layers, bottom up (docs/DESIGN.md, "Layers"). A module imports from its
+# own folder and from lower layers only, never from a folder beside it, and across folders
+# only the names the folder's ``__init__`` lists in ``__all__``. The megatron-fsdp adapter
+# module is reached by name (``from lightning_megatron_fsdp.megatron import _megatron``), as
+# ``_torch`` and ``_lightning`` are.
+LAYERS = [
+    {"_torch", "_lightning", "errors", "known_warnings", "lazy_exports"},
+    {"agreement"},
+    {"megatron"},
+    {"storage"},
+    {"checkpoint"},
+    {"tools", "weights"},
+    {"common"},
+    {"strategies", "fabric"},
+]
+ADAPTER_MODULES = {"_megatron"}
+
+
+def _unit(name: str) -> str:
+    """The folder of ``checkpoint.save`` (``checkpoint``), or a top-level module's name."""
+    return name.split(".")[0]
+
+
+def _layer(unit: str) -> int:
+    (layer,) = [i for i, units in enumerate(LAYERS) if unit in units]
+    return layer
+
+
+def _folder_exports(folder: str) -> set[str]:
+    """The names ``folder/__init__.py`` maps in ``_EXPORTS`` (or lists in ``__all__``)."""
+    tree = ast.parse((PACKAGE / folder / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets
+        ):
+            return set(ast.literal_eval(node.value))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def _cross_imports() -> list[tuple[str, str, str, list[str]]]:
+    """(importing module, its unit, imported unit, names) for every import, module level or
+    inside a function, from one unit of the package into another."""
+    found = []
+    for name, tree in _modules().items():
+        if name == "__init__":
+            continue  # the package's face sits above every layer
         for target, names in _imports(tree):
             imported = _package_module(target)
-            if target == "lightning_megatron_fsdp" or target.removeprefix(
-                "lightning_megatron_fsdp."
-            ) in {p.removesuffix(".__init__") for p in packages}:
-                # ``from lightning_megatron_fsdp.<folder> import <module>``
-                folder = _package_module(target)
-                prefix = f"{folder}." if folder else ""
-                imported_list = [f"{prefix}{n}" for n in names if f"{prefix}{n}" in rank]
+            if target == "lightning_megatron_fsdp":
+                units = [(n, []) for n in names]  # ``from lightning_megatron_fsdp import _torch``
+            elif imported is None:
+                continue
             else:
-                imported_list = (
-                    [] if imported is None or imported.endswith("__init__") else [imported]
-                )
-            for imported in imported_list:
-                # cli.py shares its table row with export.py but sits at the bottom of the graph.
-                mine = len(order) if _stem(name) == "cli" else rank[name]
-                if rank[imported] >= mine and imported != name:
-                    upward.append(f"{name} imports {imported}")
+                units = [(imported, names)]
+            for module, imported_names in units:
+                if _unit(module) != _unit(name):
+                    found.append((name, _unit(name), module, imported_names))
+    return found
+
+
+def test_folders_are_layers() -> None:
+    units = {_unit(name) for name in _modules() if name != "__init__"}
+    assert units == set().union(*LAYERS), units ^ set().union(*LAYERS)
+    upward = [
+        f"{name} imports {module}"
+        for name, unit, module, _ in _cross_imports()
+        if _layer(_unit(module)) >= _layer(unit)
+    ]
     assert not upward, upward
+
+
+def test_folders_are_used_through_their_init() -> None:
+    folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    offenders = []
+    used: dict[str, set[str]] = {folder: set() for folder in folders}
+    for name, _, module, names in _cross_imports():
+        folder = _unit(module)
+        if folder not in folders:
+            continue
+        if module != folder:
+            offenders.append(f"{name}: from lightning_megatron_fsdp.{module} import ...")
+            continue
+        for imported in names:
+            if imported in ADAPTER_MODULES:
+                continue
+            used[folder].add(imported)
+            if imported not in _folder_exports(folder):
+                offenders.append(f"{name}: {imported} is not in {folder}/__init__.py's __all__")
+    assert not offenders, offenders
+    # Each folder's face lists what others use, nothing more (the package's own __init__
+    # counts as a user: it re-exports the public API).
+    package = ast.parse((PACKAGE / "__init__.py").read_text())
+    for target, names in _imports(package):
+        folder = _unit(_package_module(target) or "")
+        if folder in used:
+            used[folder].update(names)
+    # The top layer's faces (strategies/, fabric/) are the users'.
+    unused = {f: sorted(_folder_exports(f) - used[f]) for f in folders - LAYERS[-1]}
+    assert not any(unused.values()), unused
+
+
+def test_folder_exports_name_what_their_modules_define() -> None:
+    """Each name a folder's ``_EXPORTS`` maps is defined (or imported) at the top of the
+    module it names: a face is imported lazily, so a typo would otherwise surface only at
+    its first use."""
+    missing = []
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        folder = init.parent.name
+        tree = ast.parse(init.read_text())
+        exports = next(
+            (
+                ast.literal_eval(node.value)
+                for node in tree.body
+                if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets)
+            ),
+            {},
+        )
+        for name, module in exports.items():
+            defined = set()
+            for node in _modules()[f"{folder}.{module}"].body:
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+                    defined.add(node.name)
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    defined.update(t.id for t in targets if isinstance(t, ast.Name))
+                elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                    defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+            if name not in defined:
+                missing.append(f"{folder}/__init__.py: {name} is not defined in {folder}.{module}")
+    assert not missing, missing
+
+
+def test_no_import_cycle_inside_a_folder() -> None:
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, tree in modules.items():
+        graph[name] = set()
+        for target, names in _imports(tree):
+            imported = _package_module(target)
+            if imported is None:
+                continue
+            candidates = [imported, *(f"{imported}.{n}" for n in names)]
+            graph[name].update(c for c in candidates if c in modules and c != name)
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if _unit(nxt) != _unit(node) or nxt.endswith("__init__"):
+                continue
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*path[path.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles
 
 
 def test_no_private_name_crosses_a_module_boundary() -> None:
@@ -308,7 +436,7 @@ MEGATRON_ATTRIBUTES = {
 # (module, attribute) pairs that name a torch attribute of the same name, reviewed:
 # tensor_records reads ``torch.Tensor.layout`` (strided or not), not a ``GlobalLayout``;
 # metadata_records names ``torch.layout`` and DCP's ``TensorProperties.layout`` field.
-TORCH_NAMESAKES = {("checkpoint.records", "layout"), ("checkpoint.metadata_records", "layout")}
+TORCH_NAMESAKES = {("storage.records", "layout"), ("storage.metadata_records", "layout")}
 
 
 def test_megatron_attributes_only_in_one_module() -> None:

@@ -13,7 +13,7 @@ import io
 import pytest
 import torch
 
-from lightning_megatron_fsdp.checkpoint.records import TensorRecords, _calibrate
+from lightning_megatron_fsdp.storage.records import TensorRecords, _calibrate
 
 DTYPES = (
     torch.float32,

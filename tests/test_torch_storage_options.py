@@ -29,8 +29,8 @@ from torch.testing._internal.distributed.checkpoint_utils import (
     get_test_extension_registry,
 )
 
-from lightning_megatron_fsdp.checkpoint.checksums import crc32c
-from lightning_megatron_fsdp.checkpoint.storage import (
+from lightning_megatron_fsdp.storage.checksums import crc32c
+from lightning_megatron_fsdp.storage.filesystem import (
     ChecksummingFileSystemWriter,
     VerifyingFileSystemReader,
 )

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
-from lightning_megatron_fsdp.checkpoint.format import MANIFEST_FILE, META_FILE, read_manifest
+from lightning_megatron_fsdp.storage.format import MANIFEST_FILE, META_FILE, read_manifest
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import VOCAB, PackedBlock, build_packed_lm, lm_loss
 from tests.test_strategy import Block, TwoOptimizers, _regression_data
@@ -572,7 +572,7 @@ def test_each_rank_writes_only_its_own_shard_bytes(tmp_path: Path) -> None:
     assert full <= sum(written) <= total_bound < world_size * full, (written, full)
     # meta.pt is the non-tensor rest of Lightning's dict: no state tensor hides in it (the
     # per-rank random-generator states, a few KB each, are the one set of tensors it holds).
-    from lightning_megatron_fsdp.strategies.exact_resume import RNG_STATES_KEY
+    from lightning_megatron_fsdp.common.exact_resume import RNG_STATES_KEY
 
     meta = torch.load(checkpoint / META_FILE, weights_only=False)
     assert RNG_STATES_KEY in meta

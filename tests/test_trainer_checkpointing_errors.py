@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor, nn
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
-from lightning_megatron_fsdp.checkpoint.format import read_manifest
+from lightning_megatron_fsdp.storage.format import read_manifest
 from lightning_megatron_fsdp.tools.inspection import verify_checkpoint
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import PackedBlock, build_packed_lm

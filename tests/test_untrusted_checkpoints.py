@@ -318,7 +318,7 @@ def _zstd_checkpoint(directory: Path, state: dict[str, Any], key: str, record: b
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._extension import ZStandard
 
-    from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
+    from lightning_megatron_fsdp.storage.filesystem import ChecksummingFileSystemWriter
     from tests.untrusted_attacks import _append_record
 
     writer = ChecksummingFileSystemWriter(directory, _extensions=[ZStandard()])
@@ -338,8 +338,8 @@ def test_a_transformed_record_inflates_to_its_bound_and_not_a_byte_past(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from lightning_megatron_fsdp.checkpoint.safe_unpickling import TENSOR_RECORD_FRAMING
-    from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
+    from lightning_megatron_fsdp.storage.filesystem import VerifyingFileSystemReader
+    from lightning_megatron_fsdp.storage.safe_unpickling import TENSOR_RECORD_FRAMING
 
     saved = torch.arange(4, dtype=torch.float32) + 0.5
     limit = saved.nbytes + TENSOR_RECORD_FRAMING
@@ -366,7 +366,7 @@ def test_a_garbled_transformed_record_is_refused_naming_it(tmp_path: Path) -> No
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
+    from lightning_megatron_fsdp.storage.filesystem import VerifyingFileSystemReader
 
     garbled = b"\x28\xb5\x2f\xfd" + b"\x00\x38" + b"\x07" * 20  # magic, header, bad block
     _zstd_checkpoint(tmp_path, {"w": torch.ones(4)}, "w", garbled)
@@ -382,8 +382,8 @@ def test_a_transformed_byte_record_is_bounded_unless_trusted(tmp_path: Path) -> 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from lightning_megatron_fsdp.checkpoint.safe_unpickling import BYTE_RECORD_LIMIT
-    from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
+    from lightning_megatron_fsdp.storage.filesystem import VerifyingFileSystemReader
+    from lightning_megatron_fsdp.storage.safe_unpickling import BYTE_RECORD_LIMIT
 
     large = bytes(BYTE_RECORD_LIMIT)  # its torch.save is a little larger
     _zstd_checkpoint(tmp_path, {"blob": b"small"}, "blob", _zstd_record(large))

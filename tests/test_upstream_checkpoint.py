@@ -32,13 +32,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_megatron_fsdp import PretrainedWeights, inspect_checkpoint, verify_checkpoint
-from lightning_megatron_fsdp.tools.cli import main as cli_main
-from lightning_megatron_fsdp.weights.upstream_checkpoint import (
+from lightning_megatron_fsdp.storage.upstream_checkpoint import (
     FORMAT_NAME,
     NOTE,
     internal_keys,
     is_upstream_checkpoint,
 )
+from lightning_megatron_fsdp.tools.cli import main as cli_main
 from tests.cross_version import OtherSide, assert_same_state
 from tests.harness import run_distributed
 from tests.scripts.cross_version import run_job

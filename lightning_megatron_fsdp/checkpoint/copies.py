@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp import _torch
-from lightning_megatron_fsdp.megatron.uneven_dtensor import CHUNK_ATTR
+from lightning_megatron_fsdp.megatron import CHUNK_ATTR
 
 __all__ = ["StagingBuffers", "fill", "stage"]
 

@@ -4,7 +4,7 @@ Lightning's default checkpoint plugin ``torch.save``\\ s one dict from rank 0, w
 need every sharded parameter gathered onto one rank. This plugin keeps Lightning's small
 surface (save, load, remove, teardown) and hands each call to the protocol's phases:
 :mod:`~lightning_megatron_fsdp.checkpoint.save`, :mod:`~lightning_megatron_fsdp.checkpoint.load`
-and :mod:`~lightning_megatron_fsdp.checkpoint.commit`. It owns what outlives one call: the
+and :mod:`~lightning_megatron_fsdp.storage.commit`. It owns what outlives one call: the
 options, the async save's thread, gloo group and CPU copies (docs/DESIGN.md, "Async save").
 """
 
@@ -26,28 +26,13 @@ from typing_extensions import override
 
 from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.agreement import PeerLostError, Ranks, describe
-from lightning_megatron_fsdp.checkpoint.backends import CheckpointStorage, FilesAndObjects
-from lightning_megatron_fsdp.checkpoint.commit import (
-    CheckpointStore,
-    LocalDirectories,
-    resolve_latest_checkpoint,
-)
 from lightning_megatron_fsdp.checkpoint.copies import StagingBuffers
-from lightning_megatron_fsdp.checkpoint.errors import (
-    CheckpointCorruptedError,
-    CheckpointError,
-    CheckpointMismatchError,
-    CheckpointSaveError,
-    NotACheckpointError,
-)
-from lightning_megatron_fsdp.checkpoint.format import is_complete_checkpoint, read_manifest
 from lightning_megatron_fsdp.checkpoint.load import (
     LoadOptions,
     StorageReaderFactory,
     open_checkpoint,
     read_checkpoint,
 )
-from lightning_megatron_fsdp.checkpoint.object_store import ObjectStores, StoreCheckpoint
 from lightning_megatron_fsdp.checkpoint.save import (
     PendingSave,
     SaveOptions,
@@ -56,9 +41,25 @@ from lightning_megatron_fsdp.checkpoint.save import (
     commit_save,
     write_save,
 )
-from lightning_megatron_fsdp.checkpoint.storage import (
+from lightning_megatron_fsdp.errors import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    NotACheckpointError,
+)
+from lightning_megatron_fsdp.storage import (
+    CheckpointStorage,
+    CheckpointStore,
     ChecksummingFileSystemWriter,
+    FilesAndObjects,
+    LocalDirectories,
+    ObjectStores,
+    StoreCheckpoint,
     VerifyingFileSystemReader,
+    is_complete_checkpoint,
+    read_manifest,
+    resolve_latest_checkpoint,
 )
 
 __all__ = [

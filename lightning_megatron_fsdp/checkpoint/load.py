@@ -21,11 +21,9 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
-from torch.optim import Optimizer
 
 from lightning_megatron_fsdp.agreement import (
     LOST_PEER_HINT,
@@ -35,41 +33,38 @@ from lightning_megatron_fsdp.agreement import (
     dcp_failure_message,
     describe,
 )
-from lightning_megatron_fsdp.checkpoint.backends import CheckpointStorage
-from lightning_megatron_fsdp.checkpoint.checksums import bytes_digest
-from lightning_megatron_fsdp.checkpoint.commit import CheckpointStore
-from lightning_megatron_fsdp.checkpoint.confined_files import read_regular
 from lightning_megatron_fsdp.checkpoint.copies import fill, stage
-from lightning_megatron_fsdp.checkpoint.errors import (
+from lightning_megatron_fsdp.checkpoint.metadata_slices import MetadataSlices, SlicedLoadPlanner
+from lightning_megatron_fsdp.errors import (
     CheckpointCorruptedError,
     CheckpointError,
     CheckpointMismatchError,
     NotACheckpointError,
 )
-from lightning_megatron_fsdp.checkpoint.format import (
+from lightning_megatron_fsdp.megatron import (
+    dcp_view,
+    keep_loaded_values,
+)
+from lightning_megatron_fsdp.storage import (
     DCP_METADATA_FILE,
     MANIFEST_FILE,
     META_FILE,
+    CheckpointStorage,
+    CheckpointStore,
     Manifest,
+    ReadProgress,
+    VerifyingFileSystemReader,
+    bytes_digest,
     compare_fingerprints,
+    load_weights_only,
     model_fingerprint,
     optimizer_fingerprint,
 )
-from lightning_megatron_fsdp.checkpoint.metadata_slices import MetadataSlices, SlicedLoadPlanner
-from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
-from lightning_megatron_fsdp.checkpoint.storage import ReadProgress, VerifyingFileSystemReader
-from lightning_megatron_fsdp.megatron import _megatron
-from lightning_megatron_fsdp.megatron.checkpointable_chunks import dcp_view, keep_loaded_values
-from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
-from lightning_megatron_fsdp.megatron.uneven_dtensor import attach_uneven_dtensor_metadata
-from lightning_megatron_fsdp.weights.pretrained import load_full_weights
 
 __all__ = [
     "LoadOptions",
-    "LoadResult",
     "OpenedCheckpoint",
     "StorageReaderFactory",
-    "load_into_sharded_model",
     "open_checkpoint",
     "read_checkpoint",
 ]
@@ -524,130 +519,6 @@ _LOAD_ADVICE: dict[type[Exception], str] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class LoadResult:
-    """What a load did.
-
-    Attributes:
-        checkpoint: The non-tensor rest of the checkpoint (Lightning's dict), plus the
-            filled targets.
-        optimizers_loaded: Whether optimizer state was loaded (``False`` for a
-            weights-only checkpoint or when no optimizers were passed).
-    """
-
-    checkpoint: dict[str, Any]
-    optimizers_loaded: bool
-
-
-def load_into_sharded_model(
-    io: Any,
-    path: str,
-    model: nn.Module,
-    optimizers: list[Optimizer],
-    *,
-    weights_only: bool | None,
-    strict: bool,
-    allow_missing_optimizers: bool,
-) -> LoadResult:
-    """Load ``path`` into ``model`` (and ``optimizers``) in place, on every rank.
-
-    With a ``MegatronFSDPCheckpointIO`` (anything with ``load_options`` and
-    ``process_group``): three rounds of ours (open, agree, apply). Another checkpoint IO
-    (say, a wrapper) is called through its ``load_checkpoint(path, state=...)``.
-
-    Args:
-        io: The checkpoint IO (``MegatronFSDPCheckpointIO`` or a wrapper of it).
-        path: The checkpoint directory (rank 0's is loaded).
-        model: The sharded model.
-        optimizers: The ``fully_shard_optimizer``-adapted optimizers to fill (none when
-            evaluating).
-        weights_only: Passed to ``torch.load`` for the non-tensor part.
-        strict: Refuse missing and unexpected keys.
-        allow_missing_optimizers: Accept a checkpoint without optimizer state although
-            ``optimizers`` were passed (they stay fresh).
-
-    Returns:
-        The loaded checkpoint and whether optimizer state was loaded.
-
-    Raises:
-        NotACheckpointError: ``path`` is missing, a file, or incomplete.
-        CheckpointMismatchError: The checkpoint does not fit the model or optimizers, or
-            it holds no optimizer state and ``allow_missing_optimizers`` is off.
-        CheckpointError: Building targets, reading or applying failed on some rank.
-    """
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-    options: LoadOptions | None = getattr(io, "load_options", None)
-    ranks = Ranks.of(getattr(io, "process_group", None) if options is not None else None)
-    if options is not None:
-        io.wait()  # an async save in flight commits first
-        store = options.store
-    else:
-        from lightning_megatron_fsdp.checkpoint.commit import LocalDirectories
-
-        store = LocalDirectories()
-    opened = open_checkpoint(path, ranks, store, options)
-    if opened.foreign:
-        load_full_weights(model, opened.path, optimizers=optimizers, strict=strict)
-        meta = load_weights_only(
-            read_regular(opened.path, META_FILE),
-            source=str(Path(opened.path, META_FILE)),
-            trust=weights_only is False,
-        )
-        return LoadResult(meta, bool(optimizers))
-    saved_optimizers = (
-        None if opened.manifest is None else len(opened.manifest.optimizer_fingerprints)
-    )
-    if optimizers and saved_optimizers == 0:
-        if not allow_missing_optimizers:
-            raise CheckpointMismatchError(
-                f"Checkpoint {opened.path} holds no optimizer state (it was saved with "
-                "weights_only=True, e.g. by ModelCheckpoint(save_weights_only=True)), so fit() "
-                f"cannot resume the run exactly with its {len(optimizers)} optimizer(s). To "
-                "train on from its weights with fresh optimizer state, set "
-                "strategy.allow_weights_only_resume = True before fit; to evaluate it, use "
-                "trainer.validate/test/predict(ckpt_path=...); to resume exactly, save "
-                "checkpoints with optimizer state."
-            )
-        optimizers = []
-    state: dict[str, Any] = {}
-    error: Exception | None = None
-    try:
-        state = _load_targets(model, optimizers)
-    except Exception as err:
-        error = err
-    if options is not None:
-        checkpoint = read_checkpoint(
-            opened, state, ranks, options, weights_only=weights_only, strict=strict, error=error
-        )
-    else:
-        ranks.raise_together(
-            f"loading checkpoint {opened.path} (building the load targets)",
-            error,
-            CheckpointError,
-            consequence="nothing was read; the model and optimizers are unchanged",
-        )
-        checkpoint = io.load_checkpoint(
-            str(opened.path), weights_only=weights_only, state=state, strict=strict
-        )
-    try:
-        for optimizer, optimizer_state in zip(
-            optimizers, checkpoint.get("optimizer_states", []) if optimizers else [], strict=True
-        ):
-            set_optimizer_state_dict(model, optimizer, optimizer_state)
-        _megatron.sync_compute_weights(model)
-    except Exception as err:
-        error = err
-    ranks.raise_together(
-        f"loading checkpoint {opened.path} (applying the loaded state)",
-        error,
-        CheckpointError,
-        consequence="the tensors were loaded but the optimizers may be half restored; do not "
-        "train on, load again",
-    )
-    return LoadResult(checkpoint, bool(optimizers))
-
-
 def _is_foreign_lightning_dcp(path: str) -> bool:
     """Whether ``path`` is a ``ModelParallelStrategy`` (FSDP2) checkpoint directory.
 
@@ -670,26 +541,3 @@ def _is_foreign_lightning_dcp(path: str) -> bool:
     except Exception:
         return False
     return any(re.match(r"optimizer_\d+\.", key) for key in keys)
-
-
-def _load_targets(model: nn.Module, optimizers: list[Optimizer]) -> dict[str, Any]:
-    """FQN-keyed state dicts of the live model (and ``optimizers``) for DCP to load into.
-
-    Rank-local. A fresh optimizer first gets all-zero state (``ensure_optimizer_state``),
-    equivalent to one that never stepped, so a load works before the first step.
-    """
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    model_state = get_model_state_dict(model)
-    attach_uneven_dtensor_metadata(model, model_state, {})
-    state: dict[str, Any] = {"state_dict": model_state}
-    if optimizers:
-        for optimizer in optimizers:
-            ensure_optimizer_state(optimizer)
-        state["optimizer_states"] = [get_optimizer_state_dict(model, o) for o in optimizers]
-        for optimizer_state in state["optimizer_states"]:
-            attach_uneven_dtensor_metadata(model, {}, optimizer_state)
-    return state

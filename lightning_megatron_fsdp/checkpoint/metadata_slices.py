@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_megatron_fsdp import _torch
-from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_dcp_metadata
+from lightning_megatron_fsdp.storage import load_dcp_metadata
 
 __all__ = ["MetadataSlices", "SlicedLoadPlanner"]
 

@@ -2,7 +2,7 @@
 
 Lightning hands the plugin one dict mixing sharded DTensors, plain tensors and Python
 objects. DCP writes the tensors, each rank only its own shards, into a staging location of
-the :class:`~lightning_megatron_fsdp.checkpoint.commit.CheckpointStore`; rank 0 writes the
+the :class:`~lightning_megatron_fsdp.storage.commit.CheckpointStore`; rank 0 writes the
 non-tensor rest to ``meta.pt``; the manifest is written last and the store publishes the
 directory. Every rank-local check happens before the first of our three collective rounds,
 so a rank whose state differs fails the save on every rank before anything is written
@@ -36,27 +36,29 @@ from lightning_megatron_fsdp.agreement import (
     dcp_failure_message,
     describe,
 )
-from lightning_megatron_fsdp.checkpoint.backends import CheckpointStorage
-from lightning_megatron_fsdp.checkpoint.checksums import crc32c, crc32c_hex
-from lightning_megatron_fsdp.checkpoint.commit import CheckpointStore, reach
 from lightning_megatron_fsdp.checkpoint.copies import StagingBuffers
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointError, CheckpointSaveError
-from lightning_megatron_fsdp.checkpoint.format import (
+from lightning_megatron_fsdp.checkpoint.save_plan import global_save_plan
+from lightning_megatron_fsdp.errors import CheckpointError, CheckpointSaveError
+from lightning_megatron_fsdp.megatron import dcp_view
+from lightning_megatron_fsdp.storage import (
     DCP_METADATA_FILE,
     META_FILE,
+    CheckpointStorage,
+    CheckpointStore,
+    ChecksummingFileSystemWriter,
     FileRecord,
     Manifest,
     TensorSpec,
+    crc32c,
+    crc32c_hex,
     finite_int_or_none,
     listed,
     mesh_info,
     model_fingerprint,
     optimizer_fingerprint,
     package_versions,
+    reach,
 )
-from lightning_megatron_fsdp.checkpoint.save_plan import global_save_plan
-from lightning_megatron_fsdp.checkpoint.storage import ChecksummingFileSystemWriter
-from lightning_megatron_fsdp.megatron.checkpointable_chunks import dcp_view
 
 __all__ = [
     "PendingSave",

@@ -12,9 +12,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_megatron_fsdp import _lightning
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointMismatchError
+from lightning_megatron_fsdp.common import RNG_STATES_KEY
+from lightning_megatron_fsdp.errors import CheckpointMismatchError
 from lightning_megatron_fsdp.megatron import _megatron
-from lightning_megatron_fsdp.strategies.exact_resume import RNG_STATES_KEY
 
 __all__ = [
     "FABRIC_KEYS",

@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_megatron_fsdp.strategies.precision import (
+from lightning_megatron_fsdp.common import (
     MegatronFSDPPrecision,
     reject_closure_optimizer,
     to_megatron_precision,
@@ -54,5 +54,5 @@ class MegatronFSDPFabricPrecision(MegatronFSDPPrecision):
 
 def to_fabric_precision(plugin: Precision | None, where: str) -> MegatronFSDPFabricPrecision | None:
     """Translate the plugin Fabric builds from ``precision=...`` into ours
-    (:func:`~lightning_megatron_fsdp.strategies.precision.to_megatron_precision`)."""
+    (:func:`~lightning_megatron_fsdp.common.precision.to_megatron_precision`)."""
     return to_megatron_precision(plugin, where, target=MegatronFSDPFabricPrecision, fabric=True)

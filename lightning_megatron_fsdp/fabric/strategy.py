@@ -31,17 +31,24 @@ from lightning_megatron_fsdp.agreement import (
     describe,
     peer_failures_explained,
 )
-from lightning_megatron_fsdp.checkpoint.checksums import bytes_digest
-from lightning_megatron_fsdp.checkpoint.commit import LocalDirectories
-from lightning_megatron_fsdp.checkpoint.errors import (
+from lightning_megatron_fsdp.checkpoint import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.common import (
+    ExactResume,
+    ModelSharder,
+    StrategyOptions,
+    StrategyOptionsMixin,
+    clip_sharded_grad_norm_,
+    clip_sharded_grad_value_,
+    load_into_sharded_model,
+    move_unsharded_state,
+    reject_closure_optimizer,
+    save_sharded_checkpoint,
+)
+from lightning_megatron_fsdp.errors import (
     CheckpointCorruptedError,
     CheckpointError,
     NotACheckpointError,
 )
-from lightning_megatron_fsdp.checkpoint.format import META_FILE
-from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.checkpoint.load import load_into_sharded_model
-from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
 from lightning_megatron_fsdp.fabric.checkpoint_state import (
     FABRIC_KEYS,
     restore_rest,
@@ -54,26 +61,24 @@ from lightning_megatron_fsdp.fabric.precision import (
     to_fabric_precision,
 )
 from lightning_megatron_fsdp.known_warnings import ignore_known_warnings, stop_ignoring
-from lightning_megatron_fsdp.megatron import _megatron
-from lightning_megatron_fsdp.megatron._megatron import FsdpModule, MixedPrecisionPolicy, Placements
-from lightning_megatron_fsdp.megatron.gather import bind_full_tensor
-from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
-from lightning_megatron_fsdp.megatron.replicas import BufferSync
-from lightning_megatron_fsdp.megatron.sharding import AutoWrapPolicy
-from lightning_megatron_fsdp.megatron.sharding_modes import ShardingMode
-from lightning_megatron_fsdp.strategies.exact_resume import ExactResume
-from lightning_megatron_fsdp.strategies.model_setup import (
-    ModelSharder,
-    move_unsharded_state,
-    save_sharded_checkpoint,
+from lightning_megatron_fsdp.megatron import (
+    AutoWrapPolicy,
+    BufferSync,
+    FsdpModule,
+    MixedPrecisionPolicy,
+    Placements,
+    ShardingMode,
+    _megatron,
+    bind_full_tensor,
+    ensure_optimizer_state,
 )
-from lightning_megatron_fsdp.strategies.options import StrategyOptions, StrategyOptionsMixin
-from lightning_megatron_fsdp.strategies.precision import (
-    clip_sharded_grad_norm_,
-    clip_sharded_grad_value_,
-    reject_closure_optimizer,
+from lightning_megatron_fsdp.storage import (
+    META_FILE,
+    LocalDirectories,
+    bytes_digest,
+    load_weights_only,
 )
-from lightning_megatron_fsdp.weights.pretrained import load_full_weights
+from lightning_megatron_fsdp.weights import load_full_weights
 
 __all__ = ["MegatronFSDPStrategy"]
 

@@ -1,1 +1,5 @@
-"""The Lightning Trainer strategy and what both strategies (Trainer, Fabric) share."""
+"""The Lightning Trainer strategy: ``Trainer(strategy=MegatronFSDPStrategy())``."""
+
+from lightning_megatron_fsdp.strategies.strategy import MegatronFSDPStrategy
+
+__all__ = ["MegatronFSDPStrategy"]

@@ -18,13 +18,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_megatron_fsdp import _lightning
-from lightning_megatron_fsdp.checkpoint.commit import (
+from lightning_megatron_fsdp.storage import (
+    MANIFEST_FILE,
+    is_url,
     latest_complete_checkpoint,
     matching_checkpoints,
+    open_store,
     recover_matching,
 )
-from lightning_megatron_fsdp.checkpoint.format import MANIFEST_FILE
-from lightning_megatron_fsdp.checkpoint.object_store import is_url, open_store
 
 __all__ = ["resolving_last_launcher"]
 

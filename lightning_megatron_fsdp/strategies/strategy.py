@@ -32,41 +32,43 @@ from typing_extensions import override
 
 from lightning_megatron_fsdp import _lightning
 from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
-from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.checkpoint.load import load_into_sharded_model
+from lightning_megatron_fsdp.checkpoint import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.common import (
+    ExactResume,
+    MegatronFSDPPrecision,
+    ModelSharder,
+    StrategyOptions,
+    StrategyOptionsMixin,
+    load_into_sharded_model,
+    move_unsharded_state,
+    reject_closure_optimizer,
+    save_sharded_checkpoint,
+    to_megatron_precision,
+)
+from lightning_megatron_fsdp.errors import CheckpointError
 from lightning_megatron_fsdp.known_warnings import ignore_known_warnings, stop_ignoring
-from lightning_megatron_fsdp.megatron import _megatron
-from lightning_megatron_fsdp.megatron._megatron import FsdpModule, MixedPrecisionPolicy, Placements
-from lightning_megatron_fsdp.megatron.gather import bind_full_tensor, lightning_grad_norm_explained
-from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
-from lightning_megatron_fsdp.megatron.replicas import BufferSync
-from lightning_megatron_fsdp.megatron.sharding import (
+from lightning_megatron_fsdp.megatron import (
     AutoWrapPolicy,
+    BufferSync,
+    FsdpModule,
+    MixedPrecisionPolicy,
+    Placements,
+    ShardingMode,
+    _megatron,
+    bind_full_tensor,
     check_optimizer_parameters,
+    ensure_optimizer_state,
     fsdp_placements,
     hsdp_placements,
+    lightning_grad_norm_explained,
 )
-from lightning_megatron_fsdp.megatron.sharding_modes import ShardingMode
-from lightning_megatron_fsdp.strategies.exact_resume import ExactResume
 from lightning_megatron_fsdp.strategies.join import (
     UnevenBatchJoin,
     join_uneven_batches,
     refuse_uneven_batches,
 )
 from lightning_megatron_fsdp.strategies.launcher import resolving_last_launcher
-from lightning_megatron_fsdp.strategies.model_setup import (
-    ModelSharder,
-    move_unsharded_state,
-    save_sharded_checkpoint,
-)
-from lightning_megatron_fsdp.strategies.options import StrategyOptions, StrategyOptionsMixin
-from lightning_megatron_fsdp.strategies.precision import (
-    MegatronFSDPPrecision,
-    reject_closure_optimizer,
-    to_megatron_precision,
-)
-from lightning_megatron_fsdp.weights.pretrained import (
+from lightning_megatron_fsdp.weights import (
     PretrainedWeights,
     apply_pretrained_weights,
     as_pretrained_weights,
@@ -106,7 +108,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             into every other, at any world size.
         mixed_precision_policy: Megatron-FSDP main weight/gradient dtypes; derived from
             the Trainer's ``precision`` when ``None`` (see
-            :class:`~lightning_megatron_fsdp.strategies.precision.MegatronFSDPPrecision`).
+            :class:`~lightning_megatron_fsdp.common.precision.MegatronFSDPPrecision`).
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by device type when ``None``.
         timeout: Timeout of every collective of the process groups this strategy creates.
         init_weights_from: Full (unsharded) weights to initialise the model with, right
@@ -292,7 +294,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         the process ends: later stages and any use of the model after ``fit`` run on it.
         Lightning registers its destruction at exit for NCCL only; the strategy's exit
         hook destroys it for every backend, then waits until gloo's worker threads are done
-        with Python (:mod:`~lightning_megatron_fsdp.strategies.interpreter_exit`).
+        with Python (:mod:`~lightning_megatron_fsdp.common.interpreter_exit`).
         """
         super().setup_environment()
         self._ignored_warnings = ignore_known_warnings()  # until teardown
@@ -518,7 +520,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
 
         Lightning restores a resumable loader's position and creates its iterator before it
         calls ``set_epoch``, so a resume in epoch >= 1 would replay epoch 0's order; see
-        :meth:`~lightning_megatron_fsdp.strategies.exact_resume.ExactResume.train_loader`.
+        :meth:`~lightning_megatron_fsdp.common.exact_resume.ExactResume.train_loader`.
         """
         trainer = self._trainer()
         if trainer.state.fn == TrainerFn.FITTING and trainer.training:

@@ -223,8 +223,8 @@ def _print_table(info: CheckpointInfo, out: TextIO) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
-    from lightning_megatron_fsdp.checkpoint.format import MANIFEST_FILE, count, summarise
+    from lightning_megatron_fsdp.errors import CheckpointError
+    from lightning_megatron_fsdp.storage import MANIFEST_FILE, count, summarise
     from lightning_megatron_fsdp.tools.inspection import inspect_checkpoint, verify_checkpoint
 
     info: CheckpointInfo | None = None
@@ -277,7 +277,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _print_verdict(problems: list[str], info: CheckpointInfo | None, sizes_only: bool) -> None:
-    from lightning_megatron_fsdp.checkpoint.format import count
+    from lightning_megatron_fsdp.storage import count
 
     if problems:
         print(f"verify: FAILED, {count(len(problems), 'problem')}:")
@@ -308,7 +308,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from lightning_megatron_fsdp.checkpoint.errors import CheckpointError
+    from lightning_megatron_fsdp.errors import CheckpointError
     from lightning_megatron_fsdp.tools.outputs import output_location, output_size
 
     try:

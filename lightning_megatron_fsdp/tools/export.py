@@ -36,20 +36,21 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from lightning_megatron_fsdp import _torch
-from lightning_megatron_fsdp.checkpoint.confined_files import FileWindow, open_regular
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
-from lightning_megatron_fsdp.checkpoint.format import (
+from lightning_megatron_fsdp.errors import CheckpointCorruptedError, NotACheckpointError
+from lightning_megatron_fsdp.storage import (
     DCP_METADATA_FILE,
     MANIFEST_FILE,
     MAX_EXAMPLES,
-    checkpoints_in_directory,
+    FileWindow,
+    StoreCheckpoint,
+    VerifyingFileSystemReader,
+    VerifyingFsspecReader,
+    check_tensor_record,
+    checkpoints_inside,
     count,
+    open_regular,
     summarise,
 )
-from lightning_megatron_fsdp.checkpoint.fsspec_storage import VerifyingFsspecReader
-from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint
-from lightning_megatron_fsdp.checkpoint.safe_unpickling import check_tensor_record
-from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
 from lightning_megatron_fsdp.tools.inspection import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
@@ -72,7 +73,6 @@ __all__ = [
     "StreamingReader",
     "TorchFile",
     "TreePlace",
-    "checkpoints_inside",
     "consolidate_checkpoint",
     "load_object",
     "parse_dtype",
@@ -331,21 +331,6 @@ def refuse_problems(
         f"Point at a complete checkpoint directory (one that has {MANIFEST_FILE}), or run "
         f"`lightning-megatron-fsdp inspect --verify {checkpoint}` for details."
     )
-
-
-def checkpoints_inside(path: Path | StoreCheckpoint) -> list[str]:
-    """Complete checkpoints directly inside ``path`` (by name), if ``path`` is not one.
-
-    A user who points at ``ModelCheckpoint``'s ``dirpath`` instead of one checkpoint in
-    it gets their names in the error.
-    """
-    if isinstance(path, StoreCheckpoint):
-        if path.store.locate(path.path) is not None:
-            return []
-        return path.store.checkpoints_under(path.path)
-    if not path.is_dir() or (path / MANIFEST_FILE).exists():
-        return []
-    return checkpoints_in_directory(path)
 
 
 def _file(location: Path | StoreCheckpoint, name: str) -> str:

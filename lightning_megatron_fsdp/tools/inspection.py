@@ -16,10 +16,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from lightning_megatron_fsdp.checkpoint.checksums import bytes_digest
-from lightning_megatron_fsdp.checkpoint.confined_files import FileWindow, open_regular, read_regular
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
-from lightning_megatron_fsdp.checkpoint.format import (
+from lightning_megatron_fsdp.errors import CheckpointCorruptedError, NotACheckpointError
+from lightning_megatron_fsdp.storage import (
     DCP_METADATA_FILE,
     FORMAT_NAME,
     MANIFEST_FILE,
@@ -27,29 +25,29 @@ from lightning_megatron_fsdp.checkpoint.format import (
     META_FILE,
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
+    UPSTREAM_FORMAT_NAME,
+    UPSTREAM_NOTE,
+    FileWindow,
     Manifest,
-    TensorSpec,
-    check_files,
-    count,
-    read_manifest,
-    summarise,
-)
-from lightning_megatron_fsdp.checkpoint.object_store import (
     StoreCheckpoint,
-    is_url,
-    local_path,
-    open_store,
-)
-from lightning_megatron_fsdp.checkpoint.safe_unpickling import (
+    TensorSpec,
+    bytes_digest,
+    check_files,
     check_tensor_record,
+    count,
     inflate_record,
     is_tensor_entry,
+    is_upstream_checkpoint,
+    is_url,
     load_dcp_metadata,
     load_weights_only,
+    local_path,
+    open_regular,
+    open_store,
+    read_manifest,
+    read_regular,
+    summarise,
 )
-from lightning_megatron_fsdp.weights.upstream_checkpoint import FORMAT_NAME as UPSTREAM_FORMAT_NAME
-from lightning_megatron_fsdp.weights.upstream_checkpoint import NOTE as UPSTREAM_NOTE
-from lightning_megatron_fsdp.weights.upstream_checkpoint import is_upstream_checkpoint
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import (
@@ -131,7 +129,7 @@ class CheckpointInfo:
         notes: Human-readable remarks (a missing manifest, an unreadable ``meta.pt``).
         source_format: The format of a directory without a manifest that was recognised
             anyway (megatron-fsdp's own ``save_checkpoint``,
-            ``upstream_checkpoint.FORMAT_NAME``), else ``None``.
+            ``upstream_checkpoint.UPSTREAM_FORMAT_NAME``), else ``None``.
         damaged: One line per file the manifest lists that is missing or has another
             size (compared without reading it); :func:`verify_checkpoint` checks the rest.
     """

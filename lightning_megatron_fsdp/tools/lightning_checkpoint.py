@@ -16,11 +16,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
-from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, META_FILE, Manifest
-from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint
-from lightning_megatron_fsdp.checkpoint.safe_unpickling import load_weights_only
-from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
+from lightning_megatron_fsdp.errors import CheckpointCorruptedError, NotACheckpointError
+from lightning_megatron_fsdp.storage import (
+    DCP_METADATA_FILE,
+    META_FILE,
+    Manifest,
+    StoreCheckpoint,
+    VerifyingFileSystemReader,
+    load_weights_only,
+)
 from lightning_megatron_fsdp.tools.export import (
     ExportEntry,
     TorchFile,

@@ -18,11 +18,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from lightning_megatron_fsdp.checkpoint.confined_files import create_exclusive
-from lightning_megatron_fsdp.checkpoint.object_store import (
+from lightning_megatron_fsdp.storage import (
     ObjectStore,
     StoreCheckpoint,
     abort_upload,
+    create_exclusive,
     is_url,
     local_path,
     open_store,
@@ -108,7 +108,7 @@ def check_output(
     Args:
         output: The destination.
         checkpoint: The checkpoint being exported (a ``Path`` or a
-            :class:`~lightning_megatron_fsdp.checkpoint.object_store.StoreCheckpoint`).
+            :class:`~lightning_megatron_fsdp.storage.object_store.StoreCheckpoint`).
         overwrite: Whether an existing output may be replaced.
         who: The public function, for error messages.
         checkpoint_prefix: For a checkpoint on an object store, the prefix the user named

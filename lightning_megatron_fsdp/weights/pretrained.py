@@ -25,14 +25,13 @@ from torch.optim import Optimizer
 
 from lightning_megatron_fsdp import _lightning, _torch
 from lightning_megatron_fsdp.agreement import Problem, Ranks
-from lightning_megatron_fsdp.checkpoint.format import OPTIMIZER_PREFIX, listed
-from lightning_megatron_fsdp.checkpoint.object_store import is_url, local_path
-from lightning_megatron_fsdp.megatron import _megatron
-from lightning_megatron_fsdp.megatron.optimizer_state import ensure_optimizer_state
-from lightning_megatron_fsdp.megatron.uneven_dtensor import (
+from lightning_megatron_fsdp.megatron import (
+    _megatron,
     attach_uneven_dtensor_metadata,
     chunk_metadata_by_fqn,
+    ensure_optimizer_state,
 )
+from lightning_megatron_fsdp.storage import OPTIMIZER_PREFIX, is_url, listed, local_path
 from lightning_megatron_fsdp.weights.weight_sources import (
     SourceError,
     SourceTensorSpec,

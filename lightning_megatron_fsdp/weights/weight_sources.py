@@ -30,30 +30,29 @@ import torch
 
 from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.agreement import Problem, Ranks
-from lightning_megatron_fsdp.checkpoint.errors import (
+from lightning_megatron_fsdp.errors import (
     CheckpointError,
     CheckpointMismatchError,
     NotACheckpointError,
 )
-from lightning_megatron_fsdp.checkpoint.format import (
+from lightning_megatron_fsdp.megatron import dcp_view, keep_loaded_values
+from lightning_megatron_fsdp.storage import (
     DCP_METADATA_FILE,
     MANIFEST_FILE,
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
-    check_files,
-    read_manifest,
-)
-from lightning_megatron_fsdp.checkpoint.fsspec_storage import VerifyingFsspecReader
-from lightning_megatron_fsdp.checkpoint.object_store import (
     ObjectStore,
     StoreCheckpoint,
+    VerifyingFileSystemReader,
+    VerifyingFsspecReader,
+    check_files,
+    checkpoints_inside,
+    internal_keys,
+    is_upstream_checkpoint,
     is_url,
     open_store,
+    read_manifest,
 )
-from lightning_megatron_fsdp.checkpoint.storage import VerifyingFileSystemReader
-from lightning_megatron_fsdp.megatron.checkpointable_chunks import dcp_view, keep_loaded_values
-from lightning_megatron_fsdp.tools.export import checkpoints_inside
-from lightning_megatron_fsdp.weights import upstream_checkpoint
 
 __all__ = [
     "SourceError",
@@ -487,7 +486,7 @@ class _DcpSource(WeightSource):
     """A DCP directory: ours (``state_dict.``/``optimizer_states.<i>.`` keys), Lightning
     ``ModelParallelStrategy``'s (``state_dict.``/``optimizer_<i>.``), megatron-fsdp's own
     ``save_checkpoint`` (``model.``/``optimizer.``, see
-    :mod:`~lightning_megatron_fsdp.weights.upstream_checkpoint`), or a plain ``dcp.save`` of a
+    :mod:`~lightning_megatron_fsdp.storage.upstream_checkpoint`), or a plain ``dcp.save`` of a
     model state dict (FQN keys).
 
     Reads go through one ``dcp.load`` (a collective) into the live sharded tensors, whose
@@ -522,8 +521,8 @@ class _DcpSource(WeightSource):
                 self._dcp_key[internal] = key
             elif key.startswith(model_prefix):
                 self._dcp_key[key[len(model_prefix) :]] = key
-        if upstream_checkpoint.is_upstream_checkpoint(metadata):  # megatron-fsdp's own format
-            self._dcp_key = upstream_checkpoint.internal_keys(metadata)
+        if is_upstream_checkpoint(metadata):  # megatron-fsdp's own format
+            self._dcp_key = internal_keys(metadata)
         self._specs: dict[str, SourceTensorSpec] = {}
         for internal, key in self._dcp_key.items():
             entry = saved[key]

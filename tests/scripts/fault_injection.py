@@ -57,13 +57,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-import lightning_megatron_fsdp.checkpoint.commit as commit
+import lightning_megatron_fsdp.storage.commit as commit
 from lightning_megatron_fsdp import (
     attach_uneven_dtensor_metadata,
     enable_cpu_execution,
     ensure_optimizer_state,
 )
-from lightning_megatron_fsdp.checkpoint.storage import (
+from lightning_megatron_fsdp.storage.filesystem import (
     ChecksummingFileSystemWriter,
     VerifyingFileSystemReader,
 )

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_megatron_fsdp.strategies import interpreter_exit
+from lightning_megatron_fsdp.common import interpreter_exit
 
 if __name__ == "__main__":
     torch.set_num_threads(2)  # a pool of one more thread, on any machine

@@ -49,7 +49,7 @@ if __name__ == "__main__":
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     if hook == "exit_hook":
-        from lightning_megatron_fsdp.strategies.interpreter_exit import register_exit_hook
+        from lightning_megatron_fsdp.common.interpreter_exit import register_exit_hook
 
         register_exit_hook()
     group = dist.group.WORLD  # held to the end, as a model holds its mesh's groups

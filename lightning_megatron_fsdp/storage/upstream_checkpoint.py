@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["FORMAT_NAME", "NOTE", "internal_keys", "is_upstream_checkpoint"]
+__all__ = ["UPSTREAM_FORMAT_NAME", "UPSTREAM_NOTE", "internal_keys", "is_upstream_checkpoint"]
 
 #: What ``inspect`` reports as the format of such a directory.
-FORMAT_NAME = "megatron-fsdp save_checkpoint"
+UPSTREAM_FORMAT_NAME = "megatron-fsdp save_checkpoint"
 
 #: The remark ``inspect`` prints instead of "manifest.json missing".
-NOTE = (
+UPSTREAM_NOTE = (
     "written by megatron_fsdp.experimental.checkpoint.save_checkpoint (keys model.<fqn>, "
     "optimizer.state.<fqn>.<name>): no manifest.json or meta.pt, so no checksums, epoch "
     "or step. Load it with init_weights_from= / load_full_weights (weights, and optimizer "

@@ -1,6 +1,6 @@
 """Which DCP writer and reader move a checkpoint's bytes, chosen in one place: the save and
 load phases ask a :class:`CheckpointStorage` for them and never name a backend, as they ask
-the :class:`~lightning_megatron_fsdp.checkpoint.commit.CheckpointStore` for the commit. A
+the :class:`~lightning_megatron_fsdp.storage.commit.CheckpointStore` for the commit. A
 second backend plugs in as a store for its commit and a storage for its bytes, both handed
 to the plugin's options (docs/DESIGN.md, "Object storage").
 """
@@ -11,15 +11,15 @@ from typing import Any, Protocol
 
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from lightning_megatron_fsdp.checkpoint.fsspec_storage import (
-    ChecksummingFsspecWriter,
-    VerifyingFsspecReader,
-)
-from lightning_megatron_fsdp.checkpoint.object_store import StoreCheckpoint
-from lightning_megatron_fsdp.checkpoint.storage import (
+from lightning_megatron_fsdp.storage.filesystem import (
     ChecksummingFileSystemWriter,
     VerifyingFileSystemReader,
 )
+from lightning_megatron_fsdp.storage.fsspec_storage import (
+    ChecksummingFsspecWriter,
+    VerifyingFsspecReader,
+)
+from lightning_megatron_fsdp.storage.object_store import StoreCheckpoint
 
 __all__ = ["CheckpointStorage", "FilesAndObjects"]
 

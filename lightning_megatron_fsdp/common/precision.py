@@ -22,9 +22,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_megatron_fsdp import _lightning
-from lightning_megatron_fsdp.megatron import _megatron
-from lightning_megatron_fsdp.megatron._megatron import MixedPrecisionPolicy
-from lightning_megatron_fsdp.megatron.gather import (
+from lightning_megatron_fsdp.megatron import (
+    MixedPrecisionPolicy,
+    _megatron,
     bind_full_tensor,
     lightning_grad_norm_explained,
     local_grad,

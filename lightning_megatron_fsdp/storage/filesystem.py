@@ -45,22 +45,22 @@ from torch.futures import Future
 from typing_extensions import override
 
 from lightning_megatron_fsdp import _torch
-from lightning_megatron_fsdp.checkpoint.checksums import (
+from lightning_megatron_fsdp.errors import CheckpointCorruptedError, NotACheckpointError
+from lightning_megatron_fsdp.storage.checksums import (
     bytes_digest,
     crc32c,
     crc32c_combine,
     crc32c_hex,
     file_digest,
 )
-from lightning_megatron_fsdp.checkpoint.confined_files import (
+from lightning_megatron_fsdp.storage.confined_files import (
     open_regular,
     read_regular,
     regular_size,
 )
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError, NotACheckpointError
-from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, Manifest, read_manifest
-from lightning_megatron_fsdp.checkpoint.records import TensorRecords, shared_records
-from lightning_megatron_fsdp.checkpoint.safe_unpickling import (
+from lightning_megatron_fsdp.storage.format import DCP_METADATA_FILE, Manifest, read_manifest
+from lightning_megatron_fsdp.storage.records import TensorRecords, shared_records
+from lightning_megatron_fsdp.storage.safe_unpickling import (
     check_tensor_record,
     inflate_record,
     load_dcp_metadata,
@@ -149,7 +149,7 @@ class RecordStream(io.RawIOBase):
         return size
 
     def write_raw(self, data: Any) -> None:
-        """Write a piece of a record that :class:`~lightning_megatron_fsdp.checkpoint.records.
+        """Write a piece of a record that :class:`~lightning_megatron_fsdp.storage.records.
         TensorRecords` built itself (no sniffing: it reports the payload's place)."""
         if self._checksum:
             self._crc = _crc32c_update(data, self._crc)
@@ -337,7 +337,7 @@ class ChecksummingFileSystemWriter(_torch.OwnWriteLoopWriter):
         checksum: Compute CRC32Cs; ``False`` still records payload offsets (they make
             loading fast) and file sizes.
         records: Writes the tensor records; the process's shared
-            :class:`~lightning_megatron_fsdp.checkpoint.records.TensorRecords` (whose
+            :class:`~lightning_megatron_fsdp.storage.records.TensorRecords` (whose
             templates outlive one save) when ``None``.
         *args, **kwargs: ``FileSystemWriter``'s options, positional or by name
             (``single_file_per_rank``, ``sync_files``, ``thread_count``, ...,

@@ -12,37 +12,31 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import ClusterEnvironment
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_megatron_fsdp import _lightning, _torch
-from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointSaveError
-from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.checkpoint.save import PerRank
-from lightning_megatron_fsdp.megatron._megatron import FsdpModule, MixedPrecisionPolicy, Placements
-from lightning_megatron_fsdp.megatron.cpu_execution import enable_cpu_execution
-from lightning_megatron_fsdp.megatron.sharding import (
+from lightning_megatron_fsdp.common.interpreter_exit import register_exit_hook
+from lightning_megatron_fsdp.megatron import (
     AutoWrapPolicy,
+    FsdpModule,
+    MixedPrecisionPolicy,
+    Placements,
     check_fully_sharded,
     check_no_foreign_sharding,
     check_placements,
+    enable_cpu_execution,
     materialize_outside_units,
     plan_units,
     shard_unit,
     sharding_scope,
 )
-from lightning_megatron_fsdp.megatron.uneven_dtensor import attach_uneven_dtensor_metadata
-from lightning_megatron_fsdp.strategies.exact_resume import RNG_STATES_KEY, rng_states_of
-from lightning_megatron_fsdp.strategies.interpreter_exit import register_exit_hook
 
 __all__ = [
     "ModelSharder",
     "join_process_group",
     "move_unsharded_state",
-    "save_sharded_checkpoint",
 ]
 
 
@@ -56,7 +50,7 @@ def join_process_group(
 
     Lightning registers its destruction at exit for NCCL only; the exit hook destroys it
     for every backend, then waits until gloo's worker threads are done with Python
-    (:mod:`~lightning_megatron_fsdp.strategies.interpreter_exit`). Registered also for a group the
+    (:mod:`~lightning_megatron_fsdp.common.interpreter_exit`). Registered also for a group the
     user created: the race is the same. Off CUDA the CPU adapter is enabled.
     """
     kwargs: dict[str, Any] = {"timeout": timeout}
@@ -160,66 +154,3 @@ def move_unsharded_state(model: nn.Module, device: torch.device) -> None:
             if buffer is not None and buffer.device != device:
                 buffers[name] = buffer.to(device)
     _lightning.update_properties(model, device=device)
-
-
-def save_sharded_checkpoint(
-    io: CheckpointIO,
-    checkpoint: dict[str, Any],
-    filepath: Any,
-    model: nn.Module,
-    rng_states: Any,
-    *,
-    where: str,
-    storage_options: Any | None = None,
-    commit: bool = False,
-) -> None:
-    """Save ``checkpoint`` with each packed shard's true chunk attached. Collective.
-
-    ``checkpoint`` is Lightning's checkpoint dict: ``"state_dict"`` (FQN-keyed, from
-    ``get_model_state_dict``), ``"optimizer_states"`` (FQN-keyed, from
-    ``get_optimizer_state_dict``) and the picklable rest; ``rng_states`` is this rank's
-    random streams, gathered into rank 0's ``meta.pt``. The path is rank 0's. Attaching is
-    rank-local and can fail on one rank alone, so the ranks agree on its outcome before
-    the IO's first collective. With ``commit`` the IO's teardown runs after the save, so an
-    async save is committed when the call returns (nothing later waits for it).
-
-    Raises:
-        CheckpointSaveError: On every rank if any rank fails (naming the failing rank and
-            its error); nothing is written.
-    """
-
-    def attach() -> None:
-        attach_uneven_dtensor_metadata(model, checkpoint.get("state_dict", {}), {})
-        for optimizer_state in checkpoint.get("optimizer_states", []):
-            attach_uneven_dtensor_metadata(model, {}, optimizer_state)
-
-    # Every rank's random streams, in rank 0's meta.pt: gathered by the save's first round.
-    checkpoint[RNG_STATES_KEY] = PerRank(rng_states, combine=rng_states_of)
-    try:
-        if isinstance(io, MegatronFSDPCheckpointIO):
-            # One round agrees on the path, the attached metadata and the layout.
-            io.save_checkpoint(checkpoint, filepath, storage_options, prepare=attach)
-        else:  # a wrapper or another plugin: the same steps, a round each
-            ranks = Ranks.of()
-            path = ranks.broadcast_from_first(str(filepath))
-            checkpoint[RNG_STATES_KEY] = rng_states_of(
-                ranks.all_gather(checkpoint[RNG_STATES_KEY].value)
-            )
-            error: Exception | None = None
-            try:
-                attach()
-            except Exception as err:
-                error = err
-            ranks.raise_together(
-                f"{where}: saving checkpoint {path} (attaching chunk metadata)",
-                error,
-                CheckpointSaveError,
-                consequence="nothing was written",
-            )
-            io.save_checkpoint(checkpoint, path, storage_options=storage_options)
-        if commit:
-            io.teardown()
-    except CheckpointException as err:  # a BaseException: never let it escape as is
-        raise CheckpointSaveError(
-            f"{where}: " + dcp_failure_message("Saving", filepath, err)
-        ) from err

@@ -1,7 +1,7 @@
 """DCP storage on any fsspec filesystem, with the same CRC32C records and checks as on disk.
 
 :class:`ChecksummingFsspecWriter` and :class:`VerifyingFsspecReader` are the local writer and
-reader of :mod:`~lightning_megatron_fsdp.checkpoint.storage` with their file access pointed at
+reader of :mod:`~lightning_megatron_fsdp.storage.filesystem` with their file access pointed at
 an fsspec filesystem. A save must not need much more memory than the state it writes, so
 each rank's shard objects go up in parts filled from a bounded, reused set of buffers (on
 S3 a multipart upload handed to the client without a copy), the CRC32C of every record
@@ -33,14 +33,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from typing_extensions import override
 
-from lightning_megatron_fsdp.checkpoint.errors import NotACheckpointError
-from lightning_megatron_fsdp.checkpoint.format import DCP_METADATA_FILE, Manifest
-from lightning_megatron_fsdp.checkpoint.object_store import ObjectStore, abort_upload
-from lightning_megatron_fsdp.checkpoint.storage import (
+from lightning_megatron_fsdp.errors import NotACheckpointError
+from lightning_megatron_fsdp.storage.filesystem import (
     ChecksummingFileSystemWriter,
     VerifyingFileSystemReader,
     byte_view,
 )
+from lightning_megatron_fsdp.storage.format import DCP_METADATA_FILE, Manifest
+from lightning_megatron_fsdp.storage.object_store import ObjectStore, abort_upload
 
 __all__ = ["ChecksummingFsspecWriter", "VerifyingFsspecReader"]
 

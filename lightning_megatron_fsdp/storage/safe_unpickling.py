@@ -35,9 +35,9 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from lightning_megatron_fsdp.checkpoint import metadata_records
-from lightning_megatron_fsdp.checkpoint.confined_files import check_plain_name
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointCorruptedError
+from lightning_megatron_fsdp.errors import CheckpointCorruptedError
+from lightning_megatron_fsdp.storage import metadata_records
+from lightning_megatron_fsdp.storage.confined_files import check_plain_name
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

@@ -23,19 +23,23 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_megatron_fsdp import _lightning
-from lightning_megatron_fsdp.megatron._megatron import MixedPrecisionPolicy, Placements
-from lightning_megatron_fsdp.megatron.mesh import (
+from lightning_megatron_fsdp.common.model_setup import ModelSharder, join_process_group
+from lightning_megatron_fsdp.common.precision import MegatronFSDPPrecision
+from lightning_megatron_fsdp.megatron import (
+    AutoWrapPolicy,
     MeshRequest,
+    MixedPrecisionPolicy,
+    Placements,
+    ShardingMode,
     build_device_mesh,
     check_mesh_fits_world,
+    check_replicas,
     mesh_ndim,
+    resolve_sharding_mode,
+    sync_replicas,
+    validate_auto_wrap_policy,
     validate_device_mesh,
 )
-from lightning_megatron_fsdp.megatron.replicas import check_replicas, sync_replicas
-from lightning_megatron_fsdp.megatron.sharding import AutoWrapPolicy, validate_auto_wrap_policy
-from lightning_megatron_fsdp.megatron.sharding_modes import ShardingMode, resolve_sharding_mode
-from lightning_megatron_fsdp.strategies.model_setup import ModelSharder, join_process_group
-from lightning_megatron_fsdp.strategies.precision import MegatronFSDPPrecision
 
 __all__ = ["StrategyOptions", "StrategyOptionsMixin"]
 

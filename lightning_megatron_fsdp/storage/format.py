@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from lightning_megatron_fsdp.agreement import Problem
-from lightning_megatron_fsdp.checkpoint.checksums import ALGORITHMS, file_digest
-from lightning_megatron_fsdp.checkpoint.confined_files import (
+from lightning_megatron_fsdp.errors import CheckpointMismatchError, NotACheckpointError
+from lightning_megatron_fsdp.storage.checksums import ALGORITHMS, file_digest
+from lightning_megatron_fsdp.storage.confined_files import (
     check_plain_name,
     read_regular,
     regular_size,
 )
-from lightning_megatron_fsdp.checkpoint.errors import CheckpointMismatchError, NotACheckpointError
 
 __all__ = [
     "ASIDE",

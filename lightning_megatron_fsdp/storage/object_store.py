@@ -23,20 +23,22 @@ import posixpath
 import re
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from lightning_megatron_fsdp.checkpoint.checksums import stream_digest
-from lightning_megatron_fsdp.checkpoint.commit import reach
-from lightning_megatron_fsdp.checkpoint.errors import (
+from lightning_megatron_fsdp.errors import (
     CheckpointError,
     CheckpointSaveError,
     NotACheckpointError,
 )
-from lightning_megatron_fsdp.checkpoint.format import (
+from lightning_megatron_fsdp.storage.checksums import stream_digest
+from lightning_megatron_fsdp.storage.commit import reach
+from lightning_megatron_fsdp.storage.format import (
     DCP_METADATA_FILE,
     MANIFEST_FILE,
     Manifest,
     check_digests,
+    checkpoints_in_directory,
     summarise,
 )
 
@@ -46,6 +48,7 @@ __all__ = [
     "StoreCheckpoint",
     "StoreVersion",
     "abort_upload",
+    "checkpoints_inside",
     "is_url",
     "local_path",
     "open_store",
@@ -605,10 +608,10 @@ def open_store(
 
 
 class ObjectStores:
-    """The plugin's :class:`~lightning_megatron_fsdp.checkpoint.commit.CheckpointStore`:
+    """The plugin's :class:`~lightning_megatron_fsdp.storage.commit.CheckpointStore`:
     URLs go to the versioned object-store layout (:class:`ObjectStore`), every other path
     to ``local`` (the exchange-rename commit of
-    :class:`~lightning_megatron_fsdp.checkpoint.commit.LocalDirectories`).
+    :class:`~lightning_megatron_fsdp.storage.commit.LocalDirectories`).
 
     Each method routes on its location's type, so a save or load never mixes the two.
 
@@ -747,3 +750,18 @@ class ObjectStores:
         if isinstance(location, StoreCheckpoint):
             return location.read_bytes(name)
         return bytes(self.local.read_bytes(location, name))
+
+
+def checkpoints_inside(path: Path | StoreCheckpoint) -> list[str]:
+    """Complete checkpoints directly inside ``path`` (by name), if ``path`` is not one.
+
+    A user who points at ``ModelCheckpoint``'s ``dirpath`` instead of one checkpoint in
+    it gets their names in the error.
+    """
+    if isinstance(path, StoreCheckpoint):
+        if path.store.locate(path.path) is not None:
+            return []
+        return path.store.checkpoints_under(path.path)
+    if not path.is_dir() or (path / MANIFEST_FILE).exists():
+        return []
+    return checkpoints_in_directory(path)

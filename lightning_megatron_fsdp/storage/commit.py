@@ -25,14 +25,14 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from lightning_megatron_fsdp.checkpoint.checksums import file_digest
-from lightning_megatron_fsdp.checkpoint.confined_files import read_regular
-from lightning_megatron_fsdp.checkpoint.errors import (
+from lightning_megatron_fsdp.errors import (
     CheckpointError,
     CheckpointSaveError,
     NotACheckpointError,
 )
-from lightning_megatron_fsdp.checkpoint.format import (
+from lightning_megatron_fsdp.storage.checksums import file_digest
+from lightning_megatron_fsdp.storage.confined_files import read_regular
+from lightning_megatron_fsdp.storage.format import (
     ASIDE,
     DELETING,
     MANIFEST_FILE,
@@ -97,7 +97,7 @@ class CheckpointStore(Protocol):
     atomic rename commits by writing the manifest last in :meth:`publish`.
 
     Locations are the backend's own (a ``Path`` here; an object-store backend has its
-    own type, see :mod:`~lightning_megatron_fsdp.checkpoint.object_store`): every method
+    own type, see :mod:`~lightning_megatron_fsdp.storage.object_store`): every method
     below that reads or writes files takes one, so the save and load phases never touch a
     filesystem themselves.
     """
@@ -465,7 +465,7 @@ class LocalDirectories:
         return {p.name: p.stat().st_size for p in location.iterdir()}
 
     def digest(self, location: Path, name: str, algorithm: str) -> str:
-        """:func:`~lightning_megatron_fsdp.checkpoint.checksums.file_digest`."""
+        """:func:`~lightning_megatron_fsdp.storage.checksums.file_digest`."""
         return file_digest(location / name, algorithm)
 
     def resolve(self, final: Path) -> Path:
@@ -473,13 +473,13 @@ class LocalDirectories:
         return final
 
     def read_manifest(self, location: Path) -> Manifest:
-        """:func:`~lightning_megatron_fsdp.checkpoint.format.read_manifest`."""
+        """:func:`~lightning_megatron_fsdp.storage.format.read_manifest`."""
         return read_manifest(location)
 
     def check_files(
         self, location: Path, manifest: Manifest, *, checksum_files: list[str] | None = None
     ) -> list[str]:
-        """:func:`~lightning_megatron_fsdp.checkpoint.format.check_files`."""
+        """:func:`~lightning_megatron_fsdp.storage.format.check_files`."""
         return check_files(location, manifest, checksum_files=checksum_files)
 
     def read_bytes(self, location: Path, name: str) -> bytes:

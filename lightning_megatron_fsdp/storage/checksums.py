@@ -16,7 +16,7 @@ from typing import Any
 
 import crc32c as _crc32c
 
-from lightning_megatron_fsdp.checkpoint.confined_files import open_regular
+from lightning_megatron_fsdp.storage.confined_files import open_regular
 
 __all__ = [
     "ALGORITHMS",
