@@ -1,8 +1,8 @@
 """``.metadata`` read as records holds what DCP's own classes hold.
 
-The offline tools read the index into ``checkpoint.metadata_records`` (no
+The offline tools read the index into ``storage.metadata_records`` (no
 ``torch.distributed.checkpoint`` import); a load reads it into DCP's classes. Both go through
-one allow-list and one field check (``checkpoint.safe_unpickling``), so the two readings
+one allow-list and one field check (``storage.safe_unpickling``), so the two readings
 must agree field for field on every checkpoint: one this torch wrote (optimizer state, byte
 records, our CRC32C annotations), the committed format-1 fixture (two ranks), and the
 torch 2.15 fixture (a sixth ``TensorProperties`` field). And the records must carry DCP's

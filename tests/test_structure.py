@@ -68,7 +68,7 @@ def _private(name: str) -> bool:
 
 
 def _package_module(target: str) -> str | None:
-    """The package module an import names (``checkpoint.format``), or ``None``."""
+    """The package module an import names (``storage.format``), or ``None``."""
     if target == "lightning_megatron_fsdp":
         return None
     if target.startswith("lightning_megatron_fsdp."):

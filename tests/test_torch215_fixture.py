@@ -2,7 +2,7 @@
 
 torch 2.15 pickles a sixth field (``strides``) into DCP's ``TensorProperties``; torch 2.13
 and 2.14 unpickle five and fail ("too many values to unpack"). The allow-list unpickler
-reads the newer form there (``checkpoint.safe_unpickling``). The fixture was written by
+reads the newer form there (``storage.safe_unpickling``). The fixture was written by
 this package under torch 2.15 (``tests/fixtures/torch215/make_fixture.py``); CI's first two
 passes run this on torch 2.13, the third on 2.15.
 """

@@ -33,8 +33,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_megatron_fsdp import PretrainedWeights, inspect_checkpoint, verify_checkpoint
 from lightning_megatron_fsdp.storage.upstream_checkpoint import (
-    FORMAT_NAME,
-    NOTE,
+    UPSTREAM_FORMAT_NAME,
+    UPSTREAM_NOTE,
     internal_keys,
     is_upstream_checkpoint,
 )
@@ -124,8 +124,8 @@ def test_inspect_and_verify_recognise_the_format(
 ) -> None:
     path, _ = upstream_save
     info = inspect_checkpoint(path)
-    assert info.source_format == FORMAT_NAME and info.manifest is None
-    assert info.notes == (NOTE,)
+    assert info.source_format == UPSTREAM_FORMAT_NAME and info.manifest is None
+    assert info.notes == (UPSTREAM_NOTE,)
     keys = {t.key for t in info.tensors}
     assert {"model.embed.weight", "optimizer.state.embed.weight.exp_avg"} <= keys
     assert "optimizer.param_groups.0.lr" in info.objects
@@ -133,11 +133,11 @@ def test_inspect_and_verify_recognise_the_format(
 
     assert cli_main(["inspect", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["format"] == FORMAT_NAME and data["notes"] == [NOTE]
+    assert data["format"] == UPSTREAM_FORMAT_NAME and data["notes"] == [UPSTREAM_NOTE]
     assert cli_main(["inspect", str(path), "--verify"]) == 0
     out = capsys.readouterr().out
-    assert f"format       {FORMAT_NAME}\n" in out
-    assert f"verify: OK ({FORMAT_NAME}: no manifest.json" in out
+    assert f"format       {UPSTREAM_FORMAT_NAME}\n" in out
+    assert f"verify: OK ({UPSTREAM_FORMAT_NAME}: no manifest.json" in out
 
     # A damaged one still fails: the format excuses the missing manifest, not lost data.
     shard = next(path.glob("*.distcp"))

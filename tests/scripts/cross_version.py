@@ -34,7 +34,7 @@ from lightning_megatron_fsdp import (
     enable_cpu_execution,
     load_full_weights,
 )
-from lightning_megatron_fsdp.checkpoint.load import load_into_sharded_model
+from lightning_megatron_fsdp.common.sharded_checkpoint import load_into_sharded_model
 from tests.harness import run_distributed
 from tests.models import (
     bf16_policy,
