@@ -40,7 +40,7 @@ read warm, so the ratio stays fair.
 
 Run: ``python -m benchmarks.bench_save_load [--quick] [--json PATH]`` from the repo root.
 The script also runs against an older checkout of the library (the sides are constructor
-options every version accepts), which is how RESULTS.md's "before" column was measured.
+options every version accepts), which is how before/after comparisons are measured.
 """
 
 from __future__ import annotations

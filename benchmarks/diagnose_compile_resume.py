@@ -1,7 +1,7 @@
 """Diagnosis (issue 12): why an inductor-compiled run resumed off by 1 ulp at isolated steps.
 
-Not a benchmark with a target: a reproducible experiment whose table docs/DESIGN.md
-("torch.compile") quotes. The setup is ``tests/test_compile.py``'s, with inductor instead
+Not a benchmark with a target: a reproducible experiment whose table benchmarks/RESULTS.md
+("torch.compile resume") quotes. The setup is ``tests/test_compile.py``'s, with inductor instead
 of ``aot_eager``: a ``PackedLM`` whose 4 identical blocks are sharded and compiled one by
 one (``block.compile()``) in ``configure_model``, 2 CPU ranks, the real ``Trainer``,
 ``StatefulDataLoader``, 6 steps over 3 epochs with a checkpoint after every step. Each

@@ -1,7 +1,7 @@
 """Diagnosis (issue 26): where each sharding mode's training step spends its time, beside DDP.
 
-Not a benchmark with a target: a reproducible breakdown that benchmarks/RESULTS.md ("Issue
-26") quotes. Same GPT, data, optimizer and ranks as ``bench_sharding_modes`` (2 gloo CPU
+Not a benchmark with a target: a reproducible breakdown that benchmarks/RESULTS.md ("Sharding
+modes") quotes. Same GPT, data, optimizer and ranks as ``bench_sharding_modes`` (2 gloo CPU
 ranks, the real Trainer, no ``mallopt``: the allocator as users get it). Per step, the wall
 time of the forward (``on_train_batch_start`` to ``on_before_backward``: the step's
 ``training_step`` and ``zero_grad``), the backward (to ``on_after_backward``) and the

@@ -11,11 +11,14 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_megatron_fsdp"
-DESIGN = PACKAGE.parent / "docs" / "DESIGN.md"
-# The framework adapters (DESIGN.md, "Modules"): the only modules that may use private
+ROOT = PACKAGE.parent
+DESIGN = ROOT / "docs" / "DESIGN.md"
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+# The framework adapters (DESIGN.md, "Layers"): the only modules that may use private
 # names of megatron-fsdp (the first two), torch and Lightning.
 MEGATRON_MODULES = {"_megatron", "cpu_execution"}
 ADAPTERS = MEGATRON_MODULES | {"_torch", "_lightning"}
@@ -457,3 +460,53 @@ def test_megatron_attributes_only_in_one_module() -> None:
     shim = _module_named("_megatron")
     used = {n.attr for n in ast.walk(shim) if isinstance(n, ast.Attribute)}
     assert {"main_weight", "layout", "tensor_to_offset", "_unshard_event"} <= used
+
+
+# docs/DESIGN.md stays short enough for a newcomer to read; module detail goes in docstrings.
+DESIGN_MAX_LINES = 700
+
+
+def _headings(doc: Path) -> list[str]:
+    return [
+        line.lstrip("#").strip() for line in doc.read_text().splitlines() if line.startswith("#")
+    ]
+
+
+def _citations(doc_name: str) -> list[tuple[str, str]]:
+    """Every ``<doc_name>, "Section"`` citation (``"A", "B" and "C"`` chains too) in the
+    package, the tests, the benchmarks, the examples, the docs and the README, as (file,
+    section). Comment markers and line breaks inside a citation are folded away first."""
+    chain = re.compile(re.escape(doc_name) + r'`?\s*[,(]\s*("[^"]+"(?:\s*(?:,|and)\s*"[^"]+")*)')
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for folder in ("lightning_megatron_fsdp", "tests", "benchmarks", "examples"):
+        files += sorted((ROOT / folder).rglob("*.py")) + sorted((ROOT / folder).rglob("*.md"))
+    found = []
+    for path in files:
+        text = re.sub(r"\s*\n\s*(?:#+ ?)?", " ", path.read_text())
+        for match in chain.finditer(text):
+            found += [(path.name, s) for s in re.findall(r'"([^"]+)"', match.group(1))]
+    return found
+
+
+def _cites_a_heading(section: str, headings: list[str]) -> bool:
+    """``"Save path"`` names ``## Save path (one way)``: a heading that is the section, or
+    begins with it and then a space, colon or parenthesis."""
+    return any(re.match(re.escape(section) + r"(?:$|[\s:(])", h) for h in headings)
+
+
+def test_design_is_short() -> None:
+    lines = len(DESIGN.read_text().splitlines())
+    assert lines <= DESIGN_MAX_LINES, (
+        f"docs/DESIGN.md has {lines} lines, more than {DESIGN_MAX_LINES}: move a module's "
+        "mechanism into its docstring and measurements into benchmarks/RESULTS.md"
+    )
+
+
+def test_doc_citations_name_existing_sections() -> None:
+    for doc in (DESIGN, RESULTS):
+        headings = _headings(doc)
+        citations = _citations(doc.name)
+        # Not vacuous: the package, the tests and the README cite both documents.
+        assert len(citations) >= 5, (doc.name, citations)
+        wrong = [f"{f}: {s!r}" for f, s in citations if not _cites_a_heading(s, headings)]
+        assert not wrong, f"{doc.name} has no such heading: {wrong}"

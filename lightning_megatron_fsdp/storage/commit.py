@@ -6,7 +6,7 @@ has none), so ``<name>`` always holds a complete checkpoint, the previous or the
 crash between the two renames is repaired on the next load or lookup; a removal renames the
 directory aside before deleting it. :class:`CheckpointStore` is the seam: the local
 filesystem is one backend (:class:`LocalDirectories`), and a store without rename can be
-another (docs/DESIGN.md, "Commit").
+another (docs/DESIGN.md, "Commit and crash phases").
 """
 
 from __future__ import annotations

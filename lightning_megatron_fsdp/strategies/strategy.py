@@ -2,7 +2,7 @@
 Megatron-FSDP on every device. It is Lightning glue only: it fits megatron-fsdp's
 library-style ``fully_shard`` (bottom-up units, its optimizer adapter, packed shards) into
 Lightning's ``ParallelStrategy`` contract, and hands each mechanism to the module that holds
-it (docs/DESIGN.md, "Module notes").
+it (docs/DESIGN.md, "Layers").
 """
 
 from __future__ import annotations
