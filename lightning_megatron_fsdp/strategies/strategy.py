@@ -335,9 +335,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         for index, optimizer in enumerate(self.optimizers):
             reject_closure_optimizer(optimizer)
             check_optimizer_parameters(optimizer, self.lightning_module, index, _STRATEGY)
-            if not getattr(optimizer, "_lmf_fully_sharded", False):
-                _megatron.fully_shard_optimizer(optimizer)
-                optimizer._lmf_fully_sharded = True  # type: ignore[attr-defined]
+            _megatron.fully_shard_optimizer(optimizer)  # once per optimizer
 
     @override
     def model_to_device(self) -> None:
