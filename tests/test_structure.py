@@ -523,3 +523,29 @@ def test_megatron_attributes_only_in_one_module() -> None:
     shim = _module_named("_megatron")
     used = {n.attr for n in ast.walk(shim) if isinstance(n, ast.Attribute)}
     assert {"main_weight", "layout", "tensor_to_offset", "_unshard_event"} <= used
+
+
+# Lightning's ``ModelParallelStrategy`` defines 28 methods of its own; ours keeps each
+# mechanism in the module that holds it (steps.py, join.py, launcher.py, common/) and its own
+# body to Lightning's hooks, thin.
+MAX_STRATEGY_METHODS = 30
+
+
+def test_trainer_strategy_is_thin() -> None:
+    """``MegatronFSDPStrategy`` (Trainer) defines at most ``MAX_STRATEGY_METHODS`` methods in
+    its own body (a property's getter and setter count as two)."""
+    tree = _modules()["strategies.strategy"]
+    (strategy,) = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.ClassDef) and node.name == "MegatronFSDPStrategy"
+    ]
+    methods = [
+        node.name
+        for node in strategy.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+    assert len(methods) <= MAX_STRATEGY_METHODS, (
+        f"MegatronFSDPStrategy defines {len(methods)} methods (at most {MAX_STRATEGY_METHODS}): "
+        f"{methods}; move a mechanism into the module that holds it"
+    )
