@@ -47,11 +47,13 @@ __all__ = [
     "forget_dataloader_states_to_load",
     "init_dist_connection",
     "layer_sync",
+    "metric_counters",
     "metric_state_names",
     "reset_optimizers_and_schedulers",
     "set_current_fx_name",
     "set_data_fetcher",
     "set_device_mesh",
+    "set_metric_counters",
     "set_sampler_epoch",
     "sync_ddp_if_available",
     "unwrap_optimizer",
@@ -140,6 +142,23 @@ def reset_optimizers_and_schedulers(strategy: Any) -> None:
 def metric_state_names(metric: Any) -> list[str]:
     """The state names a torchmetrics ``Metric`` registered with ``add_state``."""
     return list(metric._defaults)
+
+
+# What a torchmetrics ``Metric`` counts and caches beside its states.
+_METRIC_COUNTERS = ("_update_count", "_computed", "_forward_cache", "_is_synced", "_should_unsync")
+
+
+def metric_counters(metric: Any) -> dict[str, Any]:
+    """What a torchmetrics ``Metric`` keeps beside its states (the update count, the cached
+    ``compute`` and ``forward`` results, the sync flags), for :func:`set_metric_counters`."""
+    fields = vars(metric)
+    return {name: fields[name] for name in _METRIC_COUNTERS if name in fields}
+
+
+def set_metric_counters(metric: Any, counters: dict[str, Any]) -> None:
+    """Put back what :func:`metric_counters` returned."""
+    for name, value in counters.items():
+        setattr(metric, name, value)
 
 
 def validate_keys_for_strict_loading(requested: Any, available: Any, *, strict: bool) -> None:

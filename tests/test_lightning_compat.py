@@ -183,6 +183,25 @@ def test_metric_state_names() -> None:
     )
 
 
+def test_metric_counters() -> None:
+    from torchmetrics import MeanMetric
+
+    metric = MeanMetric()
+    before = _lightning.metric_counters(metric)
+    assert set(before) == {
+        "_update_count",
+        "_computed",
+        "_forward_cache",
+        "_is_synced",
+        "_should_unsync",
+    }, _broken("metric_counters", f"a torchmetrics Metric keeps {sorted(before)}")
+    metric(torch.tensor(2.0))
+    metric.compute()
+    assert metric.update_count == 1 and _lightning.metric_counters(metric) != before
+    _lightning.set_metric_counters(metric, before)
+    assert metric.update_count == 0 and _lightning.metric_counters(metric) == before
+
+
 def test_fabric_backward_sync_control() -> None:
     from lightning.fabric.strategies.strategy import _BackwardSyncControl
 
@@ -268,6 +287,12 @@ def test_this_module_covers_every_private_name_of_the_adapter() -> None:
         "_layer_sync",
         "_reset_optimizers_and_schedulers",
         "_defaults",
+        # test_metric_counters:
+        "_update_count",
+        "_computed",
+        "_forward_cache",
+        "_is_synced",
+        "_should_unsync",
         # test_private_attribute_accessors:
         "_optimizer",
         "_trainer",

@@ -708,7 +708,7 @@ def test_fsdp_hooks_and_reentry(facts: dict[str, Any]) -> None:
     """module.py ``FsdpModule._register_hooks`` uses the module's hook registries, and a
     unit called inside its own forward needs ``nested_calls_unhooked`` exactly where the
     hooks are not re-entrant (0.7's ``FsdpModule.phase``)."""
-    shim = "_megatron.nested_calls_unhooked (strategy._run_step)"
+    shim = "_megatron.nested_calls_unhooked (steps._run_as_root_forward)"
     recorded = facts["recorded_hooks"]
     for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks"):
         assert recorded.get(name, 0) >= 1, _broken(

@@ -264,31 +264,46 @@ def test_no_private_name_crosses_a_module_boundary() -> None:
     assert not offenders, offenders
 
 
-def _names_we_define() -> set[str]:
-    """Every name the package defines or assigns (functions, classes, attributes,
-    variables, arguments): an underscore attribute outside this set is a framework's."""
+def _attributes_our_classes_define() -> set[str]:
+    """Every attribute a class of the package defines: its methods, nested classes and
+    class-level variables, and what its methods assign on ``self``/``cls``. An underscore
+    attribute outside this set is another library's, whatever the object it is read on;
+    a module-level function or a local variable of the same name does not make it ours."""
     ours: set[str] = set()
     for tree in _modules().values():
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                ours.add(node.name)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                ours.add(node.attr)
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                ours.add(node.id)
-            elif isinstance(node, ast.arg):
-                ours.add(node.arg)
+        for cls in ast.walk(tree):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for node in cls.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    ours.add(node.name)
+                elif isinstance(node, ast.Assign):
+                    ours.update(t.id for t in node.targets if isinstance(t, ast.Name))
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    ours.add(node.target.id)
+            for node in ast.walk(cls):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id in {"self", "cls"}
+                ):
+                    ours.add(node.attr)
     return ours
 
 
 def _lightning_private_attributes() -> set[str]:
-    """Every underscore attribute Lightning's source assigns or defines on its classes
-    (read from the installed files, not imported): ours too if the package assigns the
-    same name, but still Lightning's when read or written on Lightning's objects."""
-    spec = importlib.util.find_spec("lightning")
-    assert spec is not None and spec.submodule_search_locations, "lightning is not installed"
+    """Every underscore attribute Lightning's (and torchmetrics') source assigns or defines
+    on its classes (read from the installed files, not imported): ours too if a class of
+    the package defines the same name, but still Lightning's when read or written on
+    Lightning's objects."""
+    roots = []
+    for package in ("lightning", "torchmetrics"):
+        spec = importlib.util.find_spec(package)
+        assert spec is not None and spec.submodule_search_locations, f"{package} is missing"
+        roots.extend(spec.submodule_search_locations)
     names: set[str] = set()
-    for root in spec.submodule_search_locations:
+    for root in roots:
         for path in Path(root).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_bytes(), str(path))):
                 if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
@@ -314,31 +329,78 @@ def _mangled(node: ast.AST) -> bool:
     )
 
 
-def _attribute_uses(tree: ast.Module) -> list[tuple[int, ast.expr, str]]:
-    """Every attribute read or written: ``obj.name``, and ``getattr``/``setattr``/
-    ``hasattr``/``delattr`` with the name as a string constant; (line, object, name)."""
-    uses: list[tuple[int, ast.expr, str]] = []
+def _string(node: ast.AST) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _instance_dict_of(node: ast.AST) -> ast.expr | None:
+    """``obj`` of ``obj.__dict__`` or ``vars(obj)``, else ``None``."""
+    if isinstance(node, ast.Attribute) and node.attr == "__dict__":
+        return node.value
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "vars"
+        and len(node.args) == 1
+    ):
+        return node.args[0]
+    return None
+
+
+def _attribute_uses(tree: ast.Module) -> list[tuple[int, ast.expr | None, str]]:
+    """Every attribute read or written, as (line, object, name): ``obj.name``;
+    ``getattr``/``setattr``/``hasattr``/``delattr`` and ``object.__setattr__`` with the name
+    as a string constant; a string key of ``obj.__dict__`` or ``vars(obj)`` (subscript,
+    ``get``, ``pop``, ``setdefault``); and, with the object unknown (``None``), a string in
+    a tuple, list or set literal, the way a list of attribute names to read is written."""
+    uses: list[tuple[int, ast.expr | None, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             uses.append((node.lineno, node.value, node.attr))
-        elif (
+        elif isinstance(node, ast.Call) and len(node.args) >= 2:
+            func, name = node.func, _string(node.args[1])
+            by_name = isinstance(func, ast.Name) and func.id in {
+                "getattr",
+                "setattr",
+                "hasattr",
+                "delattr",
+            }
+            by_object = (
+                isinstance(func, ast.Attribute)
+                and func.attr == "__setattr__"
+                and isinstance(func.value, ast.Name)
+                and func.value.id == "object"
+            )
+            if name is not None and (by_name or by_object):
+                uses.append((node.lineno, node.args[0], name))
+        if (
             isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Name)
-            and node.func.id in {"getattr", "setattr", "hasattr", "delattr"}
-            and len(node.args) >= 2
-            and isinstance(node.args[1], ast.Constant)
-            and isinstance(node.args[1].value, str)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in {"get", "pop", "setdefault"}
+            and node.args
         ):
-            uses.append((node.lineno, node.args[0], node.args[1].value))
+            owner, name = _instance_dict_of(node.func.value), _string(node.args[0])
+            if owner is not None and name is not None:
+                uses.append((node.lineno, owner, name))
+        elif isinstance(node, ast.Subscript):
+            owner, name = _instance_dict_of(node.value), _string(node.slice)
+            if owner is not None and name is not None:
+                uses.append((node.lineno, owner, name))
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            for element in node.elts:
+                name = _string(element)
+                if name is not None:
+                    uses.append((node.lineno, None, name))
     return uses
 
 
 def test_private_framework_names_only_in_adapters() -> None:
     """No module but an adapter imports a private torch / Lightning / megatron-fsdp name
-    or module, or reads or writes an underscore attribute of a framework's object (one the
-    package does not define itself, or one Lightning defines, on anything but ``self``: a
-    subclass may use its base's protected members, as Lightning's own strategies do)."""
-    ours = _names_we_define()
+    or module, or reads or writes an underscore attribute of a framework's object: one no
+    class of the package defines, or one Lightning defines, on anything but ``self`` (a
+    subclass may use its base's protected members, as Lightning's own strategies do);
+    ``getattr``/``setattr``/``hasattr``/``delattr`` with the name as a string count too."""
+    ours = _attributes_our_classes_define()
     lightning = _lightning_private_attributes()
     offenders = []
     for name, tree in _modules().items():
@@ -361,6 +423,10 @@ def test_private_framework_names_only_in_adapters() -> None:
                         offenders.append(f"{name}.py:{node.lineno}: import {alias.name}")
         for line, owner, attr in _attribute_uses(tree):
             if not _private(attr):
+                continue
+            if owner is None:  # a name in a literal: flagged if it names Lightning's attribute
+                if attr in lightning:
+                    offenders.append(f"{name}.py:{line}: {attr!r}")
                 continue
             on_self = isinstance(owner, ast.Name) and owner.id in {"self", "cls"}
             if attr not in ours or (attr in lightning and not on_self):
@@ -510,3 +576,29 @@ def test_doc_citations_name_existing_sections() -> None:
         assert len(citations) >= 5, (doc.name, citations)
         wrong = [f"{f}: {s!r}" for f, s in citations if not _cites_a_heading(s, headings)]
         assert not wrong, f"{doc.name} has no such heading: {wrong}"
+
+
+# Lightning's ``ModelParallelStrategy`` defines 28 methods of its own; ours keeps each
+# mechanism in the module that holds it (steps.py, join.py, launcher.py, common/) and its own
+# body to Lightning's hooks, thin.
+MAX_STRATEGY_METHODS = 30
+
+
+def test_trainer_strategy_is_thin() -> None:
+    """``MegatronFSDPStrategy`` (Trainer) defines at most ``MAX_STRATEGY_METHODS`` methods in
+    its own body (a property's getter and setter count as two)."""
+    tree = _modules()["strategies.strategy"]
+    (strategy,) = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.ClassDef) and node.name == "MegatronFSDPStrategy"
+    ]
+    methods = [
+        node.name
+        for node in strategy.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+    assert len(methods) <= MAX_STRATEGY_METHODS, (
+        f"MegatronFSDPStrategy defines {len(methods)} methods (at most {MAX_STRATEGY_METHODS}): "
+        f"{methods}; move a mechanism into the module that holds it"
+    )

@@ -288,9 +288,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
                         "fabric.setup_module(model)` from `model.parameters()`, or pass both "
                         "to `fabric.setup(model, optimizer)`."
                     )
-        if not getattr(optimizer, "_lmf_fully_sharded", False):
-            _megatron.fully_shard_optimizer(optimizer)
-            optimizer._lmf_fully_sharded = True  # type: ignore[attr-defined]
+        _megatron.fully_shard_optimizer(optimizer)  # once per optimizer
         return optimizer
 
     @override

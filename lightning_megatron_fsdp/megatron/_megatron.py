@@ -540,6 +540,9 @@ def _release_prefetched_before_step(optimizer: torch.optim.Optimizer, *_: Any) -
             _release_if_prefetched(module)
 
 
+_FULLY_SHARDED_ATTR = "_lmf_fully_sharded"
+
+
 def fully_shard_optimizer(
     optimizer: torch.optim.Optimizer, *, precision_aware: bool = False
 ) -> None:
@@ -548,10 +551,15 @@ def fully_shard_optimizer(
     After the step the weights change, so a unit still gathered from an unconsumed
     prefetch (:func:`release_prefetched`) would compute its next forward with the old
     ones; the pre-hook reshards it first, so its next forward gathers the new weights.
+    Once per optimizer: a later call on the same optimizer (a later stage setting it up
+    again) changes nothing.
     """
+    if getattr(optimizer, _FULLY_SHARDED_ATTR, False):
+        return
     _upstream_fully_shard_optimizer(optimizer, precision_aware=precision_aware)
     if _PHASE is not None:
         optimizer.register_step_pre_hook(_release_prefetched_before_step)
+    setattr(optimizer, _FULLY_SHARDED_ATTR, True)
 
 
 # ---------------------------------------------------------------------- sharding

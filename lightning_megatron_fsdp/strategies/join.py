@@ -291,8 +291,6 @@ class _MetricState:
     compute groups share state objects keeps sharing them.
     """
 
-    _COUNTERS = ("_update_count", "_computed", "_forward_cache", "_is_synced", "_should_unsync")
-
     def __init__(self, states: dict[str, tuple[Any, Any]], counters: dict[str, Any]) -> None:
         self.states = states
         self.counters = counters
@@ -308,9 +306,7 @@ class _MetricState:
                 states[name] = (value, value.detach().clone())
             elif isinstance(value, list):
                 states[name] = (value, list(value))
-        fields = metric.__dict__
-        counters = {name: fields[name] for name in cls._COUNTERS if name in fields}
-        return cls(states, counters)
+        return cls(states, _lightning.metric_counters(metric))
 
     def restore(self, metric: Any) -> None:
         for name, (original, saved) in self.states.items():
@@ -319,8 +315,7 @@ class _MetricState:
             else:
                 original[:] = saved
             setattr(metric, name, original)
-        for name, value in self.counters.items():
-            setattr(metric, name, value)
+        _lightning.set_metric_counters(metric, self.counters)
 
 
 _LOG_SIGNATURES = {

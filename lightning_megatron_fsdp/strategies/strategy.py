@@ -8,7 +8,6 @@ it (docs/DESIGN.md, "Layers").
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Generator, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -21,7 +20,6 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
@@ -31,7 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_megatron_fsdp import _lightning
-from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message, peer_failures_explained
+from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message
 from lightning_megatron_fsdp.checkpoint import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.common import (
     ExactResume,
@@ -50,7 +48,6 @@ from lightning_megatron_fsdp.known_warnings import ignore_known_warnings, stop_i
 from lightning_megatron_fsdp.megatron import (
     AutoWrapPolicy,
     BufferSync,
-    FsdpModule,
     MixedPrecisionPolicy,
     Placements,
     ShardingMode,
@@ -60,14 +57,10 @@ from lightning_megatron_fsdp.megatron import (
     ensure_optimizer_state,
     fsdp_placements,
     hsdp_placements,
-    lightning_grad_norm_explained,
 )
-from lightning_megatron_fsdp.strategies.join import (
-    UnevenBatchJoin,
-    join_uneven_batches,
-    refuse_uneven_batches,
-)
+from lightning_megatron_fsdp.strategies.join import UnevenBatchJoin, refuse_uneven_batches
 from lightning_megatron_fsdp.strategies.launcher import resolving_last_launcher
+from lightning_megatron_fsdp.strategies.steps import StepHooks
 from lightning_megatron_fsdp.weights import (
     PretrainedWeights,
     apply_pretrained_weights,
@@ -75,14 +68,14 @@ from lightning_megatron_fsdp.weights import (
 )
 
 if TYPE_CHECKING:
-    from lightning.pytorch.utilities.types import STEP_OUTPUT
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 __all__ = ["AutoWrapPolicy", "MegatronFSDPStrategy", "fsdp_placements", "hsdp_placements"]
 
 _STRATEGY = "MegatronFSDPStrategy"
 
 
-class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
+class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
     """Lightning strategy for NVIDIA Megatron-FSDP (``megatron_fsdp.experimental``).
 
     ``Trainer(strategy=MegatronFSDPStrategy())`` or ``Trainer(strategy="megatron_fsdp")``.
@@ -146,6 +139,12 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
     """
 
     strategy_name = "megatron_fsdp"
+    # Always distributed: Lightning then adds a ``DistributedSampler`` to dataloaders.
+    is_distributed = True
+    # Load targets are the sharded parameters and adapted optimizers: setup first.
+    restore_checkpoint_after_setup = True
+    # load_checkpoint() already loaded optimizer state in place, by FQN.
+    lightning_restore_optimizer = False
 
     def __init__(
         self,
@@ -205,12 +204,6 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
 
     @property
     @override
-    def is_distributed(self) -> bool:
-        """Always ``True``: Lightning then adds a ``DistributedSampler`` to dataloaders."""
-        return True
-
-    @property
-    @override
     def _megatron_precision(self) -> MegatronFSDPPrecision:
         return self.precision_plugin
 
@@ -249,42 +242,22 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             )
         self._checkpoint_io = io
 
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # Load targets are the sharded parameters and adapted optimizers: setup first.
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        # load_checkpoint() already loaded optimizer state in place, by FQN.
-        return False
-
     # ------------------------------------------------------------------ processes
 
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _lightning.SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-
-    @property
-    @override
-    def launcher(self) -> _lightning.Launcher | None:
         """Lightning's launcher, wrapped so ``ckpt_path="last"`` means a complete checkpoint.
 
         See :mod:`~lightning_megatron_fsdp.strategies.launcher`: the launch is the one strategy hook
         that runs before Lightning resolves ``"last"``.
         """
-        inner = self._launcher
-        cached = self.__dict__.get("_lmf_launcher")
-        if cached is None or cached[0] is not inner:
-            cached = (inner, resolving_last_launcher(inner))
-            self._lmf_launcher = cached
-        return cached[1]
+        assert self.cluster_environment is not None
+        inner = None
+        if not self.cluster_environment.creates_processes_externally:
+            inner = _lightning.SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        self._launcher = resolving_last_launcher(inner)
 
     @override
     def setup_environment(self) -> None:
@@ -315,7 +288,14 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
                 "Remove sync_batchnorm."
             )
         assert self.lightning_module is not None
-        self._shard_model(self.lightning_module)
+        # Bottom-up (see ``sharding.plan_units``).
+        self._sharder.shard_model(
+            self.lightning_module,
+            self._options.auto_wrap_policy,
+            self.shard,
+            self.root_device,
+            self.placements,
+        )
         bind_full_tensor(self.lightning_module, gradients=False)  # p.full_tensor() works
         if self._init_weights_from is not None:
             apply_pretrained_weights(self.lightning_module, self._init_weights_from)
@@ -335,9 +315,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         for index, optimizer in enumerate(self.optimizers):
             reject_closure_optimizer(optimizer)
             check_optimizer_parameters(optimizer, self.lightning_module, index, _STRATEGY)
-            if not getattr(optimizer, "_lmf_fully_sharded", False):
-                _megatron.fully_shard_optimizer(optimizer)
-                optimizer._lmf_fully_sharded = True  # type: ignore[attr-defined]
+            _megatron.fully_shard_optimizer(optimizer)  # once per optimizer
 
     @override
     def model_to_device(self) -> None:
@@ -375,129 +353,11 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         """
         self._shard_unit(module)
 
-    def _shard_model(self, model: pl.LightningModule) -> None:
-        """Shard ``model`` bottom-up (see ``sharding.plan_units``)."""
-        self._sharder.shard_model(
-            model, self._options.auto_wrap_policy, self.shard, self.root_device, self.placements
-        )
-
-    # ------------------------------------------------------------------ steps
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.precision_plugin.train_step_context(), lightning_grad_norm_explained():
-            return self._call_through_root("training_step", *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._evaluation_step("validation_step", args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._evaluation_step("test_step", args, kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step("predict_step", args, kwargs)
-
-    def _evaluation_step(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self._join is not None:  # uneven batches: agree with the ranks that ran out
-            self._join.before_step(args, kwargs)
-        return self._plain_evaluation_step(name, args, kwargs)
-
-    def _plain_evaluation_step(
-        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """A validation/test/predict step as such; also what a joining rank's dummy runs."""
-        contexts = {
-            "validation_step": self.precision_plugin.val_step_context,
-            "test_step": self.precision_plugin.test_step_context,
-            "predict_step": self.precision_plugin.predict_step_context,
-        }
-        with contexts[name]():
-            output = self._call_through_root(name, *args, **kwargs)
-        _megatron.release_prefetched(self.lightning_module)  # no backward consumes its prefetch
-        return output
-
-    def _call_through_root(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``LightningModule.<method_name>``, as the root unit's forward if it is one.
-
-        When the LightningModule owns parameters itself it is a unit, and only its forward
-        hooks unshard those; its backward hook, attached to the forward's output, unshards
-        them again for backward. That hook only sees a tensor output, so the loss (the
-        tensor, or ``output["loss"]``) is what forward returns, and the caller gets the
-        hooked loss back in its place; other outputs pass around the hook. Otherwise every
-        unit is a submodule with hooks of its own, and the step runs as it is.
-        """
-        with peer_failures_explained(f"{_STRATEGY}: {method_name}"):
-            assert self.lightning_module is not None
-            training = method_name == "training_step"
-            self._buffer_sync.before_forward(self.lightning_module, training=training)
-            return self._run_step(method_name, *args, **kwargs)
-
-    def _run_step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        assert module is not None
-        if not isinstance(module, FsdpModule):
-            return getattr(module, method_name)(*args, **kwargs)
-        outputs: list[Any] = []
-
-        def forward(*forward_args: Any, **forward_kwargs: Any) -> Any:
-            module.__dict__.pop("forward", None)
-            with _megatron.nested_calls_unhooked(module):  # the step's own self(x) calls
-                output = getattr(module, method_name)(*forward_args, **forward_kwargs)
-            outputs.append(output)
-            loss = _loss_of(output)
-            return loss if loss is not None else ()
-
-        module.forward = forward  # type: ignore[method-assign]
-        try:
-            hooked = module(*args, **kwargs)
-        finally:
-            module.__dict__.pop("forward", None)
-        (output,) = outputs
-        if isinstance(output, Tensor):
-            return hooked
-        if isinstance(output, Mapping) and isinstance(hooked, Tensor):
-            return {**output, "loss": hooked}
-        return output
-
-    @override
-    def backward(
-        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
-    ) -> Tensor:
-        # Gradient reduce-scatters run inside backward: explain a peer's failure there too.
-        with peer_failures_explained(f"{_STRATEGY}: backward"):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        # On CUDA, gradient reduce-scatters run on a side stream; a root's final backward
-        # callback joins it, but a manual backward inside the root's forward never
-        # registers that callback, so join it here before anything reads .grad.
-        assert self.lightning_module is not None
-        _megatron.join_gradient_reduction(self.lightning_module)
-        self._buffer_sync.settle(self.lightning_module)  # rank 0's buffers, as DDP's
-
-    @contextlib.contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Mark the non-final micro-batches of gradient accumulation.
-
-        Lightning enters this around every accumulating micro-batch except the last. Plain
-        FSDP finalises gradients on every backward and needs nothing; HSDP, ZeRO-1 and
-        no-shard defer a reduction to the last micro-batch (``microbatch``).
-        """
-        model = self.lightning_module
-        if model is not None and self.sharding_mode.defers_gradient_reduction:
-            with _megatron.microbatch(model, is_last=False):
-                yield
-        else:
-            yield
+    # ------------------------------------------------------------------ stage hooks
 
     @override
     def on_train_start(self) -> None:
-        trainer = self._trainer()
+        trainer = _trainer_of(self)
         refuse_uneven_batches("training", [trainer.num_training_batches], where=_STRATEGY)
         # Last of the on_train_start hooks, right before the first batch: see exact_resume.
         self._exact_resume.train_starting(self.root_device)
@@ -522,43 +382,30 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         calls ``set_epoch``, so a resume in epoch >= 1 would replay epoch 0's order; see
         :meth:`~lightning_megatron_fsdp.common.exact_resume.ExactResume.train_loader`.
         """
-        trainer = self._trainer()
+        trainer = _trainer_of(self)
         if trainer.state.fn == TrainerFn.FITTING and trainer.training:
             self._exact_resume.train_loader(trainer, dataloader, self.root_device)
         return dataloader
-
-    def _trainer(self) -> pl.Trainer:
-        assert self.lightning_module is not None
-        return self.lightning_module.trainer
 
     # ------------------------------------------------------------------ uneven evaluation data
 
     @override
     def on_validation_start(self) -> None:
-        trainer = self._trainer()
+        trainer = _trainer_of(self)
         counts = trainer.num_sanity_val_batches if trainer.sanity_checking else None
-        self._start_join("validation_step", counts or trainer.num_val_batches)
+        self._start_join(trainer, "validation_step", counts or trainer.num_val_batches)
         if trainer.state.fn == TrainerFn.FITTING:
             self._exact_resume.validation_started(self.root_device)
 
     @override
     def on_test_start(self) -> None:
-        self._start_join("test_step", self._trainer().num_test_batches)
+        trainer = _trainer_of(self)
+        self._start_join(trainer, "test_step", trainer.num_test_batches)
 
     @override
     def on_predict_start(self) -> None:
-        self._start_join("predict_step", self._trainer().num_predict_batches)
-
-    def _start_join(self, step_name: str, counts: list[int | float]) -> None:
-        """Ranks with fewer batches will join the others' forwards (:mod:`.join`)."""
-        self._join = join_uneven_batches(
-            self._trainer(),
-            step_name=step_name,
-            counts=counts,
-            run_step=functools.partial(self._plain_evaluation_step, step_name),
-            device=self.root_device,
-            where=_STRATEGY,
-        )
+        trainer = _trainer_of(self)
+        self._start_join(trainer, "predict_step", trainer.num_predict_batches)
 
     # ------------------------------------------------------------------ collectives
 
@@ -642,14 +489,8 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             self._exact_resume.states_for_checkpoint(self.root_device),
             where=_STRATEGY,
             storage_options=storage_options,
-            commit=not self._stage_running(),
+            commit=not _stage_running(model),
         )
-
-    def _stage_running(self) -> bool:
-        """Whether a Trainer stage (fit, validate, ...) is running, so its teardown will come."""
-        model = self.lightning_module
-        trainer = _lightning.attached_trainer(model) if model is not None else None
-        return trainer is not None and trainer.state.status == TrainerStatus.RUNNING
 
     @override
     def load_checkpoint(
@@ -701,7 +542,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             checkpoint, fitting=model.trainer.state.fn == TrainerFn.FITTING
         )
         if fitting and not result.optimizers_loaded:
-            checkpoint = self._weights_only_resume(checkpoint, path)
+            checkpoint = _weights_only_resume(checkpoint, path, self.lr_scheduler_configs)
         self._check_replicas(model, f"after loading {path}")
         return checkpoint
 
@@ -729,23 +570,6 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             CheckpointError,
             consequence="the checkpoint was not removed",
         )
-
-    def _weights_only_resume(self, checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
-        """Let Lightning restore a weights-only checkpoint for ``fit``: schedulers as configured.
-
-        Lightning refuses a checkpoint without ``lr_schedulers`` when fitting; the current
-        schedulers' own state makes its restore a no-op.
-        """
-        rank_zero_warn(
-            f"{_STRATEGY}: resuming fit from weights-only checkpoint {path} "
-            "(allow_weights_only_resume=True): model weights and the training position are "
-            "restored; optimizer state and LR schedulers start fresh."
-        )
-        checkpoint = dict(checkpoint)
-        checkpoint.setdefault(
-            "lr_schedulers", [config.scheduler.state_dict() for config in self.lr_scheduler_configs]
-        )
-        return checkpoint
 
     # ------------------------------------------------------------------ teardown
 
@@ -778,12 +602,35 @@ def _default_checkpoint_io() -> CheckpointIO:
     return MegatronFSDPCheckpointIO()
 
 
-def _loss_of(output: Any) -> Tensor | None:
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
-        return output["loss"]
-    return None
+def _trainer_of(strategy: MegatronFSDPStrategy) -> pl.Trainer:
+    assert strategy.lightning_module is not None
+    return strategy.lightning_module.trainer
+
+
+def _stage_running(model: pl.LightningModule) -> bool:
+    """Whether a Trainer stage (fit, validate, ...) is running, so its teardown will come."""
+    trainer = _lightning.attached_trainer(model)
+    return trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+
+
+def _weights_only_resume(
+    checkpoint: dict[str, Any], path: str, lr_scheduler_configs: list[LRSchedulerConfig]
+) -> dict[str, Any]:
+    """Let Lightning restore a weights-only checkpoint for ``fit``: schedulers as configured.
+
+    Lightning refuses a checkpoint without ``lr_schedulers`` when fitting; the current
+    schedulers' own state makes its restore a no-op.
+    """
+    rank_zero_warn(
+        f"{_STRATEGY}: resuming fit from weights-only checkpoint {path} "
+        "(allow_weights_only_resume=True): model weights and the training position are "
+        "restored; optimizer state and LR schedulers start fresh."
+    )
+    checkpoint = dict(checkpoint)
+    checkpoint.setdefault(
+        "lr_schedulers", [config.scheduler.state_dict() for config in lr_scheduler_configs]
+    )
+    return checkpoint
 
 
 MegatronFSDPStrategy.register_strategies(StrategyRegistry)
