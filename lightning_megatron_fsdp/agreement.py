@@ -14,7 +14,12 @@ from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
 
-from lightning_megatron_fsdp.errors import CheckpointError
+from lightning_megatron_fsdp.errors import (
+    CheckpointError,
+    error_category,
+    error_class,
+    traveling_class,
+)
 
 __all__ = [
     "Outcomes",
@@ -35,6 +40,8 @@ LOST_PEER_HINT = (
 
 class PeerLostError(CheckpointError):
     """A collective failed: a peer died, hung past the group's timeout, or the network broke."""
+
+    category = "peer lost"
 
 
 # Substrings of the RuntimeErrors gloo and NCCL raise when a peer is gone or late (older
@@ -111,22 +118,39 @@ def summary_line(heading: str, problems: Sequence[Problem]) -> str:
 class Problem:
     """One thing a rank found wrong, carrying the error it raises.
 
+    A problem travels to the other ranks as its class's category (``errors.error_category``)
+    and comes back as the same class (``errors.error_class``): only the classes registered
+    there cross, whatever module a peer could name, and no text is read to choose a class.
+
     Attributes:
         error: The exception class every rank raises for it (:meth:`Ranks.agree` raises
-            the most fundamental class found).
+            the most fundamental class found): one of ours, ``TypeError`` or
+            ``ValueError``; map any other with ``errors.traveling_class``.
         text: One line naming the file, key or FQN, what was found and what was expected.
-        category: What the summary line counts it as (``"missing"``, ``"shape"``, ...).
+        category: What the summary line counts it as (``"missing"``, ``"shape"``, ...);
+            the error class's own category by default.
     """
 
     error: type[Exception]
     text: str
-    category: str = "other"
+    category: str = ""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.error, type) and issubclass(self.error, Exception)):
             raise TypeError(f"Problem: error must be an exception class, got {self.error!r}.")
         if not isinstance(self.text, str) or not self.text:
             raise ValueError(f"Problem: text must be a non-empty string, got {self.text!r}.")
+        kind = error_category(self.error)  # here, not on the peers: unknown classes fail early
+        if not self.category:
+            object.__setattr__(self, "category", kind)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_received_problem, (error_category(self.error), self.text, self.category))
+
+
+def _received_problem(kind: str, text: str, category: str) -> Problem:
+    """A peer's :class:`Problem`, its class looked up by category."""
+    return Problem(error_class(kind), text, category)
 
 
 _T = TypeVar("_T")
@@ -286,15 +310,20 @@ class Ranks:
         Args:
             action: What was being done, e.g. ``"saving checkpoint /ckpt (attaching metadata)"``.
             error: This rank's exception, or ``None`` if its part succeeded.
-            error_type: The class to raise (chained from ``error`` on the failing rank).
+            error_type: The class to raise (chained from ``error`` on the failing rank):
+                ``error``'s own class where that is one of ours and an ``error_type``
+                (the first failing rank's), else ``error_type`` itself.
             consequence: What state the failure leaves, for the message.
 
         Raises:
-            Exception: ``error_type`` on every rank when any rank passed an error or the
-                ranks could not agree.
+            Exception: ``error_type`` or the failing rank's more precise class of ours, on
+                every rank, when any rank passed an error or the ranks could not agree.
         """
+        error_category(error_type)  # on every rank alike: a class that cannot travel fails here
         text = f"rank {self.rank}: {describe(error)}"
-        problems = [] if error is None else [Problem(error_type, text)]
+        problems = []
+        if error is not None:
+            problems.append(Problem(traveling_class(type(error), error_type), text))
         try:
             self.agree(
                 problems,

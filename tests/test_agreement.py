@@ -1,17 +1,23 @@
 """``Ranks.exchange``: the round that carries each rank's data also carries its outcome;
-``Ranks.agree``: the error each problem carries, and the summary of their categories."""
+``Ranks.agree``: the error each problem carries, and the summary of their categories;
+``Ranks.raise_together``: one rank's error class of ours arrives as itself on every rank."""
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
 
-from lightning_megatron_fsdp.agreement import Outcomes, Problem, Ranks
+from lightning_megatron_fsdp.agreement import Outcomes, PeerLostError, Problem, Ranks
 from lightning_megatron_fsdp.errors import (
     CheckpointCorruptedError,
     CheckpointError,
     CheckpointMismatchError,
+    CheckpointSaveError,
+    NotACheckpointError,
+    error_category,
+    error_class,
 )
 from tests.harness import run_distributed
 
@@ -60,3 +66,87 @@ def test_agree_raises_the_most_fundamental_class_and_counts_categories_not_phras
     assert len(details) == 3, details
     with pytest.raises(TypeError, match="error must be an exception class, got 0"):
         Problem(0, "text")  # type: ignore[arg-type]
+
+
+# Every class that may travel between ranks, one per category.
+_TRAVELING: tuple[type[Exception], ...] = (
+    CheckpointError,
+    NotACheckpointError,
+    CheckpointCorruptedError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    PeerLostError,
+    TypeError,
+    ValueError,
+)
+
+
+def _misleading(cls: type[Exception]) -> str:
+    """A message naming every other category and the phrases a text matcher would key on."""
+    others = ", ".join(error_category(c) for c in _TRAVELING if c is not cls)
+    return f"rank 1 saw {others}; a missing key, not in the target, shape, dtype, checksum crc32c"
+
+
+def _one_rank_fails(rank: int, world_size: int) -> list[tuple[str, str, str, str]]:
+    """Rank 1 fails with each class in turn, through ``raise_together`` and ``agree``;
+    every rank says what it raised: (path, class expected, class raised, message)."""
+    ranks = Ranks.of()
+    seen = []
+    for cls in _TRAVELING:
+        message = _misleading(cls)
+        error = cls(message) if rank == 1 else None
+        try:
+            ranks.raise_together("doing it", error, CheckpointError, consequence="nothing done")
+        except Exception as raised:
+            expected = cls if issubclass(cls, CheckpointError) else CheckpointError  # by type
+            seen.append(("raise_together", expected.__name__, type(raised).__name__, str(raised)))
+        problems = [Problem(cls, message)] if rank == 1 else []
+        try:
+            ranks.agree(problems, heading="Cannot do it", lost_peer_error=CheckpointError)
+        except Exception as raised:
+            seen.append(("agree", cls.__name__, type(raised).__name__, str(raised)))
+    # Ours but not a class the caller promises (not a CheckpointSaveError): the caller's.
+    error = NotACheckpointError("not a checkpoint") if rank == 1 else None
+    try:
+        ranks.raise_together("saving", error, CheckpointSaveError, consequence="nothing written")
+    except Exception as raised:
+        seen.append(("not-a-subclass", "CheckpointSaveError", type(raised).__name__, str(raised)))
+    return seen
+
+
+def test_one_ranks_error_class_arrives_as_itself_on_every_rank_whatever_its_words() -> None:
+    """For each category, the class rank 1 raised (or put in a problem) is the class every
+    rank raises, with rank 1's message; a message full of the other categories' names and
+    of the phrases a text matcher keys on changes nothing. Exceptions that are not ours
+    become the caller's class, by type. (Before classes travelled by category,
+    ``raise_together`` raised the caller's ``CheckpointError`` for a ``NotACheckpointError``,
+    a ``CheckpointCorruptedError``, ...)"""
+    assert len({error_category(cls) for cls in _TRAVELING}) == len(_TRAVELING)
+    results = run_distributed(_one_rank_fails, 2, timeout=180)
+    assert results[0] == results[1], "the ranks raised differently"
+    assert len(results[0]) == 2 * len(_TRAVELING) + 1, results[0]
+    for path, expected, raised, message in results[0]:
+        assert raised == expected, (path, expected, raised, message)
+        if path != "not-a-subclass":
+            assert "rank 1 saw" in message and "checksum crc32c" in message, message
+
+
+def test_problems_travel_as_category_strings_and_only_registered_classes_travel() -> None:
+    """A problem is pickled as its class's category (no module or class name a peer must
+    import), comes back as the same class, and counts as that category by default; a class
+    that is not registered is refused where the problem is made, before any collective."""
+    for cls in _TRAVELING:
+        problem = Problem(cls, _misleading(cls))
+        wire = pickle.dumps(problem)
+        assert cls.__name__.encode() not in wire, wire
+        assert pickle.loads(wire) == problem and pickle.loads(wire).error is cls
+        assert problem.category == error_category(cls)
+        assert error_class(error_category(cls)) is cls
+
+    class UnregisteredError(CheckpointMismatchError):
+        pass
+
+    with pytest.raises(TypeError, match="cannot travel between ranks"):
+        Problem(UnregisteredError, "text")
+    with pytest.raises(TypeError, match="cannot travel between ranks"):
+        Problem(KeyError, "text")

@@ -40,6 +40,7 @@ from lightning_megatron_fsdp.errors import (
     CheckpointError,
     CheckpointMismatchError,
     NotACheckpointError,
+    traveling_class,
 )
 from lightning_megatron_fsdp.megatron import (
     dcp_view,
@@ -121,7 +122,8 @@ class OpenedCheckpoint:
         foreign: A ``ModelParallelStrategy`` (FSDP2) DCP directory.
         slices: ``.metadata`` as rank 0 read and checked it, cut by key; ``None`` where
             each rank's reader reads it (a reader of the user's, or none to read).
-        metadata_error: Why rank 0 could not read ``.metadata``.
+        metadata_error: Why rank 0 could not read ``.metadata`` (the problem every rank
+            reports, its class carried by category).
     """
 
     path: Any
@@ -129,7 +131,7 @@ class OpenedCheckpoint:
     problem: str | None
     foreign: bool
     slices: MetadataSlices | None = None
-    metadata_error: CheckpointError | None = None
+    metadata_error: Problem | None = None
 
 
 def open_checkpoint(
@@ -184,7 +186,7 @@ def open_checkpoint(
 
 def _read_metadata_once(
     final: Any, manifest: Manifest, options: LoadOptions
-) -> tuple[MetadataSlices | None, CheckpointError | None]:
+) -> tuple[MetadataSlices | None, Problem | None]:
     """Rank 0's ``.metadata`` through the load's reader (its digest checked against
     ``manifest``), cut by key; ``(None, None)`` for a reader of the user's."""
     try:
@@ -195,9 +197,9 @@ def _read_metadata_once(
         metadata = reader.read_metadata()
         return MetadataSlices.cut(metadata, source=f"{final}/{DCP_METADATA_FILE}"), None
     except CheckpointError as err:
-        return None, err
+        return None, Problem(traveling_class(type(err), CheckpointError), str(err))
     except Exception as err:
-        return None, CheckpointError(f"reading {DCP_METADATA_FILE}: {describe(err)}")
+        return None, Problem(CheckpointError, f"reading {DCP_METADATA_FILE}: {describe(err)}")
 
 
 def read_checkpoint(
@@ -251,7 +253,7 @@ def read_checkpoint(
         except Exception as err:
             problems.append(Problem(CheckpointError, describe(err)))
         if (failed := opened.metadata_error) is not None:
-            problems.append(Problem(type(failed), str(failed)))
+            problems.append(failed)
         elif opened.slices is not None and isinstance(reader, VerifyingFileSystemReader):
             try:
                 reader.use_metadata(opened.slices.skeleton_metadata(trust=options.trust_checkpoint))
