@@ -191,7 +191,7 @@ def _resume(rank: int, world_size: int, roots: list[str], expected_steps: list[i
     crashed run took after it, save again. Returns facts for the pytest process."""
     init_group(rank, world_size)
     records = _Records()
-    logging.getLogger("lightning_megatron_fsdp.checkpoint").addHandler(records)
+    logging.getLogger("lightning_megatron_fsdp").addHandler(records)
     out = []
     for root, saved_step in zip(roots, expected_steps, strict=True):
         path = Path(root) / "ckpt" / "last.ckpt"
