@@ -17,14 +17,15 @@ __all__ = ["lazy_exports"]
 
 
 def lazy_exports(
-    package: str, exports: Mapping[str, str]
-) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """The module-level ``__getattr__`` and ``__dir__`` of ``package``, whose public names
-    are ``exports`` (name -> the submodule, relative to ``package``, that defines it)."""
+    package: str, exports: Mapping[str, tuple[str, ...]]
+) -> tuple[list[str], Callable[[str], Any], Callable[[], list[str]]]:
+    """The ``__all__``, ``__getattr__`` and ``__dir__`` of ``package``, whose public names
+    are ``exports`` (a submodule, relative to ``package`` -> the names it defines)."""
     namespace = sys.modules[package].__dict__
+    where = {name: module for module, names in exports.items() for name in names}
 
     def __getattr__(name: str) -> Any:  # noqa: N807 - the module hook's own name
-        module = exports.get(name)
+        module = where.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(f"{package}.{module}"), name)
@@ -32,6 +33,6 @@ def lazy_exports(
         return value
 
     def __dir__() -> list[str]:  # noqa: N807 - the module hook's own name
-        return sorted([*namespace, *exports])
+        return sorted([*namespace, *where])
 
-    return __getattr__, __dir__
+    return sorted(where), __getattr__, __dir__

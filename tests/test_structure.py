@@ -114,7 +114,7 @@ def _folder_exports(folder: str) -> set[str]:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets
         ):
-            return set(ast.literal_eval(node.value))
+            return set().union(*ast.literal_eval(node.value).values())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
@@ -202,7 +202,7 @@ def test_folder_exports_name_what_their_modules_define() -> None:
             ),
             {},
         )
-        for name, module in exports.items():
+        for module, names in exports.items():
             defined = set()
             for node in _modules()[f"{folder}.{module}"].body:
                 if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
@@ -212,8 +212,11 @@ def test_folder_exports_name_what_their_modules_define() -> None:
                     defined.update(t.id for t in targets if isinstance(t, ast.Name))
                 elif isinstance(node, (ast.Import, ast.ImportFrom)):
                     defined.update((a.asname or a.name).split(".")[0] for a in node.names)
-            if name not in defined:
-                missing.append(f"{folder}/__init__.py: {name} is not defined in {folder}.{module}")
+            missing += [
+                f"{folder}/__init__.py: {name} is not defined in {folder}.{module}"
+                for name in names
+                if name not in defined
+            ]
     assert not missing, missing
 
 

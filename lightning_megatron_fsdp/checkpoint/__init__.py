@@ -8,11 +8,8 @@ through :class:`MegatronFSDPCheckpointIO`.
 from lightning_megatron_fsdp.lazy_exports import lazy_exports
 
 _EXPORTS = {
-    "MegatronFSDPCheckpointIO": "io",
-    "LoadOptions": "load",
-    "open_checkpoint": "load",
-    "read_checkpoint": "load",
-    "PerRank": "save",
+    "io": ("MegatronFSDPCheckpointIO",),
+    "load": ("LoadOptions", "open_checkpoint", "read_checkpoint"),
+    "save": ("PerRank",),
 }
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -3,11 +3,12 @@
 from lightning_megatron_fsdp.lazy_exports import lazy_exports
 
 _EXPORTS = {
-    "FullWeightsLoad": "pretrained",
-    "PretrainedWeights": "pretrained",
-    "apply_pretrained_weights": "pretrained",
-    "as_pretrained_weights": "pretrained",
-    "load_full_weights": "pretrained",
+    "pretrained": (
+        "FullWeightsLoad",
+        "PretrainedWeights",
+        "apply_pretrained_weights",
+        "as_pretrained_weights",
+        "load_full_weights",
+    ),
 }
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
