@@ -38,6 +38,7 @@ from lightning_megatron_fsdp.common import (
     move_unsharded_state,
     reject_closure_optimizer,
     save_sharded_checkpoint,
+    to_megatron_precision,
 )
 from lightning_megatron_fsdp.errors import CheckpointError
 from lightning_megatron_fsdp.fabric.checkpoint_state import (
@@ -46,10 +47,7 @@ from lightning_megatron_fsdp.fabric.checkpoint_state import (
     split_state,
     to_checkpoint,
 )
-from lightning_megatron_fsdp.fabric.precision import (
-    MegatronFSDPFabricPrecision,
-    to_fabric_precision,
-)
+from lightning_megatron_fsdp.fabric.precision import MegatronFSDPFabricPrecision
 from lightning_megatron_fsdp.known_warnings import ignore_known_warnings, stop_ignoring
 from lightning_megatron_fsdp.megatron import (
     AutoWrapPolicy,
@@ -176,7 +174,9 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
     @precision.setter
     @override
     def precision(self, precision: Precision | None) -> None:
-        self._precision = to_fabric_precision(precision, _STRATEGY)
+        self._precision = to_megatron_precision(
+            precision, _STRATEGY, target=MegatronFSDPFabricPrecision
+        )
 
     @property
     @override
