@@ -26,7 +26,9 @@ from torch.distributed.tensor import DTensor
 from lightning_megatron_fsdp import MegatronFSDPStrategy
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.common.exact_resume import RNG_STATES_KEY
+from lightning_megatron_fsdp.fabric import MegatronFSDPStrategy as FabricStrategy
 from lightning_megatron_fsdp.storage import commit
+from lightning_megatron_fsdp.storage.commit import LocalDirectories
 from lightning_megatron_fsdp.storage.filesystem import (
     ChecksummingFileSystemWriter,
     VerifyingFileSystemReader,
@@ -166,6 +168,73 @@ def test_a_save_and_a_load_take_at_most_three_rounds_of_ours(tmp_path: Path) -> 
         assert result["recovered"] == [1 if rank == 0 else 0], result["recovered"]
         # ... and reads and unpickles .metadata once, in the first round (metadata_slices).
         assert result["metadata_read"] == [1 if rank == 0 else 0], result["metadata_read"]
+
+
+class CountingFabricStrategy(FabricStrategy):
+    """The Fabric strategy, with each load's rounds, manifest parses, crash recoveries,
+    ``.metadata`` and ``meta.pt`` reads recorded as :class:`CountingStrategy` records them."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.counted: dict[str, list[Any]] = {"load": [], "parsed": [], "recovered": []}
+        self.counted |= {"metadata_read": [], "meta_read": []}
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        with (
+            our_rounds() as rounds,
+            calls_to(Manifest, "from_json") as parsed,
+            calls_to(commit, "recover_checkpoint") as recovered,
+            calls_to(VerifyingFileSystemReader, "_read_metadata_file") as metadata_read,
+            calls_to(LocalDirectories, "read_bytes") as meta_read,
+        ):
+            result = super().load_checkpoint(*args, **kwargs)
+        for key, value in (
+            ("load", rounds),
+            ("parsed", parsed[0]),
+            ("recovered", recovered[0]),
+            ("metadata_read", metadata_read[0]),
+            ("meta_read", meta_read[0]),
+        ):
+            self.counted[key].append(value)
+        return result
+
+
+def _fabric_save_load(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from lightning.fabric import Fabric
+
+    from tests.test_fabric import _loss, _rank_batch, _two_optimizers
+
+    path = str(Path(root) / "fabric.ckpt")
+    strategy = CountingFabricStrategy(auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT)
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()
+    model, opt_a, opt_b = _two_optimizers(fabric, seed=0)
+    fabric.backward(_loss(model, *_rank_batch(0, rank, world_size)))
+    opt_a.step()
+    opt_b.step()
+    fabric.save(path, {"model": model, "a": opt_a, "b": opt_b, "step": 1})
+    fresh, fresh_a, fresh_b = _two_optimizers(fabric, seed=7)
+    state = {"b": fresh_b, "model": fresh, "a": fresh_a, "step": 0}
+    fabric.load(path, state)
+    return strategy.counted | {"step": state["step"]}
+
+
+def test_a_fabric_load_takes_as_many_rounds_as_the_trainers(tmp_path: Path) -> None:
+    """``fabric.load`` goes through the Trainer's load: three rounds of ours, the manifest
+    parsed, crash recovery run and ``.metadata`` read once on rank 0, and ``meta.pt`` read
+    once per rank (not once more to learn the saved optimizer keys)."""
+    results = run_distributed(
+        _fabric_save_load, 2, str(tmp_path), timeout=TIMEOUT, init_process_group=False
+    )
+    for rank, result in enumerate(results):
+        (load,) = result["load"]
+        print(f"rank {rank}: fabric.load {len(load)} rounds {load}")
+        assert result["step"] == 1, result
+        assert load and len(load) <= MAX_ROUNDS, f"rank {rank}: {len(load)} rounds: {load}"
+        assert result["parsed"] == [1 if rank == 0 else 0], result["parsed"]
+        assert result["recovered"] == [1 if rank == 0 else 0], result["recovered"]
+        assert result["metadata_read"] == [1 if rank == 0 else 0], result["metadata_read"]
+        assert result["meta_read"] == [1], result["meta_read"]
 
 
 class _PlanRecordingWriter(ChecksummingFileSystemWriter):

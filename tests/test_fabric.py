@@ -592,7 +592,7 @@ def _keyed_optimizers(
         "a": _optimizer_state(model.module, opt_a.optimizer),
         "b": _optimizer_state(model.module, opt_b.optimizer),
     }
-    result: dict[str, Any] = {"saved": saved, "loaded": {}, "unknown": {}}
+    result: dict[str, Any] = {"saved": saved, "loaded": {}, "unknown": {}, "fewer": {}}
     for path in paths:
         fabric.save(path, {"model": model, "a": opt_a, "b": opt_b})
         fresh, fresh_a, fresh_b = _two_optimizers(fabric, seed=7)
@@ -601,11 +601,15 @@ def _keyed_optimizers(
             "a": _optimizer_state(fresh.module, fresh_a.optimizer),
             "b": _optimizer_state(fresh.module, fresh_b.optimizer),
         }
-        try:
-            fabric.load(path, {"model": fresh, "a": fresh_a, "c": fresh_b})
-            result["unknown"][path] = None
-        except Exception as err:
-            result["unknown"][path] = f"{type(err).__name__}: {err}"
+        for name, state in (
+            ("unknown", {"model": fresh, "a": fresh_a, "c": fresh_b}),
+            ("fewer", {"model": fresh, "a": fresh_a}),
+        ):
+            try:
+                fabric.load(path, state)
+                result[name][path] = None
+            except Exception as err:
+                result[name][path] = f"{type(err).__name__}: {err}"
     return result
 
 
@@ -614,8 +618,9 @@ def test_optimizers_are_matched_by_key_on_a_bucket_and_locally(
 ) -> None:
     """``fabric.save(path, {"model", "a", "b"})`` on a bucket and on disk: a load with the
     keys in the other order restores each optimizer bit-exactly (Adam and SGD, over
-    different parameters), and a load with a key the checkpoint does not hold raises
-    ``CheckpointMismatchError`` on every rank naming both sets of keys."""
+    different parameters), and a load with a key the checkpoint does not hold, or with
+    fewer optimizers, raises ``CheckpointMismatchError`` on every rank naming both sets of
+    keys (read from ``meta.pt`` through the load's own store)."""
     paths = [f"s3://{seaweed.new_bucket()}/run/keyed.ckpt", str(tmp_path / "keyed.ckpt")]
     results = run_distributed(
         _keyed_optimizers, 2, seaweed.env, paths, init_process_group=False, timeout=240
@@ -627,6 +632,72 @@ def test_optimizers_are_matched_by_key_on_a_bucket_and_locally(
             error = result["unknown"][path]
             assert error is not None and error.startswith("CheckpointMismatchError:"), error
             assert "under the keys ['a', 'b']" in error and "optimizers under ['a', 'c']" in error
+            error = result["fewer"][path]
+            assert error is not None and error.startswith("CheckpointMismatchError:"), error
+            assert "under the keys ['a', 'b']" in error and "optimizers under ['a']." in error
+
+
+def _refusals(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Loads of a {"model", "a", "b"} checkpoint that do not fit, one of a weights-only
+    {"model"} checkpoint, and one of a checkpoint whose ``meta.pt`` was damaged."""
+    fabric = _fabric(world_size)
+    model, opt_a, opt_b = _two_optimizers(fabric, seed=0)
+    fabric.backward(_loss(model, *_rank_batch(0, rank, world_size)))
+    opt_a.step()
+    opt_b.step()
+    keyed, weights, damaged = (str(Path(root) / name) for name in ("keyed", "weights", "damaged"))
+    fabric.save(keyed, {"model": model, "a": opt_a, "b": opt_b})
+    fabric.save(weights, {"model": model})
+    fabric.save(damaged, {"model": model, "a": opt_a, "b": opt_b})
+    if rank == 0:  # one byte of meta.pt flipped after the save: its checksum fails
+        meta = Path(damaged) / "meta.pt"
+        data = bytearray(meta.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        meta.write_bytes(bytes(data))
+    fabric.barrier()
+    fresh, fresh_a, fresh_b = _two_optimizers(fabric, seed=7)
+    loads = {
+        "fewer": (keyed, {"model": fresh, "a": fresh_a}, True),
+        "more": (weights, {"model": fresh, "a": fresh_a}, True),
+        "damaged": (damaged, {"model": fresh, "a": fresh_a, "b": fresh_b}, True),
+        "weights only, not strict": (weights, {"model": fresh, "a": fresh_a}, False),
+    }
+    errors: dict[str, str | None] = {}
+    for name, (path, state, strict) in loads.items():
+        try:
+            fabric.load(path, state, strict=strict)
+            errors[name] = None
+        except Exception as err:
+            errors[name] = f"{type(err).__name__}: {err}"
+    return {
+        "errors": errors,
+        "weights": _full(model.module),
+        "loaded": _full(fresh.module),
+        "a": _optimizer_state(fresh.module, fresh_a.optimizer),
+    }
+
+
+def test_a_load_that_does_not_fit_or_cannot_be_read_raises_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Optimizer keys are checked by count too (fewer than saved, or some where none were
+    saved), naming both sets; ``strict=False`` loads a weights-only checkpoint and leaves the
+    optimizers as they are; a damaged ``meta.pt`` is refused (never taken for "no keys")."""
+    results = run_distributed(_refusals, 2, str(tmp_path), init_process_group=False, timeout=240)
+    assert results[0]["errors"] == results[1]["errors"]
+    errors = results[0]["errors"]
+    assert errors["fewer"].startswith("CheckpointMismatchError:"), errors["fewer"]
+    assert "2 optimizer state(s) under the keys ['a', 'b']" in errors["fewer"]
+    assert "optimizers under ['a']" in errors["fewer"]
+    assert errors["more"].startswith("CheckpointMismatchError:"), errors["more"]
+    assert "0 optimizer state(s) under the keys []" in errors["more"]
+    assert "strict=False loads it" in errors["more"]
+    assert errors["damaged"].startswith("CheckpointCorruptedError:"), errors["damaged"]
+    assert "meta.pt" in errors["damaged"]
+    assert errors["weights only, not strict"] is None
+    for result in results:
+        _assert_equal(result["loaded"], result["weights"])
+        assert result["a"] == {}  # never stepped, and nothing loaded into it
 
 
 # ---------------------------------------------------------------------- bad input

@@ -66,6 +66,7 @@ __all__ = [
     "LoadOptions",
     "OpenedCheckpoint",
     "StorageReaderFactory",
+    "TargetsFactory",
     "open_checkpoint",
     "read_checkpoint",
 ]
@@ -74,6 +75,10 @@ log = logging.getLogger(__name__)
 
 StorageReaderFactory = Callable[[Path], StorageReader]
 """Builds the DCP reader for a load, given the checkpoint directory."""
+
+TargetsFactory = Callable[[dict[str, Any]], dict[str, Any]]
+"""Builds a load's targets from the checkpoint's ``meta.pt`` dict (a caller whose targets
+depend on what was saved: Fabric orders its optimizers by the keys saved there)."""
 
 # The classes a load's problems raise, most fundamental first (``Ranks.agree``).
 _LOAD_PRECEDENCE: tuple[type[Exception], ...] = (
@@ -204,29 +209,29 @@ def _read_metadata_once(
 
 def read_checkpoint(
     opened: OpenedCheckpoint,
-    state: dict[str, Any] | None,
+    state: dict[str, Any] | TargetsFactory | None,
     ranks: Ranks,
     options: LoadOptions,
     *,
     map_location: Any = "cpu",
     weights_only: bool | None = None,
     strict: bool = True,
-    error: BaseException | None = None,
 ) -> dict[str, Any]:
     """Round 2, then DCP's read: every rank checks, the ranks agree, DCP reads into ``state``.
 
     Args:
         opened: From :func:`open_checkpoint`.
         state: Targets (``{"state_dict": ..., "optimizer_states": [...]}``), filled in
-            place; ``None`` reads only the non-tensor part.
+            place; or a function that builds them from ``meta.pt``'s dict, called once
+            ``meta.pt`` is read and checked, its failure agreed on in this round (rank-local
+            preparation such as building the targets); ``None`` reads only the non-tensor
+            part.
         ranks: The ranks that load together.
         options: How to read.
         map_location: ``torch.load``'s, for ``meta.pt``: CPU by default, as Lightning's
             ``TorchCheckpointIO`` loads (not rank 0's device, where it saved them).
         weights_only: ``torch.load``'s, for ``meta.pt``.
         strict: Refuse missing and unexpected keys.
-        error: A failure of this rank's own preparation (building the targets), agreed on
-            in the same round.
 
     Returns:
         ``meta.pt``'s dict plus the filled targets.
@@ -238,14 +243,7 @@ def read_checkpoint(
     reader: StorageReader | None = None
     meta: dict[str, Any] = {}
     problems: list[Problem] = []
-    if error is not None:
-        problems.append(
-            Problem(
-                CheckpointError,
-                f"building the load targets failed on rank(s) [{ranks.rank}]: {describe(error)}",
-            )
-        )
-    elif opened.manifest is None:
+    if opened.manifest is None:
         problems.append(Problem(NotACheckpointError, opened.problem or f"{final}: no manifest"))
     else:
         try:
@@ -260,7 +258,7 @@ def read_checkpoint(
             except CheckpointError as err:
                 problems.append(Problem(CheckpointCorruptedError, str(err)))
         if reader is not None:
-            problems, meta = _validate(
+            problems, meta, state = _validate(
                 final,
                 opened.manifest,
                 state,
@@ -273,7 +271,7 @@ def read_checkpoint(
             )
     _agree_before_reading(ranks, final, problems)
     manifest = opened.manifest
-    assert manifest is not None and reader is not None
+    assert manifest is not None and reader is not None and not callable(state)
     if (saved := manifest.world_size) != ranks.world_size:
         log.info(
             "Loading %s, saved by %d ranks, on %d: DCP reshards.", final, saved, ranks.world_size
@@ -312,25 +310,26 @@ def read_checkpoint(
 def _validate(
     final: Any,
     manifest: Manifest,
-    state: dict[str, Any] | None,
+    state: dict[str, Any] | TargetsFactory | None,
     strict: bool,
     ranks: Ranks,
     map_location: Any,
     weights_only: bool | None,
     reader: StorageReader,
     options: LoadOptions,
-) -> tuple[list[Problem], dict[str, Any]]:
-    """This rank's problems with loading ``final`` into ``state``, and the
-    checkpoint's ``meta.pt`` (empty if it could not be read).
+) -> tuple[list[Problem], dict[str, Any], dict[str, Any] | None]:
+    """This rank's problems with loading ``final`` into ``state``, the checkpoint's
+    ``meta.pt`` (empty if it could not be read), and the targets (built here from
+    ``meta.pt`` when ``state`` is a :data:`TargetsFactory`).
 
     Sizes always; with ``verify_checksums``, ``meta.pt``'s digest on every rank (it is read
     here anyway) and, unless ``reader`` verifies as it reads, this rank's share of the other
     files' digests.
     """
-    if state is not None:
+    if state is not None and not callable(state):
         shape_error = _state_shape_error(state)
         if shape_error:
-            return [Problem(TypeError, shape_error)], {}
+            return [Problem(TypeError, shape_error)], {}, state
     share = None
     if options.verify_checksums and not isinstance(reader, VerifyingFileSystemReader):
         hashed = sorted(
@@ -351,8 +350,6 @@ def _validate(
                 "(the file changed after it was written)"
             )
     problems = [Problem(CheckpointCorruptedError, line, "damaged") for line in damaged]
-    if state is not None:
-        problems += _fingerprint_problems(manifest, state, strict)
     meta: dict[str, Any] = {}
     if not damaged and data is not None:
         trust = options.trust_checkpoint if weights_only is None else not weights_only
@@ -360,7 +357,22 @@ def _validate(
             meta = load_weights_only(data, source=META_FILE, trust=trust, map_location=map_location)
         except CheckpointError as err:
             problems.append(Problem(CheckpointError, str(err)))
-    return problems, meta
+    if callable(state):
+        if problems:  # the targets depend on meta.pt, which these problems refuse
+            return problems, meta, None
+        try:
+            state = state(meta)
+        except CheckpointMismatchError as err:
+            return [Problem(CheckpointMismatchError, str(err), "optimizers")], meta, None
+        except Exception as err:
+            text = f"building the load targets failed on rank(s) [{ranks.rank}]: {describe(err)}"
+            return [Problem(CheckpointError, text)], meta, None
+        shape_error = _state_shape_error(state)
+        if shape_error:
+            return [Problem(TypeError, shape_error)], meta, state
+    if state is not None:
+        problems += _fingerprint_problems(manifest, state, strict)
+    return problems, meta, state
 
 
 def _load_failure(

@@ -196,40 +196,40 @@ def to_megatron_precision(
     where: str,
     *,
     target: type[_Ours] = MegatronFSDPPrecision,  # type: ignore[assignment]
-    fabric: bool = False,
 ) -> _Ours | None:
-    """Translate the plugin Lightning builds from ``precision=...`` into ours.
+    """Translate the plugin Lightning builds from ``precision=...`` into ``target``.
 
     The one translation of the flags for both front ends: the Trainer's plugins
-    (``lightning.pytorch.plugins.precision``) or, with ``fabric=True``, Fabric's
-    (``lightning.fabric.plugins.precision``), into ``target``.
+    (``lightning.pytorch.plugins.precision``) and Fabric's
+    (``lightning.fabric.plugins.precision``) share their class names. Each is matched by
+    exact type: a subclass is a user's own plugin, which means something else.
 
     Raises:
         ValueError: For precision flags Megatron-FSDP cannot honour (``16-mixed``, ``64-true``).
         TypeError: For other precision plugins.
     """
-    if fabric:
-        from lightning.fabric.plugins import precision as plugins
-    else:
-        from lightning.pytorch.plugins import precision as plugins  # type: ignore[no-redef]
+    from lightning.fabric.plugins import precision as fabric_plugins
+    from lightning.pytorch.plugins import precision as trainer_plugins
+
+    def built_as(name: str) -> bool:
+        return type(plugin) in (getattr(fabric_plugins, name), getattr(trainer_plugins, name))
 
     if plugin is None or isinstance(plugin, target):
         return plugin
-    if type(plugin) is plugins.Precision:
+    if built_as("Precision"):
         return target("32-true")
-    if type(plugin) is plugins.HalfPrecision:
+    if built_as("HalfPrecision"):
         return target(plugin.precision)
-    if type(plugin) is plugins.MixedPrecision:
+    if built_as("MixedPrecision"):
         return target(plugin.precision, device_type=plugin.device)
-    if type(plugin) is plugins.DoublePrecision:
+    if built_as("DoublePrecision"):
         raise ValueError(
             f"{where}: precision='64-true' is not supported (Megatron-FSDP's main weights "
             "are fp32). Use '32-true', 'bf16-true', '16-true' or 'bf16-mixed'."
         )
     raise TypeError(
-        f"{where} needs {'Fabric' if fabric else 'Trainer'}(precision=...) with '32-true', "
-        f"'bf16-true', '16-true' or 'bf16-mixed' (or a {target.__name__}), got "
-        f"{type(plugin).__name__}."
+        f"{where} needs precision='32-true', 'bf16-true', '16-true' or 'bf16-mixed' (or a "
+        f"{target.__name__}), got {type(plugin).__name__}."
     )
 
 

@@ -11,6 +11,7 @@ applies the loaded optimizer state.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,12 @@ from lightning_megatron_fsdp.storage import (
 )
 from lightning_megatron_fsdp.weights import load_full_weights
 
-__all__ = ["LoadResult", "load_into_sharded_model", "save_sharded_checkpoint"]
+__all__ = ["LoadResult", "OptimizerMatcher", "load_into_sharded_model", "save_sharded_checkpoint"]
+
+OptimizerMatcher = Callable[[dict[str, Any], int], list[Optimizer]]
+"""The optimizers to fill, in the order the checkpoint saved their states, from its
+``meta.pt`` dict and the number of optimizer states it holds; raises
+``CheckpointMismatchError`` when they do not fit."""
 
 
 def save_sharded_checkpoint(
@@ -136,12 +142,15 @@ def load_into_sharded_model(
     weights_only: bool | None,
     strict: bool,
     allow_missing_optimizers: bool,
+    match_optimizers: OptimizerMatcher | None = None,
 ) -> LoadResult:
     """Load ``path`` into ``model`` (and ``optimizers``) in place, on every rank.
 
     With a ``MegatronFSDPCheckpointIO`` (anything with ``load_options`` and
-    ``process_group``): three rounds of ours (open, agree, apply). Another checkpoint IO
-    (say, a wrapper) is called through its ``load_checkpoint(path, state=...)``.
+    ``process_group``): three rounds of ours (open, agree, apply); the manifest is parsed
+    once (rank 0) and ``meta.pt`` read once per rank, the targets built from it. Another
+    checkpoint IO (say, a wrapper) is called through its ``load_checkpoint(path,
+    state=...)``, first without targets when ``match_optimizers`` needs ``meta.pt``.
 
     Args:
         io: The checkpoint IO (``MegatronFSDPCheckpointIO`` or a wrapper of it).
@@ -153,6 +162,9 @@ def load_into_sharded_model(
         strict: Refuse missing and unexpected keys.
         allow_missing_optimizers: Accept a checkpoint without optimizer state although
             ``optimizers`` were passed (they stay fresh).
+        match_optimizers: Picks and orders ``optimizers`` by what the checkpoint saved
+            (Fabric's keys); it decides about a checkpoint without optimizer state too.
+            ``None``: by position.
 
     Returns:
         The loaded checkpoint and whether optimizer state was loaded.
@@ -184,7 +196,7 @@ def load_into_sharded_model(
     saved_optimizers = (
         None if opened.manifest is None else len(opened.manifest.optimizer_fingerprints)
     )
-    if optimizers and saved_optimizers == 0:
+    if optimizers and saved_optimizers == 0 and match_optimizers is None:
         if not allow_missing_optimizers:
             raise CheckpointMismatchError(
                 f"Checkpoint {opened.path} holds no optimizer state (it was saved with "
@@ -196,26 +208,40 @@ def load_into_sharded_model(
                 "checkpoints with optimizer state."
             )
         optimizers = []
-    state: dict[str, Any] = {}
+    chosen = optimizers
     error: Exception | None = None
-    try:
-        state = _load_targets(model, optimizers)
-    except Exception as err:
-        error = err
+
+    def targets(meta: dict[str, Any]) -> dict[str, Any]:
+        nonlocal chosen
+        if optimizers and match_optimizers is not None:
+            assert saved_optimizers is not None  # a checkpoint of ours has a manifest
+            chosen = match_optimizers(meta, saved_optimizers)
+        return _load_targets(model, chosen)
+
     if options is not None:
         checkpoint = read_checkpoint(
-            opened, state, ranks, options, weights_only=weights_only, strict=strict, error=error
+            opened, targets, ranks, options, weights_only=weights_only, strict=strict
         )
     else:
+        state: dict[str, Any] = {}
+        try:
+            meta = {}
+            if optimizers and match_optimizers is not None:
+                meta = io.load_checkpoint(str(opened.path), weights_only=weights_only, state=None)
+            state = targets(meta)
+        except Exception as err:
+            error = err
+        mismatch = isinstance(error, CheckpointMismatchError)
         ranks.raise_together(
             f"loading checkpoint {opened.path} (building the load targets)",
             error,
-            CheckpointError,
+            CheckpointMismatchError if mismatch else CheckpointError,
             consequence="nothing was read; the model and optimizers are unchanged",
         )
         checkpoint = io.load_checkpoint(
             str(opened.path), weights_only=weights_only, state=state, strict=strict
         )
+    optimizers = chosen
     try:
         for optimizer, optimizer_state in zip(
             optimizers, checkpoint.get("optimizer_states", []) if optimizers else [], strict=True

@@ -112,37 +112,48 @@ def to_checkpoint(
 
 
 def saved_optimizer_order(
-    meta: dict[str, Any], state: FabricState, saved_count: int | None, path: str, where: str
+    meta: dict[str, Any], state: FabricState, saved_count: int, path: str, where: str, strict: bool
 ) -> list[Optimizer]:
-    """The user's optimizers in the order the checkpoint saved them.
+    """The user's optimizers in the order the checkpoint saved their states.
 
-    A Fabric checkpoint records the saving state's keys: optimizers are matched by key. A
-    Trainer checkpoint has no keys: they are matched by position.
+    A Fabric checkpoint records the saving state's keys in ``meta.pt``: optimizers are
+    matched by key, in any order. A Trainer checkpoint has no keys: they are matched by
+    position. A checkpoint without optimizer state fills none, which only ``strict=False``
+    accepts.
+
+    Args:
+        meta: The checkpoint's ``meta.pt``.
+        state: The state being loaded.
+        saved_count: How many optimizer states the checkpoint holds (its manifest).
+        path: The checkpoint, for messages.
+        where: Who loads, for messages.
+        strict: Whether a checkpoint without optimizer state is refused.
 
     Raises:
-        CheckpointMismatchError: The keys (or, without keys, the counts) differ.
+        CheckpointMismatchError: The keys, or their count, differ (naming both sets).
     """
     optimizers = dict(state.optimizers)
-    if not optimizers:
-        return []
     record = meta.get(FABRIC_KEYS)
     saved_keys = record.get("optimizers") if isinstance(record, dict) else None
-    if saved_keys is None:
-        if saved_count is not None and saved_count not in (0, len(optimizers)):
-            raise CheckpointMismatchError(
-                f"{where}: checkpoint {path} holds {saved_count} optimizer state(s) (saved by "
-                f"the Trainer, matched by position), but the state passed {len(optimizers)} "
-                f"optimizer(s) ({', '.join(map(repr, optimizers))}). Pass as many, in the "
-                "order of the LightningModule's configure_optimizers()."
-            )
-        return list(optimizers.values())
-    if set(saved_keys) != set(optimizers):
-        raise CheckpointMismatchError(
-            f"{where}: checkpoint {path} holds optimizer state under the keys "
-            f"{sorted(saved_keys)}, but the state passed optimizers under {sorted(optimizers)}. "
-            "Load with the keys the checkpoint was saved with."
-        )
-    return [optimizers[key] for key in saved_keys]
+    if saved_count == 0 and not strict:
+        return []
+    if saved_keys is None:  # a Trainer's checkpoint
+        if saved_count == len(optimizers):
+            return list(optimizers.values())
+        saved = f"{saved_count} optimizer state(s) (saved by the Trainer, matched by position)"
+        fix = "Pass as many, in the order of the LightningModule's configure_optimizers()"
+    elif sorted(saved_keys) == sorted(optimizers) and len(saved_keys) == saved_count:
+        return [optimizers[key] for key in saved_keys]
+    else:
+        saved = f"{saved_count} optimizer state(s) under the keys {sorted(saved_keys)}"
+        fix = "Load with the keys the checkpoint was saved with"
+    raise CheckpointMismatchError(
+        f"{where}: checkpoint {path} holds {saved}, but the state passed optimizers under "
+        f"{sorted(optimizers)}. {fix}{'' if saved_count else _NO_OPTIMIZER_STATE_HINT}."
+    )
+
+
+_NO_OPTIMIZER_STATE_HINT = " (strict=False loads it and leaves the optimizers as they are)"
 
 
 def restore_rest(

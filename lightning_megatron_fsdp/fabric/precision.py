@@ -7,19 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.utilities.types import Optimizable
 from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_megatron_fsdp.common import (
-    MegatronFSDPPrecision,
-    reject_closure_optimizer,
-    to_megatron_precision,
-)
+from lightning_megatron_fsdp.common import MegatronFSDPPrecision, reject_closure_optimizer
 
-__all__ = ["MegatronFSDPFabricPrecision", "to_fabric_precision"]
+__all__ = ["MegatronFSDPFabricPrecision"]
 
 
 class MegatronFSDPFabricPrecision(MegatronFSDPPrecision):
@@ -50,9 +45,3 @@ class MegatronFSDPFabricPrecision(MegatronFSDPPrecision):
         """
         reject_closure_optimizer(optimizer)
         return optimizer.step(**kwargs)
-
-
-def to_fabric_precision(plugin: Precision | None, where: str) -> MegatronFSDPFabricPrecision | None:
-    """Translate the plugin Fabric builds from ``precision=...`` into ours
-    (:func:`~lightning_megatron_fsdp.common.precision.to_megatron_precision`)."""
-    return to_megatron_precision(plugin, where, target=MegatronFSDPFabricPrecision, fabric=True)

@@ -25,12 +25,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_megatron_fsdp import _lightning
-from lightning_megatron_fsdp.agreement import (
-    Ranks,
-    dcp_failure_message,
-    describe,
-    peer_failures_explained,
-)
+from lightning_megatron_fsdp.agreement import dcp_failure_message, peer_failures_explained
 from lightning_megatron_fsdp.checkpoint import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.common import (
     ExactResume,
@@ -43,23 +38,16 @@ from lightning_megatron_fsdp.common import (
     move_unsharded_state,
     reject_closure_optimizer,
     save_sharded_checkpoint,
+    to_megatron_precision,
 )
-from lightning_megatron_fsdp.errors import (
-    CheckpointCorruptedError,
-    CheckpointError,
-    NotACheckpointError,
-)
+from lightning_megatron_fsdp.errors import CheckpointError
 from lightning_megatron_fsdp.fabric.checkpoint_state import (
-    FABRIC_KEYS,
     restore_rest,
     saved_optimizer_order,
     split_state,
     to_checkpoint,
 )
-from lightning_megatron_fsdp.fabric.precision import (
-    MegatronFSDPFabricPrecision,
-    to_fabric_precision,
-)
+from lightning_megatron_fsdp.fabric.precision import MegatronFSDPFabricPrecision
 from lightning_megatron_fsdp.known_warnings import ignore_known_warnings, stop_ignoring
 from lightning_megatron_fsdp.megatron import (
     AutoWrapPolicy,
@@ -71,12 +59,6 @@ from lightning_megatron_fsdp.megatron import (
     _megatron,
     bind_full_tensor,
     ensure_optimizer_state,
-)
-from lightning_megatron_fsdp.storage import (
-    META_FILE,
-    LocalDirectories,
-    bytes_digest,
-    load_weights_only,
 )
 from lightning_megatron_fsdp.weights import load_full_weights
 
@@ -192,7 +174,9 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
     @precision.setter
     @override
     def precision(self, precision: Precision | None) -> None:
-        self._precision = to_fabric_precision(precision, _STRATEGY)
+        self._precision = to_megatron_precision(
+            precision, _STRATEGY, target=MegatronFSDPFabricPrecision
+        )
 
     @property
     @override
@@ -475,8 +459,8 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
                 "into, e.g. {'model': model, 'optimizer': optimizer}; a sharded checkpoint "
                 "cannot be returned whole."
             )
-        target = self.broadcast(str(path))
         if isinstance(state, nn.Module):
+            target = self.broadcast(str(path))
             load_full_weights(state, target, strict=strict, weights_only=weights_only is not False)
             _megatron.sync_compute_weights(state)
             self._check_replicas(state, f"after loading {target}")
@@ -488,22 +472,21 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             )
         fabric_state = split_state(state, _STRATEGY, "fabric.load")
         model = fabric_state.model
-        peeked = Ranks.of().broadcast_from_first(
-            _peek(self.checkpoint_io, target, weights_only) if self.is_global_zero else None
-        )
-        if isinstance(peeked, Exception):
-            raise peeked
-        record, saved_count = peeked
-        optimizers = saved_optimizer_order(record, fabric_state, saved_count, target, _STRATEGY)
+        target = str(path)  # rank 0's is loaded
+
+        def in_saved_order(meta: dict[str, Any], saved_count: int) -> list[Optimizer]:
+            return saved_optimizer_order(meta, fabric_state, saved_count, target, _STRATEGY, strict)
+
         try:
             result = load_into_sharded_model(
                 self.checkpoint_io,
                 target,
                 model,
-                optimizers,
+                [optimizer for _, optimizer in fabric_state.optimizers],
                 weights_only=weights_only,
                 strict=strict,
                 allow_missing_optimizers=not strict,
+                match_optimizers=in_saved_order,
             )
         except CheckpointException as err:  # a BaseException: never let it escape as is
             raise CheckpointError(
@@ -540,51 +523,6 @@ class _MicrobatchControl(_lightning.BackwardSyncControl):
         if enabled and self._strategy.sharding_mode.defers_gradient_reduction:
             return _megatron.microbatch(module, is_last=False)
         return contextlib.nullcontext()
-
-
-def _peek(io: CheckpointIO, path: str, weights_only: bool | None) -> Any:
-    """Rank 0: the saved Fabric keys (``meta.pt``) and optimizer count (manifest), or the
-    error to raise on every rank.
-
-    Read as the load reads them, through the checkpoint IO's store (a local directory, or
-    the newest complete version on a bucket): ``meta.pt`` at its manifest size and
-    checksum, unpickled as trustingly as the load will. A location without our
-    manifest gives no keys: the load that follows refuses it, or loads a foreign
-    (``ModelParallelStrategy``) checkpoint by position.
-    """
-    options = getattr(io, "load_options", None)
-    store = options.store if options is not None else LocalDirectories()
-    trust = weights_only is False
-    if weights_only is None and options is not None:
-        trust = options.trust_checkpoint
-    try:
-        final = store.location(path)
-        store.recover(final)
-        final = store.resolve(final)
-        try:
-            manifest = store.read_manifest(final)
-        except NotACheckpointError:
-            return {}, None
-        damaged = store.check_files(final, manifest)  # sizes first: meta.pt is read whole
-        if damaged:
-            raise CheckpointCorruptedError(f"{final}: " + "; ".join(damaged))
-        data = store.read_bytes(final, META_FILE)
-        digest = manifest.files[META_FILE].digest()
-        if digest is not None and bytes_digest(data, digest[0]) != digest[1]:
-            raise CheckpointCorruptedError(
-                f"{path}: {META_FILE} fails its {digest[0]} check (it changed after it was "
-                "written); use another checkpoint."
-            )
-        meta = load_weights_only(data, source=META_FILE, trust=trust)
-    except Exception as err:
-        # Our errors keep their whole text: it names the file and the fix (the trust hint).
-        ours = isinstance(err, CheckpointError)
-        return (type(err) if ours else CheckpointError)(
-            f"{_STRATEGY}: reading the optimizer keys saved in checkpoint {path} failed: "
-            f"{err if ours else describe(err)}"
-        )
-    keys = {FABRIC_KEYS: meta.get(FABRIC_KEYS)} if isinstance(meta, dict) else {}
-    return keys, len(manifest.optimizer_fingerprints)
 
 
 def _keep_buffers_in_step(model: nn.Module) -> BufferSync:
