@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only
@@ -21,10 +22,19 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
 
 from lightning_megatron_fsdp import _lightning
+from lightning_megatron_fsdp.common.exact_resume import ExactResume
 from lightning_megatron_fsdp.common.model_setup import ModelSharder, join_process_group
 from lightning_megatron_fsdp.common.precision import MegatronFSDPPrecision
+from lightning_megatron_fsdp.common.sharded_checkpoint import (
+    LoadResult,
+    OptimizerMatcher,
+    load_into_sharded_model,
+    save_sharded_checkpoint,
+)
+from lightning_megatron_fsdp.known_warnings import ignore_known_warnings, stop_ignoring
 from lightning_megatron_fsdp.megatron import (
     AutoWrapPolicy,
     MeshRequest,
@@ -140,6 +150,10 @@ class StrategyOptionsMixin:
     num_nodes: int
     global_rank: int
     cluster_environment: ClusterEnvironment | None
+    accelerator: Accelerator | None
+    checkpoint_io: CheckpointIO
+    _checkpoint_io: CheckpointIO | None
+    _exact_resume: ExactResume
 
     @property
     def _megatron_precision(self) -> MegatronFSDPPrecision:
@@ -234,6 +248,73 @@ class StrategyOptionsMixin:
             where=options.where,
         )
         return self._device_mesh
+
+    def _ignore_known_warnings(self) -> None:
+        """Silence the known warnings from ``setup_environment`` until :meth:`_release`."""
+        self._ignored_warnings = ignore_known_warnings()
+
+    def _release(self) -> None:
+        """What both teardowns release: an unfinished sharding, the ignored warnings, the
+        precision's and accelerator's state, and the checkpoint IO (finishing an async
+        save). The process group and mesh stay: the model's DTensors hold them."""
+        self._sharder.close(RuntimeError("teardown before setup finished sharding"))
+        stop_ignoring(getattr(self, "_ignored_warnings", []))
+        self._megatron_precision.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
+        if self._checkpoint_io is not None:
+            self._checkpoint_io.teardown()
+
+    def _save_sharded(
+        self,
+        checkpoint: dict[str, Any],
+        path: Any,
+        model: nn.Module,
+        storage_options: Any | None,
+        *,
+        commit: bool,
+    ) -> None:
+        """``save_sharded_checkpoint`` through this strategy's IO, with this rank's random
+        streams. Collective."""
+        save_sharded_checkpoint(
+            self.checkpoint_io,
+            checkpoint,
+            path,
+            model,
+            self._exact_resume.states_for_checkpoint(self.root_device),
+            where=self._options.where,
+            storage_options=storage_options,
+            commit=commit,
+        )
+
+    def _load_sharded(
+        self,
+        path: str,
+        model: nn.Module,
+        optimizers: list[Optimizer],
+        *,
+        fitting: bool,
+        weights_only: bool | None,
+        strict: bool,
+        allow_missing_optimizers: bool,
+        match_optimizers: OptimizerMatcher | None = None,
+    ) -> LoadResult:
+        """``load_into_sharded_model`` through this strategy's IO, then the loaded random
+        streams handed to exact resume and the optional replica check. Collective."""
+        result = load_into_sharded_model(
+            self.checkpoint_io,
+            path,
+            model,
+            optimizers,
+            weights_only=weights_only,
+            strict=strict,
+            allow_missing_optimizers=allow_missing_optimizers,
+            match_optimizers=match_optimizers,
+            where=self._options.where,
+        )
+        self._exact_resume.checkpoint_loaded(result.checkpoint, fitting=fitting)
+        self._check_replicas(model, f"after loading {path}")
+        return result
 
     def _shard_unit(self, module: nn.Module) -> None:
         """Make ``module`` one unit with this strategy's mesh, placements and precision

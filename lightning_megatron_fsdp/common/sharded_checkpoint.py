@@ -10,8 +10,9 @@ applies the loaded optimizer state.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,7 @@ def save_sharded_checkpoint(
 
     # Every rank's random streams, in rank 0's meta.pt: gathered by the save's first round.
     checkpoint[RNG_STATES_KEY] = PerRank(rng_states, combine=rng_states_of)
-    try:
+    with _dcp_failures(CheckpointSaveError, f"{where}: ", "Saving", filepath):
         if isinstance(io, MegatronFSDPCheckpointIO):
             # One round agrees on the path, the attached metadata and the layout.
             io.save_checkpoint(checkpoint, filepath, storage_options, prepare=attach)
@@ -112,10 +113,18 @@ def save_sharded_checkpoint(
             io.save_checkpoint(checkpoint, path, storage_options=storage_options)
         if commit:
             io.teardown()
-    except CheckpointException as err:  # a BaseException: never let it escape as is
-        raise CheckpointSaveError(
-            f"{where}: " + dcp_failure_message("Saving", filepath, err)
-        ) from err
+
+
+@contextlib.contextmanager
+def _dcp_failures(
+    error_type: type[CheckpointError], prefix: str, action: str, path: Any
+) -> Iterator[None]:
+    """Raise DCP's ``CheckpointException`` (a ``BaseException``: never let it escape as is)
+    as ``error_type``, naming the failing ranks."""
+    try:
+        yield
+    except CheckpointException as err:
+        raise error_type(prefix + dcp_failure_message(action, path, err)) from err
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +152,7 @@ def load_into_sharded_model(
     strict: bool,
     allow_missing_optimizers: bool,
     match_optimizers: OptimizerMatcher | None = None,
+    where: str = "",
 ) -> LoadResult:
     """Load ``path`` into ``model`` (and ``optimizers``) in place, on every rank.
 
@@ -165,6 +175,7 @@ def load_into_sharded_model(
         match_optimizers: Picks and orders ``optimizers`` by what the checkpoint saved
             (Fabric's keys); it decides about a checkpoint without optimizer state too.
             ``None``: by position.
+        where: Names the strategy in errors.
 
     Returns:
         The loaded checkpoint and whether optimizer state was loaded.
@@ -175,89 +186,94 @@ def load_into_sharded_model(
             it holds no optimizer state and ``allow_missing_optimizers`` is off.
         CheckpointError: Building targets, reading or applying failed on some rank.
     """
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    with _dcp_failures(CheckpointError, f"{where}: " if where else "", "Loading", path):
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    options: LoadOptions | None = getattr(io, "load_options", None)
-    ranks = Ranks.of(getattr(io, "process_group", None) if options is not None else None)
-    if options is not None:
-        io.wait()  # an async save in flight commits first
-        store = options.store
-    else:
-        store = LocalDirectories()
-    opened = open_checkpoint(path, ranks, store, options)
-    if opened.foreign:
-        load_full_weights(model, opened.path, optimizers=optimizers, strict=strict)
-        meta = load_weights_only(
-            read_regular(opened.path, META_FILE),
-            source=str(Path(opened.path, META_FILE)),
-            trust=weights_only is False,
-        )
-        return LoadResult(meta, bool(optimizers))
-    saved_optimizers = (
-        None if opened.manifest is None else len(opened.manifest.optimizer_fingerprints)
-    )
-    if optimizers and saved_optimizers == 0 and match_optimizers is None:
-        if not allow_missing_optimizers:
-            raise CheckpointMismatchError(
-                f"Checkpoint {opened.path} holds no optimizer state (it was saved with "
-                "weights_only=True, e.g. by ModelCheckpoint(save_weights_only=True)), so fit() "
-                f"cannot resume the run exactly with its {len(optimizers)} optimizer(s). To "
-                "train on from its weights with fresh optimizer state, set "
-                "strategy.allow_weights_only_resume = True before fit; to evaluate it, use "
-                "trainer.validate/test/predict(ckpt_path=...); to resume exactly, save "
-                "checkpoints with optimizer state."
+        options: LoadOptions | None = getattr(io, "load_options", None)
+        ranks = Ranks.of(getattr(io, "process_group", None) if options is not None else None)
+        if options is not None:
+            io.wait()  # an async save in flight commits first
+            store = options.store
+        else:
+            store = LocalDirectories()
+        opened = open_checkpoint(path, ranks, store, options)
+        if opened.foreign:
+            load_full_weights(model, opened.path, optimizers=optimizers, strict=strict)
+            meta = load_weights_only(
+                read_regular(opened.path, META_FILE),
+                source=str(Path(opened.path, META_FILE)),
+                trust=weights_only is False,
             )
-        optimizers = []
-    chosen = optimizers
-    error: Exception | None = None
-
-    def targets(meta: dict[str, Any]) -> dict[str, Any]:
-        nonlocal chosen
-        if optimizers and match_optimizers is not None:
-            assert saved_optimizers is not None  # a checkpoint of ours has a manifest
-            chosen = match_optimizers(meta, saved_optimizers)
-        return _load_targets(model, chosen)
-
-    if options is not None:
-        checkpoint = read_checkpoint(
-            opened, targets, ranks, options, weights_only=weights_only, strict=strict
+            return LoadResult(meta, bool(optimizers))
+        saved_optimizers = (
+            None if opened.manifest is None else len(opened.manifest.optimizer_fingerprints)
         )
-    else:
-        state: dict[str, Any] = {}
-        try:
-            meta = {}
+        if optimizers and saved_optimizers == 0 and match_optimizers is None:
+            if not allow_missing_optimizers:
+                raise CheckpointMismatchError(
+                    f"Checkpoint {opened.path} holds no optimizer state (it was saved with "
+                    "weights_only=True, e.g. by ModelCheckpoint(save_weights_only=True)), so fit() "
+                    f"cannot resume the run exactly with its {len(optimizers)} optimizer(s). To "
+                    "train on from its weights with fresh optimizer state, set "
+                    "strategy.allow_weights_only_resume = True before fit; to evaluate it, use "
+                    "trainer.validate/test/predict(ckpt_path=...); to resume exactly, save "
+                    "checkpoints with optimizer state."
+                )
+            optimizers = []
+        chosen = optimizers
+        error: Exception | None = None
+
+        def targets(meta: dict[str, Any]) -> dict[str, Any]:
+            nonlocal chosen
             if optimizers and match_optimizers is not None:
-                meta = io.load_checkpoint(str(opened.path), weights_only=weights_only, state=None)
-            state = targets(meta)
+                assert saved_optimizers is not None  # a checkpoint of ours has a manifest
+                chosen = match_optimizers(meta, saved_optimizers)
+            return _load_targets(model, chosen)
+
+        if options is not None:
+            checkpoint = read_checkpoint(
+                opened, targets, ranks, options, weights_only=weights_only, strict=strict
+            )
+        else:
+            state: dict[str, Any] = {}
+            try:
+                meta = {}
+                if optimizers and match_optimizers is not None:
+                    meta = io.load_checkpoint(
+                        str(opened.path), weights_only=weights_only, state=None
+                    )
+                state = targets(meta)
+            except Exception as err:
+                error = err
+            mismatch = isinstance(error, CheckpointMismatchError)
+            ranks.raise_together(
+                f"loading checkpoint {opened.path} (building the load targets)",
+                error,
+                CheckpointMismatchError if mismatch else CheckpointError,
+                consequence="nothing was read; the model and optimizers are unchanged",
+            )
+            checkpoint = io.load_checkpoint(
+                str(opened.path), weights_only=weights_only, state=state, strict=strict
+            )
+        optimizers = chosen
+        try:
+            for optimizer, optimizer_state in zip(
+                optimizers,
+                checkpoint.get("optimizer_states", []) if optimizers else [],
+                strict=True,
+            ):
+                set_optimizer_state_dict(model, optimizer, optimizer_state)
+            _megatron.sync_compute_weights(model)
         except Exception as err:
             error = err
-        mismatch = isinstance(error, CheckpointMismatchError)
         ranks.raise_together(
-            f"loading checkpoint {opened.path} (building the load targets)",
+            f"loading checkpoint {opened.path} (applying the loaded state)",
             error,
-            CheckpointMismatchError if mismatch else CheckpointError,
-            consequence="nothing was read; the model and optimizers are unchanged",
+            CheckpointError,
+            consequence="the tensors were loaded but the optimizers may be half restored; do not "
+            "train on, load again",
         )
-        checkpoint = io.load_checkpoint(
-            str(opened.path), weights_only=weights_only, state=state, strict=strict
-        )
-    optimizers = chosen
-    try:
-        for optimizer, optimizer_state in zip(
-            optimizers, checkpoint.get("optimizer_states", []) if optimizers else [], strict=True
-        ):
-            set_optimizer_state_dict(model, optimizer, optimizer_state)
-        _megatron.sync_compute_weights(model)
-    except Exception as err:
-        error = err
-    ranks.raise_together(
-        f"loading checkpoint {opened.path} (applying the loaded state)",
-        error,
-        CheckpointError,
-        consequence="the tensors were loaded but the optimizers may be half restored; do not "
-        "train on, load again",
-    )
-    return LoadResult(checkpoint, bool(optimizers))
+        return LoadResult(checkpoint, bool(optimizers))
 
 
 def _load_targets(model: nn.Module, optimizers: list[Optimizer]) -> dict[str, Any]:

@@ -19,13 +19,12 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.utilities.distributed import ReduceOp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_megatron_fsdp import _lightning
-from lightning_megatron_fsdp.agreement import dcp_failure_message, peer_failures_explained
+from lightning_megatron_fsdp.agreement import peer_failures_explained
 from lightning_megatron_fsdp.checkpoint import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.common import (
     ExactResume,
@@ -34,13 +33,10 @@ from lightning_megatron_fsdp.common import (
     StrategyOptionsMixin,
     clip_sharded_grad_norm_,
     clip_sharded_grad_value_,
-    load_into_sharded_model,
     move_unsharded_state,
     reject_closure_optimizer,
-    save_sharded_checkpoint,
     to_megatron_precision,
 )
-from lightning_megatron_fsdp.errors import CheckpointError
 from lightning_megatron_fsdp.fabric.checkpoint_state import (
     restore_rest,
     saved_optimizer_order,
@@ -48,7 +44,6 @@ from lightning_megatron_fsdp.fabric.checkpoint_state import (
     to_checkpoint,
 )
 from lightning_megatron_fsdp.fabric.precision import MegatronFSDPFabricPrecision
-from lightning_megatron_fsdp.known_warnings import ignore_known_warnings, stop_ignoring
 from lightning_megatron_fsdp.megatron import (
     AutoWrapPolicy,
     BufferSync,
@@ -205,7 +200,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         """Join the process group (once per process; it lives until the process ends), build
         the mesh."""
         super().setup_environment()
-        self._ignored_warnings = ignore_known_warnings()  # until teardown
+        self._ignore_known_warnings()
         self._join_processes(nn.Module())
 
     # ------------------------------------------------------------------ model setup
@@ -418,16 +413,8 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             ensure_optimizer_state(optimizer)
             optimizer_states.append(get_optimizer_state_dict(model, optimizer))
         checkpoint = to_checkpoint(fabric_state, get_model_state_dict(model), optimizer_states)
-        save_sharded_checkpoint(
-            self.checkpoint_io,
-            checkpoint,
-            target,
-            model,
-            self._exact_resume.states_for_checkpoint(self.root_device),
-            where=_STRATEGY,
-            storage_options=storage_options,
-            commit=True,  # Fabric has no later hook that would wait for an async write
-        )
+        # Fabric has no later hook that would wait for an async write.
+        self._save_sharded(checkpoint, target, model, storage_options, commit=True)
 
     @override
     def load_checkpoint(
@@ -477,37 +464,23 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         def in_saved_order(meta: dict[str, Any], saved_count: int) -> list[Optimizer]:
             return saved_optimizer_order(meta, fabric_state, saved_count, target, _STRATEGY, strict)
 
-        try:
-            result = load_into_sharded_model(
-                self.checkpoint_io,
-                target,
-                model,
-                [optimizer for _, optimizer in fabric_state.optimizers],
-                weights_only=weights_only,
-                strict=strict,
-                allow_missing_optimizers=not strict,
-                match_optimizers=in_saved_order,
-            )
-        except CheckpointException as err:  # a BaseException: never let it escape as is
-            raise CheckpointError(
-                f"{_STRATEGY}: " + dcp_failure_message("Loading", target, err)
-            ) from err
-        checkpoint = result.checkpoint
-        self._exact_resume.checkpoint_loaded(checkpoint, fitting=True)
+        checkpoint = self._load_sharded(
+            target,
+            model,
+            [optimizer for _, optimizer in fabric_state.optimizers],
+            fitting=True,
+            weights_only=weights_only,
+            strict=strict,
+            allow_missing_optimizers=not strict,
+            match_optimizers=in_saved_order,
+        ).checkpoint
         _restore_streams_at_next_forward(model, self._exact_resume, self.root_device)
-        self._check_replicas(model, f"after loading {target}")
         return restore_rest(checkpoint, state, fabric_state, strict)
 
     @override
     def teardown(self) -> None:
         """Finish an async save; the process group stays (the model holds it) until exit."""
-        self._sharder.close(RuntimeError("teardown before setup finished sharding"))
-        stop_ignoring(getattr(self, "_ignored_warnings", []))
-        self.precision.teardown()
-        if self.accelerator is not None:
-            self.accelerator.teardown()
-        if self._checkpoint_io is not None:
-            self._checkpoint_io.teardown()
+        self._release()
 
 
 class _MicrobatchControl(_lightning.BackwardSyncControl):

@@ -21,7 +21,13 @@ _EXPORTS = {
         "recover_matching",
         "resolve_latest_checkpoint",
     ),
-    "confined_files": ("FileWindow", "create_exclusive", "open_regular", "read_regular"),
+    "confined_files": (
+        "FileWindow",
+        "SeekableStream",
+        "create_exclusive",
+        "open_regular",
+        "read_regular",
+    ),
     "filesystem": ("ChecksummingFileSystemWriter", "ReadProgress", "VerifyingFileSystemReader"),
     "format": (
         "DCP_METADATA_FILE",
@@ -52,6 +58,7 @@ _EXPORTS = {
         "ObjectStore",
         "ObjectStores",
         "StoreCheckpoint",
+        "StoreLocation",
         "abort_upload",
         "checkpoints_inside",
         "is_url",

@@ -22,6 +22,7 @@ from typing import Any
 
 __all__ = [
     "FileWindow",
+    "SeekableStream",
     "UnsafeCheckpointFileError",
     "check_plain_name",
     "create_exclusive",
@@ -193,17 +194,15 @@ def create_exclusive(path: str | os.PathLike[str], mode: int = 0o644) -> int:
     return os.open(path, flags, mode)
 
 
-class FileWindow(io.RawIOBase):
-    """A read-only, seekable view of bytes ``[offset, offset + length)`` of an open file,
-    for parsers that want a file (``zipfile``): reads never leave the window.
+class SeekableStream(io.RawIOBase):
+    """A raw stream over ``[0, end)`` with a position that may be sought anywhere from 0
+    on: what :class:`FileWindow` and the tools' in-memory files share. A subclass keeps
+    ``_position`` and says where the end is (:meth:`_end`)."""
 
-    ``source`` is a descriptor (read with ``preadv``) or a seekable binary file object
-    (an fsspec file: seek, then ``readinto``).
-    """
+    _position: int = 0
 
-    def __init__(self, source: int | Any, offset: int, length: int) -> None:
-        super().__init__()
-        self._source, self._offset, self._length, self._position = source, offset, length, 0
+    def _end(self) -> int:
+        raise NotImplementedError
 
     def readable(self) -> bool:
         return True
@@ -215,11 +214,27 @@ class FileWindow(io.RawIOBase):
         return self._position
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._end()}[whence]
         if base + offset < 0:
-            raise OSError(f"seek to {base + offset}, before the start of the window")
+            raise ValueError(f"negative seek position {base + offset}")
         self._position = base + offset
         return self._position
+
+
+class FileWindow(SeekableStream):
+    """A read-only, seekable view of bytes ``[offset, offset + length)`` of an open file,
+    for parsers that want a file (``zipfile``): reads never leave the window.
+
+    ``source`` is a descriptor (read with ``preadv``) or a seekable binary file object
+    (an fsspec file: seek, then ``readinto``).
+    """
+
+    def __init__(self, source: int | Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._source, self._offset, self._length, self._position = source, offset, length, 0
+
+    def _end(self) -> int:
+        return self._length
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")

@@ -46,6 +46,7 @@ __all__ = [
     "ObjectStore",
     "ObjectStores",
     "StoreCheckpoint",
+    "StoreLocation",
     "StoreVersion",
     "abort_upload",
     "checkpoints_inside",
@@ -550,12 +551,12 @@ class ObjectStore:
 
 
 @dataclasses.dataclass(frozen=True)
-class StoreCheckpoint:
-    """A checkpoint (or one version of it) on an object store; ``str()`` is its URL."""
+class StoreLocation:
+    """A place on an object store; ``str()`` is its URL."""
 
     store: ObjectStore
     path: str
-    """The prefix inside the filesystem (no scheme, no trailing ``/``)."""
+    """The key or prefix inside the filesystem (no scheme, no trailing ``/``)."""
 
     def __str__(self) -> str:
         return self.store.url(self.path)
@@ -563,6 +564,11 @@ class StoreCheckpoint:
     @property
     def name(self) -> str:
         return posixpath.basename(self.path)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreCheckpoint(StoreLocation):
+    """A checkpoint (or one version of it) on an object store: :attr:`path` is its prefix."""
 
     def file(self, name: str) -> str:
         return posixpath.join(self.path, name)

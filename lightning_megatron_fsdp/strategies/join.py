@@ -7,6 +7,7 @@ a rank that left the loop would hang the others.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import pickle
 from collections.abc import Callable, Iterator, Sequence
@@ -142,10 +143,11 @@ def _install(trainer: pl.Trainer, join: UnevenBatchJoin) -> str | None:
     return None
 
 
+@dataclasses.dataclass(kw_only=True, eq=False, repr=False)
 class UnevenBatchJoin:
     """One stage's join state: which dataloader the rank is in, and its example batches.
 
-    Args:
+    Attributes:
         step_name: ``"validation_step"``, ``"test_step"`` or ``"predict_step"``.
         run_step: Runs the stage's step exactly as the strategy does for a real batch
             (precision context, root unit), without :meth:`before_step`.
@@ -155,26 +157,22 @@ class UnevenBatchJoin:
         where: Prefix of error messages.
     """
 
-    def __init__(
-        self,
-        *,
-        step_name: str,
-        run_step: StepRunner,
-        module: pl.LightningModule,
-        num_dataloaders: int,
-        device: torch.device,
-        where: str,
-    ) -> None:
-        if num_dataloaders < 1:
-            raise ValueError(f"{where}: num_dataloaders must be >= 1, got {num_dataloaders}.")
-        self.step_name = step_name
-        self.num_dataloaders = num_dataloaders
-        self._run_step = run_step
-        self._module = module
-        self._device = device
-        self._where = where
-        self._dataloader = 0
-        self._examples: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+    step_name: str
+    run_step: StepRunner
+    module: pl.LightningModule
+    num_dataloaders: int
+    device: torch.device
+    where: str
+    _dataloader: int = dataclasses.field(default=0, init=False)
+    _examples: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = dataclasses.field(
+        default_factory=dict, init=False
+    )
+
+    def __post_init__(self) -> None:
+        if self.num_dataloaders < 1:
+            raise ValueError(
+                f"{self.where}: num_dataloaders must be >= 1, got {self.num_dataloaders}."
+            )
 
     def before_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Announce a real step (caching its batch as this dataloader's example).
@@ -192,7 +190,7 @@ class UnevenBatchJoin:
         """
         if index < self._dataloader or index > self.num_dataloaders:
             raise RuntimeError(
-                f"{self._where}: {self.step_name} moved from dataloader {self._dataloader} to "
+                f"{self.where}: {self.step_name} moved from dataloader {self._dataloader} to "
                 f"{index}; expected dataloaders in order 0..{self.num_dataloaders - 1} "
                 "(CombinedLoader mode 'sequential')."
             )
@@ -211,12 +209,12 @@ class UnevenBatchJoin:
             RuntimeError: On every rank, if ranks are in different dataloaders.
         """
         mine = [int(has_batch), self._dataloader, int(self._dataloader in self._examples)]
-        with peer_failures_explained(f"{self._where}: {self.step_name} (uneven batches)"):
-            rows = _all_gather_rows(torch.tensor(mine, dtype=torch.int64, device=self._device))
+        with peer_failures_explained(f"{self.where}: {self.step_name} (uneven batches)"):
+            rows = _all_gather_rows(torch.tensor(mine, dtype=torch.int64, device=self.device))
         if len({row[_DATALOADER] for row in rows}) != 1:
-            where = ", ".join(f"rank {r}: {row[_DATALOADER]}" for r, row in enumerate(rows))
+            found = ", ".join(f"rank {r}: {row[_DATALOADER]}" for r, row in enumerate(rows))
             raise RuntimeError(
-                f"{self._where}: ranks are in different dataloaders of {self.step_name} ({where}); "
+                f"{self.where}: ranks are in different dataloaders of {self.step_name} ({found}); "
                 "expected the same dataloaders, in the same order, on every rank."
             )
         if not any(row[_HAS_BATCH] for row in rows):
@@ -242,25 +240,25 @@ class UnevenBatchJoin:
             except Exception as err:
                 payload = _ShareFailure(describe(err))
         box = [payload]
-        with peer_failures_explained(f"{self._where}: {self.step_name} (uneven batches)"):
+        with peer_failures_explained(f"{self.where}: {self.step_name} (uneven batches)"):
             dist.broadcast_object_list(box, src=source)
         (payload,) = box
         if isinstance(payload, _ShareFailure):
             raise RuntimeError(
-                f"{self._where}: rank {source} could not send a {self.step_name} batch of "
+                f"{self.where}: rank {source} could not send a {self.step_name} batch of "
                 f"dataloader {self._dataloader} to a rank that has none ({payload.error}). A "
                 "rank without batches runs the step on a peer's batch to join its forwards; "
                 "make the batch picklable, or give every rank at least one batch."
             )
         if self._dataloader not in self._examples:
-            example = move_data_to_device(pickle.loads(payload), self._device)
+            example = move_data_to_device(pickle.loads(payload), self.device)
             self._examples[self._dataloader] = example
 
     def _dummy_step(self) -> None:
         """Run the step on this dataloader's example batch, dropping every effect we can."""
         args, kwargs = self._examples[self._dataloader]
-        with _effects_dropped(self._module, self.step_name, self._where):
-            self._run_step(args, dict(kwargs))
+        with _effects_dropped(self.module, self.step_name, self.where):
+            self.run_step(args, dict(kwargs))
 
 
 @contextlib.contextmanager

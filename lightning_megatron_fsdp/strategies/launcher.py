@@ -129,32 +129,8 @@ def _checkpoint_dir(callback: ModelCheckpoint, trainer: pl.Trainer) -> _lightnin
     return callback.dirpath
 
 
-class _ResolvingLastLauncher(_lightning.Launcher):
-    """For processes created externally: run the stage here, ``ckpt_path="last"`` resolved."""
-
-    @property
-    @override
-    def is_interactive_compatible(self) -> bool:
-        return True
-
-    @override
-    def launch(
-        self,
-        function: Callable[..., Any],
-        *args: Any,
-        trainer: pl.Trainer | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        args, kwargs = _with_last_resolved(function, args, kwargs, trainer)
-        return function(*args, **kwargs)
-
-    @override
-    def kill(self, signum: Any) -> None:
-        """Nothing to kill: this launcher started no process."""
-
-
-class _ResolvingLastSubprocessScriptLauncher(_lightning.SubprocessScriptLauncher):
-    """Lightning's script launcher, with ``ckpt_path="last"`` resolved before it spawns."""
+class _ResolvesLast(_lightning.Launcher):
+    """Resolves ``ckpt_path="last"``, then launches as the launcher after it in the MRO."""
 
     @override
     def launch(
@@ -166,3 +142,29 @@ class _ResolvingLastSubprocessScriptLauncher(_lightning.SubprocessScriptLauncher
     ) -> Any:
         args, kwargs = _with_last_resolved(function, args, kwargs, trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class _InProcessLauncher(_lightning.Launcher):
+    """For processes created externally: run the stage here."""
+
+    @property
+    @override
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    @override
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("trainer", None)  # the stage is bound to its Trainer already
+        return function(*args, **kwargs)
+
+    @override
+    def kill(self, signum: Any) -> None:
+        """Nothing to kill: this launcher started no process."""
+
+
+class _ResolvingLastLauncher(_ResolvesLast, _InProcessLauncher):
+    """For processes created externally: run the stage here, ``ckpt_path="last"`` resolved."""
+
+
+class _ResolvingLastSubprocessScriptLauncher(_ResolvesLast, _lightning.SubprocessScriptLauncher):
+    """Lightning's script launcher, with ``ckpt_path="last"`` resolved before it spawns."""

@@ -23,13 +23,12 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_megatron_fsdp import _lightning
-from lightning_megatron_fsdp.agreement import Ranks, dcp_failure_message
+from lightning_megatron_fsdp.agreement import Ranks
 from lightning_megatron_fsdp.checkpoint import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.common import (
     ExactResume,
@@ -37,14 +36,11 @@ from lightning_megatron_fsdp.common import (
     ModelSharder,
     StrategyOptions,
     StrategyOptionsMixin,
-    load_into_sharded_model,
     move_unsharded_state,
     reject_closure_optimizer,
-    save_sharded_checkpoint,
     to_megatron_precision,
 )
 from lightning_megatron_fsdp.errors import CheckpointError
-from lightning_megatron_fsdp.known_warnings import ignore_known_warnings, stop_ignoring
 from lightning_megatron_fsdp.megatron import (
     AutoWrapPolicy,
     BufferSync,
@@ -270,7 +266,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
         with Python (:mod:`~lightning_megatron_fsdp.common.interpreter_exit`).
         """
         super().setup_environment()
-        self._ignored_warnings = ignore_known_warnings()  # until teardown
+        self._ignore_known_warnings()
         module = self.lightning_module
         assert module is not None
         _lightning.set_device_mesh(module, self._join_processes(module))
@@ -481,15 +477,8 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
         self._buffer_sync.settle(model)
         # After fit nothing else waits for an async write (no later step, save or
         # teardown): the checkpoint must be committed when the call returns.
-        save_sharded_checkpoint(
-            self.checkpoint_io,
-            checkpoint,
-            filepath,
-            model,
-            self._exact_resume.states_for_checkpoint(self.root_device),
-            where=_STRATEGY,
-            storage_options=storage_options,
-            commit=not _stage_running(model),
+        self._save_sharded(
+            checkpoint, filepath, model, storage_options, commit=not _stage_running(model)
         )
 
     @override
@@ -522,29 +511,20 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
         model = self.lightning_module
         assert model is not None
         optimizers = [_lightning.unwrap_optimizer(o) for o in self.optimizers]
-        fitting = bool(optimizers) and model.trainer.state.fn == TrainerFn.FITTING
-        try:
-            result = load_into_sharded_model(
-                self.checkpoint_io,
-                path,
-                model,
-                optimizers if fitting else [],
-                weights_only=weights_only,
-                strict=model.strict_loading,
-                allow_missing_optimizers=self.allow_weights_only_resume or not fitting,
-            )
-        except CheckpointException as err:  # a BaseException: never let it escape as is
-            raise CheckpointError(
-                f"{_STRATEGY}: " + dcp_failure_message("Loading", path, err)
-            ) from err
-        checkpoint = result.checkpoint
-        self._exact_resume.checkpoint_loaded(
-            checkpoint, fitting=model.trainer.state.fn == TrainerFn.FITTING
+        stage_fits = model.trainer.state.fn == TrainerFn.FITTING
+        fitting = bool(optimizers) and stage_fits
+        result = self._load_sharded(
+            path,
+            model,
+            optimizers if fitting else [],
+            fitting=stage_fits,
+            weights_only=weights_only,
+            strict=model.strict_loading,
+            allow_missing_optimizers=self.allow_weights_only_resume or not fitting,
         )
         if fitting and not result.optimizers_loaded:
-            checkpoint = _weights_only_resume(checkpoint, path, self.lr_scheduler_configs)
-        self._check_replicas(model, f"after loading {path}")
-        return checkpoint
+            return _weights_only_resume(result.checkpoint, path, self.lr_scheduler_configs)
+        return result.checkpoint
 
     @override
     def remove_checkpoint(self, filepath: _lightning.PATH) -> None:
@@ -582,17 +562,11 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
         (the model's buffers and DTensors hold them) until the process ends; the
         checkpoint IO finishes an async save and drops its background group here.
         """
-        self._sharder.close(RuntimeError("teardown before setup finished sharding"))
-        stop_ignoring(getattr(self, "_ignored_warnings", []))
         self._join = None  # the stage's join and its cached batches (the next stage makes its own)
         self._exact_resume.reset()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        if self.accelerator is not None:
-            self.accelerator.teardown()
-        if self._checkpoint_io is not None:
-            self._checkpoint_io.teardown()
+        self._release()
 
 
 # ---------------------------------------------------------------------- helpers

@@ -311,6 +311,12 @@ def _export(args: argparse.Namespace) -> int:
     from lightning_megatron_fsdp.errors import CheckpointError
     from lightning_megatron_fsdp.tools.outputs import output_location, output_size
 
+    reading = {
+        "dtype": args.dtype,
+        "overwrite": args.overwrite,
+        "verify_checksums": not args.skip_checksums,
+        "trust_checkpoint": args.trust_checkpoint,
+    }
     try:
         if args.command == "export-lightning":
             from lightning_megatron_fsdp.tools.lightning_checkpoint import (
@@ -318,13 +324,7 @@ def _export(args: argparse.Namespace) -> int:
             )
 
             output = export_lightning_checkpoint(
-                args.checkpoint,
-                args.output,
-                optimizer=args.optimizer,
-                dtype=args.dtype,
-                overwrite=args.overwrite,
-                verify_checksums=not args.skip_checksums,
-                trust_checkpoint=args.trust_checkpoint,
+                args.checkpoint, args.output, optimizer=args.optimizer, **reading
             )
         else:
             from lightning_megatron_fsdp.tools.export import consolidate_checkpoint
@@ -332,12 +332,9 @@ def _export(args: argparse.Namespace) -> int:
             output = consolidate_checkpoint(
                 args.checkpoint,
                 args.output,
-                args.dtype,
                 include_optimizer=args.optimizer,
                 strip_prefix=args.strip_prefix,
-                overwrite=args.overwrite,
-                verify_checksums=not args.skip_checksums,
-                trust_checkpoint=args.trust_checkpoint,
+                **reading,
             )
     except (CheckpointError, ImportError, OSError, ValueError) as err:
         if args.debug:

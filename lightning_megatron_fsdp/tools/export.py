@@ -42,6 +42,7 @@ from lightning_megatron_fsdp.storage import (
     MANIFEST_FILE,
     MAX_EXAMPLES,
     FileWindow,
+    SeekableStream,
     StoreCheckpoint,
     VerifyingFileSystemReader,
     VerifyingFsspecReader,
@@ -79,6 +80,7 @@ __all__ = [
     "refuse_problems",
     "select_entries",
     "streaming_reader",
+    "write_export",
     "write_torch",
 ]
 
@@ -551,7 +553,7 @@ def _at(tree: Any, place: TreePlace) -> Any:
     return tree
 
 
-class _Skeleton(io.RawIOBase):
+class _Skeleton(SeekableStream):
     """A file in memory that keeps the bytes written to it and only the extent of those
     sought over: what ``torch.save`` under ``skip_data`` writes (the pickle, zip headers and
     directory) in a few KiB, whatever the tensors' size. The holes read as zeros.
@@ -564,24 +566,11 @@ class _Skeleton(io.RawIOBase):
         self._position = 0
         self.size = 0
 
-    def readable(self) -> bool:
-        return True
+    def _end(self) -> int:
+        return self.size
 
     def writable(self) -> bool:
         return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.size}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._position = base + offset
-        return self._position
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -906,6 +895,19 @@ def consolidate_checkpoint(
     else:
         tree = {e.name: objects.get(e.name) for e in entries}
         file = TorchFile(tree, [(e, (e.name,)) for e in entries if e.dtype is not None])
+    write_export(output, file, reader, overwrite=overwrite, who=who)
+    return str(output) if isinstance(output, StoreObject) else output
+
+
+def write_export(
+    output: Output,
+    file: SafetensorsFile | TorchFile,
+    reader: StreamingReader,
+    *,
+    overwrite: bool,
+    who: str,
+) -> None:
+    """Stream ``file`` to ``output`` atomically, its tensors read through ``reader``."""
     write_atomically(
         output,
         lambda stream: file.write(stream, reader),
@@ -913,7 +915,6 @@ def consolidate_checkpoint(
         who=who,
         size=file.size,
     )
-    return str(output) if isinstance(output, StoreObject) else output
 
 
 def _check_strip_prefix(strip_prefix: str | None, *, include_optimizer: bool) -> None:

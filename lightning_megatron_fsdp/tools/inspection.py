@@ -6,11 +6,12 @@ recomputed), before anyone trusts it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -423,35 +424,44 @@ def _record_problems(path: Any, metadata: Metadata, sizes: Mapping[str, int]) ->
         if present and nbytes is not None:
             by_file.setdefault(info.relative_path, []).append((index, info, nbytes))
     for name, records in sorted(by_file.items()):
-        if isinstance(path, StoreCheckpoint):
-            # Only each record's zip headers and directory are read (small ranged GETs
-            # through a read-ahead of _ZIP_BLOCK), never its payload.
-            with path.store.fs.open(path.file(name), "rb", block_size=_ZIP_BLOCK) as stream:
-                for index, info, nbytes in records:
-                    window = io.BufferedReader(FileWindow(stream, info.offset, info.length))
-                    try:
-                        _check_record(window, index, info, nbytes)
-                    except CheckpointCorruptedError as err:
-                        bad.setdefault(name, []).append(str(err))
-            continue
         try:
-            fd = open_regular(path, name)
+            opened = _open_records_file(path, name)
         except OSError as err:
             bad.setdefault(name, []).append(str(err))
             continue
-        try:
+        with opened as source:
             for index, info, nbytes in records:
-                window = io.BufferedReader(FileWindow(fd, info.offset, info.length))
+                window = io.BufferedReader(FileWindow(source, info.offset, info.length))
                 try:
                     _check_record(window, index, info, nbytes)
                 except CheckpointCorruptedError as err:
                     bad.setdefault(name, []).append(str(err))
-        finally:
-            os.close(fd)
     return [
         summarise(f"{name}: not plain torch.save zips ({count(len(lines), 'record')})", lines)
         for name, lines in sorted(bad.items())
     ]
+
+
+def _open_records_file(path: Any, name: str) -> contextlib.AbstractContextManager[Any]:
+    """Data file ``name`` of checkpoint ``path``, for :class:`FileWindow`: on an object
+    store a stream whose read-ahead is ``_ZIP_BLOCK`` (only each record's zip headers and
+    directory are read, in small ranged GETs, never its payload); locally a confined
+    descriptor, closed on exit.
+
+    Raises:
+        OSError: If the file cannot be opened.
+    """
+    if isinstance(path, StoreCheckpoint):
+        return path.store.fs.open(path.file(name), "rb", block_size=_ZIP_BLOCK)
+    return _closing_descriptor(open_regular(path, name))
+
+
+@contextlib.contextmanager
+def _closing_descriptor(fd: int) -> Iterator[int]:
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _check_record(window: IO[bytes], index: Any, info: Any, nbytes: int) -> None:

@@ -34,6 +34,7 @@ from lightning_megatron_fsdp.tools.export import (
     refuse_problems,
     select_entries,
     streaming_reader,
+    write_export,
 )
 from lightning_megatron_fsdp.tools.inspection import (
     MODEL_PREFIX,
@@ -47,7 +48,6 @@ from lightning_megatron_fsdp.tools.outputs import (
     StoreObject,
     check_output,
     output_location,
-    write_atomically,
 )
 
 if TYPE_CHECKING:
@@ -197,9 +197,6 @@ def load_lightning_module(
         _export(
             location,
             exported,
-            optimizer=False,
-            dtype=None,
-            overwrite=False,
             verify_checksums=verify_checksums,
             trust_checkpoint=trust_checkpoint,
             who="load_lightning_module",
@@ -220,12 +217,12 @@ def _export(
     named: Path | StoreCheckpoint,
     output: Output,
     *,
-    optimizer: bool,
-    dtype: torch.dtype | str | None,
-    overwrite: bool,
     verify_checksums: bool,
+    trust_checkpoint: bool,
     who: str,
-    trust_checkpoint: bool = False,
+    optimizer: bool = False,
+    dtype: torch.dtype | str | None = None,
+    overwrite: bool = False,
 ) -> None:
     out_dtype = parse_dtype(dtype, who)
     if output.suffix.lower() == _SAFETENSORS_SUFFIX:
@@ -257,14 +254,7 @@ def _export(
         checked.manifest,
         who,
     )
-    file = TorchFile(tree, places)
-    write_atomically(
-        output,
-        lambda stream: file.write(stream, reader),
-        overwrite=overwrite,
-        who=who,
-        size=file.size,
-    )
+    write_export(output, TorchFile(tree, places), reader, overwrite=overwrite, who=who)
 
 
 def _read_meta_in_full(

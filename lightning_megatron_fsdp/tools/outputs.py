@@ -16,11 +16,11 @@ import posixpath
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from lightning_megatron_fsdp.storage import (
-    ObjectStore,
     StoreCheckpoint,
+    StoreLocation,
     abort_upload,
     create_exclusive,
     is_url,
@@ -46,23 +46,12 @@ overshoot a part. A known output size raises the part size to fit."""
 
 
 @dataclasses.dataclass(frozen=True)
-class StoreObject:
-    """One object on an object store; ``str()`` is its URL."""
-
-    store: ObjectStore
-    path: str
-    """The key inside the filesystem (``bucket/key``, no scheme)."""
-
-    def __str__(self) -> str:
-        return self.store.url(self.path)
+class StoreObject(StoreLocation):
+    """One object on an object store: :attr:`path` is its key (``bucket/key``)."""
 
     @property
     def suffix(self) -> str:
         return posixpath.splitext(self.path)[1]
-
-    @property
-    def name(self) -> str:
-        return posixpath.basename(self.path)
 
 
 Output = Path | StoreObject
@@ -121,15 +110,13 @@ def check_output(
         ValueError: If it lies inside the checkpoint.
     """
     if isinstance(output, StoreObject):
-        fs = output.store.fs
-        with contextlib.suppress(Exception):
-            fs.invalidate_cache(output.path)
-        if fs.isdir(output.path):
+        found = _found_on_store(output)
+        if found == "prefix":
             raise IsADirectoryError(
                 f"{who}: output {output} is a prefix holding objects (a directory); expected "
                 "the URL of a file."
             )
-        if fs.exists(output.path) and not overwrite:
+        if found == "object" and not overwrite:
             raise FileExistsError(
                 f"{who}: output {output} already exists; nothing was written. Pass "
                 "overwrite=True (--overwrite) to replace it, or choose another name."
@@ -224,6 +211,17 @@ def write_atomically(
             temporary.unlink()
 
 
+def _found_on_store(output: StoreObject) -> Literal["prefix", "object"] | None:
+    """What stands at ``output`` on its store now (the filesystem's listing cache dropped
+    first): a prefix holding objects, an object, or nothing."""
+    fs = output.store.fs
+    with contextlib.suppress(Exception):
+        fs.invalidate_cache(output.path)
+    if fs.isdir(output.path):
+        return "prefix"
+    return "object" if fs.exists(output.path) else None
+
+
 def _upload(
     output: StoreObject,
     write: Callable[[IO[bytes]], None],
@@ -237,14 +235,11 @@ def _upload(
     file = fs.open(output.path, "wb", block_size=part)
     try:
         write(file)
-        if not overwrite:
-            with contextlib.suppress(Exception):
-                fs.invalidate_cache(output.path)
-            if fs.exists(output.path):
-                raise FileExistsError(
-                    f"{who}: output {output} appeared while exporting; nothing was written. "
-                    "Pass overwrite=True (--overwrite) to replace it."
-                )
+        if not overwrite and _found_on_store(output) is not None:
+            raise FileExistsError(
+                f"{who}: output {output} appeared while exporting; nothing was written. "
+                "Pass overwrite=True (--overwrite) to replace it."
+            )
     except BaseException:
         abort_upload(file)  # never close(): that completes the upload with what was written
         raise

@@ -22,7 +22,7 @@ import posixpath
 import struct
 import sys
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -394,14 +394,48 @@ class _TorchSource(_FlatSource):
         self._lightning_optimizers = None
 
 
-class _SafetensorsSource(_FlatSource):
+class _SafetensorsBase(_FlatSource):
+    """What a ``.safetensors`` source knows from the header, wherever the file is: its
+    tensor names (:attr:`_tensors`), the JSON values of ``__metadata__`` and the dtypes
+    this loader reads."""
+
+    kind = "safetensors"
+    _tensors: Collection[str]
+    _metadata: dict[str, str]
+
+    def has(self, key: str) -> bool:
+        return key in self._tensors or key in self._metadata
+
+    def optimizer_count(self, group_fqns: list[list[list[str]]]) -> int:
+        keys = [k for k in (*self._tensors, *self._metadata) if k.startswith(OPTIMIZER_PREFIX)]
+        return self._index_optimizer_keys(iter(keys))
+
+    def value(self, key: str) -> Any:
+        return json.loads(self._metadata[key])
+
+    def _torch_dtype(self, key: str, code: str) -> torch.dtype:
+        """The torch dtype of safetensors dtype ``code``.
+
+        Raises:
+            SourceError: If torch has no dtype for it.
+        """
+        dtype = _SAFETENSORS_DTYPES.get(code)
+        if dtype is None:
+            raise SourceError(
+                f"{self.path}: tensor {key!r} has safetensors dtype {code}, which this loader "
+                f"cannot read into torch {torch.__version__} (readable: "
+                f"{', '.join(sorted(_SAFETENSORS_DTYPES))}); the model needs it. Convert "
+                "that tensor to a supported dtype, or load into a model without it."
+            )
+        return dtype
+
+
+class _SafetensorsSource(_SafetensorsBase):
     """A ``.safetensors`` file: ``get_slice`` reads only the requested rows' bytes.
 
     Non-tensor entries of a consolidated export (optimizer ``param_groups`` values) are
     JSON strings in the header's ``__metadata__``.
     """
-
-    kind = "safetensors"
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
@@ -414,7 +448,7 @@ class _SafetensorsSource(_FlatSource):
             ) from err
         try:
             self._file = safe_open(os.fspath(path), framework="pt", device="cpu")
-            self._keys = set(self._file.keys())
+            self._tensors = set(self._file.keys())
             self._metadata = self._file.metadata() or {}
         except Exception as err:
             raise SourceError(
@@ -422,9 +456,9 @@ class _SafetensorsSource(_FlatSource):
             ) from err
         # Only the header is read here; a dtype is judged when a key is needed (spec()),
         # so a tensor the model does not load never stops the load.
-        self._codes = {key: self._file.get_slice(key).get_dtype() for key in self._keys}
+        self._codes = {key: self._file.get_slice(key).get_dtype() for key in self._tensors}
         self._specs: dict[str, SourceTensorSpec] = {}
-        self.model_keys = [k for k in self._keys if not k.startswith(OPTIMIZER_PREFIX)]
+        self.model_keys = [k for k in self._tensors if not k.startswith(OPTIMIZER_PREFIX)]
 
     def spec(self, key: str) -> SourceTensorSpec:
         """Shape and dtype of ``key``, which the load needs.
@@ -437,14 +471,7 @@ class _SafetensorsSource(_FlatSource):
             return self._specs[key]
         code = self._codes[key]
         piece = self._file.get_slice(key)
-        dtype = _SAFETENSORS_DTYPES.get(code)
-        if dtype is None:
-            raise SourceError(
-                f"{self.path}: tensor {key!r} has safetensors dtype {code}, which this loader "
-                f"cannot read into torch {torch.__version__} (readable: "
-                f"{', '.join(sorted(_SAFETENSORS_DTYPES))}); the model needs it. Convert "
-                "that tensor to a supported dtype, or load into a model without it."
-            )
+        dtype = self._torch_dtype(key, code)
         shape = tuple(piece.get_shape())
         if code not in _SAFETENSORS_BASIC:
             try:
@@ -462,21 +489,11 @@ class _SafetensorsSource(_FlatSource):
         self._specs[key] = SourceTensorSpec(shape, dtype)
         return self._specs[key]
 
-    def has(self, key: str) -> bool:
-        return key in self._keys or key in self._metadata
-
-    def optimizer_count(self, group_fqns: list[list[list[str]]]) -> int:
-        keys = [k for k in (*self._keys, *self._metadata) if k.startswith(OPTIMIZER_PREFIX)]
-        return self._index_optimizer_keys(iter(keys))
-
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         return self._file.get_slice(key)[start:stop]
 
     def whole(self, key: str) -> torch.Tensor:
         return self._file.get_tensor(key)
-
-    def value(self, key: str) -> Any:
-        return json.loads(self._metadata[key])
 
     def close(self) -> None:
         self._file = None
@@ -747,13 +764,11 @@ class _StoreTorchSource(_TorchSource):
         return self._fetch(self._flat[key])
 
 
-class _StoreSafetensorsSource(_FlatSource):
+class _StoreSafetensorsSource(_SafetensorsBase):
     """A ``.safetensors`` file on an object store: its header is read (two ranged GETs),
     then each read fetches the bytes of the asked-for rows (tensors are row-major and
     contiguous). The safetensors package is not needed.
     """
-
-    kind = "safetensors"
 
     def __init__(self, url: str, fs: Any, path: str) -> None:
         super().__init__(url)
@@ -783,6 +798,7 @@ class _StoreSafetensorsSource(_FlatSource):
                 f"{url}: not a readable safetensors file (its header does not parse: "
                 f"{type(err).__name__}: {err})."
             ) from err
+        self._tensors = self._entries
         self._data = 8 + length
         self._size = size
         self.model_keys = [k for k in self._entries if not k.startswith(OPTIMIZER_PREFIX)]
@@ -795,14 +811,7 @@ class _StoreSafetensorsSource(_FlatSource):
                 not fit its shape or the file.
         """
         code, shape, begin, end = self._entries[key]
-        dtype = _SAFETENSORS_DTYPES.get(code)
-        if dtype is None:
-            raise SourceError(
-                f"{self.path}: tensor {key!r} has safetensors dtype {code}, which this loader "
-                f"cannot read into torch {torch.__version__} (readable: "
-                f"{', '.join(sorted(_SAFETENSORS_DTYPES))}); the model needs it. Convert "
-                "that tensor to a supported dtype, or load into a model without it."
-            )
+        dtype = self._torch_dtype(key, code)
         if end - begin != math.prod(shape) * dtype.itemsize or self._data + end > self._size:
             raise SourceError(
                 f"{self.path}: tensor {key!r} spans bytes [{begin}, {end}) of the data, which "
@@ -810,13 +819,6 @@ class _StoreSafetensorsSource(_FlatSource):
                 "the file; the file is damaged."
             )
         return SourceTensorSpec(shape, dtype)
-
-    def has(self, key: str) -> bool:
-        return key in self._entries or key in self._metadata
-
-    def optimizer_count(self, group_fqns: list[list[list[str]]]) -> int:
-        keys = [k for k in (*self._entries, *self._metadata) if k.startswith(OPTIMIZER_PREFIX)]
-        return self._index_optimizer_keys(iter(keys))
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         spec = self.spec(key)
@@ -830,9 +832,6 @@ class _StoreSafetensorsSource(_FlatSource):
         _, _, begin, end = self._entries[key]
         data = self._object.read(self._data + begin, self._data + end)
         return _tensor_from(data, spec.dtype, spec.shape)
-
-    def value(self, key: str) -> Any:
-        return json.loads(self._metadata[key])
 
 
 class _StoreDcpReader(VerifyingFsspecReader):
