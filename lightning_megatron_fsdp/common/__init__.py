@@ -16,6 +16,5 @@ _EXPORTS = {
         "reject_closure_optimizer",
         "to_megatron_precision",
     ),
-    "sharded_checkpoint": ("load_into_sharded_model", "save_sharded_checkpoint"),
 }
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
