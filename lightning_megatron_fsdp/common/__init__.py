@@ -13,8 +13,8 @@ _EXPORTS = {
         "MegatronFSDPPrecision",
         "clip_sharded_grad_norm_",
         "clip_sharded_grad_value_",
+        "precision_property",
         "reject_closure_optimizer",
-        "to_megatron_precision",
     ),
 }
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

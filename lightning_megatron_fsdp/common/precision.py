@@ -36,6 +36,8 @@ __all__ = [
     "MegatronFSDPPrecision",
     "clip_sharded_grad_norm_",
     "clip_sharded_grad_value_",
+    "precision_property",
+    "to_megatron_precision",
 ]
 
 _PrecisionFlag = Literal["32-true", "bf16-true", "16-true", "bf16-mixed"]
@@ -189,6 +191,26 @@ class MegatronFSDPPrecision(Precision):
 
 
 _Ours = TypeVar("_Ours", bound=MegatronFSDPPrecision)
+
+
+def precision_property(attribute: str, target: type[_Ours], where: str) -> property:
+    """A strategy's precision plugin, kept in ``attribute``: ``target("32-true")`` until the
+    framework sets one, which the setter translates (:func:`to_megatron_precision`).
+
+    One definition for the property both frameworks name differently (the Trainer's
+    ``precision_plugin``, Fabric's ``precision``); a strategy also binds it as
+    ``_megatron_precision``, the name the shared code reads.
+    """
+
+    def get(strategy: Any) -> _Ours:
+        if getattr(strategy, attribute) is None:
+            setattr(strategy, attribute, target("32-true"))
+        return getattr(strategy, attribute)
+
+    def set_plugin(strategy: Any, plugin: Any) -> None:
+        setattr(strategy, attribute, to_megatron_precision(plugin, where, target=target))
+
+    return property(get, set_plugin, doc=f"The ``{target.__name__}`` plugin.")
 
 
 def to_megatron_precision(

@@ -34,8 +34,8 @@ from lightning_megatron_fsdp.common import (
     clip_sharded_grad_norm_,
     clip_sharded_grad_value_,
     move_unsharded_state,
+    precision_property,
     reject_closure_optimizer,
-    to_megatron_precision,
 )
 from lightning_megatron_fsdp.fabric.checkpoint_state import (
     restore_rest,
@@ -154,24 +154,8 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
 
-    @property
-    @override
-    def _megatron_precision(self) -> MegatronFSDPFabricPrecision:
-        return self.precision
-
-    @property  # type: ignore[override]
-    @override
-    def precision(self) -> MegatronFSDPFabricPrecision:
-        if self._precision is None:
-            self._precision = MegatronFSDPFabricPrecision("32-true")
-        return self._precision  # type: ignore[return-value]
-
-    @precision.setter
-    @override
-    def precision(self, precision: Precision | None) -> None:
-        self._precision = to_megatron_precision(
-            precision, _STRATEGY, target=MegatronFSDPFabricPrecision
-        )
+    precision = precision_property("_precision", MegatronFSDPFabricPrecision, _STRATEGY)
+    _megatron_precision = precision
 
     @property
     @override

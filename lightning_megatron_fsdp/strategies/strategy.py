@@ -37,8 +37,8 @@ from lightning_megatron_fsdp.common import (
     StrategyOptions,
     StrategyOptionsMixin,
     move_unsharded_state,
+    precision_property,
     reject_closure_optimizer,
-    to_megatron_precision,
 )
 from lightning_megatron_fsdp.errors import CheckpointError
 from lightning_megatron_fsdp.megatron import (
@@ -198,22 +198,8 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
         "from configure_model() or later."
     )
 
-    @property
-    @override
-    def _megatron_precision(self) -> MegatronFSDPPrecision:
-        return self.precision_plugin
-
-    @property  # type: ignore[override]
-    @override
-    def precision_plugin(self) -> MegatronFSDPPrecision:
-        if self._precision_plugin is None:
-            self._precision_plugin = MegatronFSDPPrecision("32-true")
-        return self._precision_plugin  # type: ignore[return-value]
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        self._precision_plugin = to_megatron_precision(precision_plugin, _STRATEGY)
+    precision_plugin = precision_property("_precision_plugin", MegatronFSDPPrecision, _STRATEGY)
+    _megatron_precision = precision_plugin
 
     @property
     @override
