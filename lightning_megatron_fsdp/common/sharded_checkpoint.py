@@ -186,9 +186,9 @@ def load_into_sharded_model(
             it holds no optimizer state and ``allow_missing_optimizers`` is off.
         CheckpointError: Building targets, reading or applying failed on some rank.
     """
-    with _dcp_failures(CheckpointError, f"{where}: " if where else "", "Loading", path):
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    with _dcp_failures(CheckpointError, f"{where}: " if where else "", "Loading", path):
         options: LoadOptions | None = getattr(io, "load_options", None)
         ranks = Ranks.of(getattr(io, "process_group", None) if options is not None else None)
         if options is not None:
