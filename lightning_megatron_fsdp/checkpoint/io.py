@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -219,8 +220,16 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         self._background_group: dist.ProcessGroup | None = None
         self._copies = StagingBuffers()  # the async save's CPU copies, reused
         self.storage_options = dict(storage_options or {})
-        self.store: CheckpointStore = ObjectStores(LocalDirectories(), self.storage_options)
+        self.store: CheckpointStore = ObjectStores(
+            LocalDirectories(), self.storage_options, group_timeout=self._group_timeout
+        )
         self.storage: CheckpointStorage = FilesAndObjects()  # the store's writer and reader
+
+    def _group_timeout(self) -> timedelta | None:
+        """The timeout of the group that saves and loads (``None`` without one): bounds
+        each request to an object store (``ObjectStores``)."""
+        ranks = Ranks.of(self.process_group)
+        return None if ranks.group is None else _torch.group_timeout(ranks.group)
 
     @property
     def load_options(self) -> LoadOptions:

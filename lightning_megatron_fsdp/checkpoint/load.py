@@ -123,7 +123,8 @@ class OpenedCheckpoint:
     Attributes:
         path: Rank 0's absolute path.
         manifest: The parsed manifest, or ``None``.
-        problem: Why there is no manifest (a :class:`NotACheckpointError` text).
+        problem: Why there is no manifest: a :class:`NotACheckpointError`, or a
+            :class:`CheckpointError` where the store did not answer.
         foreign: A ``ModelParallelStrategy`` (FSDP2) DCP directory.
         slices: ``.metadata`` as rank 0 read and checked it, cut by key; ``None`` where
             each rank's reader reads it (a reader of the user's, or none to read).
@@ -133,7 +134,7 @@ class OpenedCheckpoint:
 
     path: Any
     manifest: Manifest | None
-    problem: str | None
+    problem: Problem | None
     foreign: bool
     slices: MetadataSlices | None = None
     metadata_error: Problem | None = None
@@ -162,9 +163,11 @@ def open_checkpoint(
             final = store.resolve(final)
             manifest = store.read_manifest(final)
         except NotACheckpointError as err:
-            problem = str(err)
+            problem = Problem(NotACheckpointError, str(err))
+        except TimeoutError as err:  # a store that did not answer: not "not a checkpoint"
+            problem = Problem(CheckpointError, describe(err))
         except (OSError, ValueError, ImportError) as err:  # an unreachable store, say
-            problem = f"{path}: {describe(err)}"
+            problem = Problem(NotACheckpointError, f"{path}: {describe(err)}")
         if isinstance(final, Path):
             foreign = manifest is None and _is_foreign_lightning_dcp(final)
         slices, metadata_error = None, None
@@ -244,7 +247,7 @@ def read_checkpoint(
     meta: dict[str, Any] = {}
     problems: list[Problem] = []
     if opened.manifest is None:
-        problems.append(Problem(NotACheckpointError, opened.problem or f"{final}: no manifest"))
+        problems.append(opened.problem or Problem(NotACheckpointError, f"{final}: no manifest"))
     else:
         try:
             reader = options.reader(final)

@@ -40,7 +40,7 @@ from lightning_megatron_fsdp.storage.filesystem import (
     byte_view,
 )
 from lightning_megatron_fsdp.storage.format import DCP_METADATA_FILE, Manifest
-from lightning_megatron_fsdp.storage.object_store import ObjectStore, abort_upload
+from lightning_megatron_fsdp.storage.object_store import ObjectStore, abort_upload, unwrapped
 
 __all__ = ["ChecksummingFsspecWriter", "VerifyingFsspecReader"]
 
@@ -277,7 +277,7 @@ def _throttled(err: BaseException, url: str, method: str, body: Any) -> OSError 
 
 def _is_s3(fs: Any) -> bool:
     s3fs = sys.modules.get("s3fs")
-    return s3fs is not None and isinstance(fs, s3fs.S3FileSystem)
+    return s3fs is not None and isinstance(unwrapped(fs), s3fs.S3FileSystem)
 
 
 class _FsspecFileSystem(FileSystemBase):

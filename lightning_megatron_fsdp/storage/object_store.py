@@ -16,13 +16,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import inspect
 import json
 import logging
 import os
 import posixpath
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,7 @@ from lightning_megatron_fsdp.storage.format import (
 )
 
 __all__ = [
+    "DeadlineFileSystem",
     "ObjectStore",
     "ObjectStores",
     "StoreCheckpoint",
@@ -53,6 +56,7 @@ __all__ = [
     "is_url",
     "local_path",
     "open_store",
+    "unwrapped",
     "url_protocol",
 ]
 
@@ -168,6 +172,91 @@ def version_name(number: int, token: str) -> str:
     return f"v{number:08d}-{token}"
 
 
+class DeadlineFileSystem:
+    """An asynchronous fsspec filesystem whose every request gives up after ``deadline``
+    seconds, its retries included; other attributes are the filesystem's own.
+
+    A store that stops answering (a hung or partitioned server: connections accepted,
+    nothing answered) keeps a rank in s3fs's and botocore's retries for many minutes while
+    its peers' collectives time out, each with an error that blames the network. A request
+    past the deadline is cancelled and raises :class:`TimeoutError` naming the object; every
+    later request through this wrapper fails at once the same way, so the cleanup that
+    follows a failed save (each request of which would wait as long again) is skipped and
+    left to the next save, which retires what a failed one left.
+
+    Rejected: botocore's ``connect_timeout``/``read_timeout`` bound one attempt, not a
+    request: s3fs and botocore each retry a timed-out attempt, so the wait is their product;
+    lowering them or the retries would change the user's ``storage_options`` and make a
+    throttled store fail. The wrapper leaves the user's filesystem (fsspec's cached
+    instance) untouched and applies fsspec's own ``timeout`` of a blocking call.
+
+    Args:
+        fs: The filesystem (an ``AsyncFileSystem``; calls of a synchronous one pass through).
+        deadline: Seconds one request may take.
+        url: Makes an object's path a URL for messages.
+    """
+
+    def __init__(self, fs: Any, deadline: float, url: Callable[[str], str]) -> None:
+        self.wrapped = fs
+        self.deadline = deadline
+        self._url = url
+        self.unanswered: str | None = None
+        """The first request that ran past the deadline, as the error said it."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "wrapped" not in self.__dict__:
+            raise AttributeError(name)  # pickling and copying look these up on a bare object
+        attribute = getattr(self.wrapped, name)
+        coroutine = getattr(self.wrapped, f"_{name}", None)
+        if not (callable(attribute) and inspect.iscoroutinefunction(coroutine)):
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._call(name, coroutine, args, kwargs)
+
+        return call
+
+    def _call(self, name: str, coroutine: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        from fsspec.asyn import sync
+        from fsspec.exceptions import FSTimeoutError
+
+        target = self._target(name, args, kwargs)
+        if name == "call_s3" and args:
+            name = str(args[0])  # the S3 operation: put_object, upload_part, ...
+        if self.unanswered is not None:
+            raise TimeoutError(
+                f"{target}: not sent, the object store did not answer an earlier request "
+                f"({self.unanswered})"
+            )
+        try:
+            return sync(self.wrapped.loop, coroutine, *args, timeout=self.deadline, **kwargs)
+        except FSTimeoutError as err:
+            self.unanswered = (
+                f"{target}: the object store did not answer {name} within {self.deadline:g} s "
+                "(half the process group's timeout)"
+            )
+            raise TimeoutError(
+                f"{self.unanswered}. It is down, stopped or unreachable: check the store "
+                "(its endpoint, the network, the server's health) and save or load again; "
+                "for a store that is alive but this slow, raise the process group's "
+                "timeout (the strategy's `timeout`)"
+            ) from err
+
+    def _target(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        """The URL a request is about (s3fs's ``call_s3``: its bucket and key)."""
+        if name == "call_s3" and "Bucket" in kwargs:
+            return self._url(posixpath.join(kwargs["Bucket"], kwargs.get("Key", "")))
+        path = args[0] if args else kwargs.get("path", "")
+        if isinstance(path, (list, tuple)):
+            path = f"{path[0]} (and {len(path) - 1} more)" if path else ""
+        return self._url(str(path))
+
+
+def unwrapped(fs: Any) -> Any:
+    """The fsspec filesystem itself, under a :class:`DeadlineFileSystem`."""
+    return fs.wrapped if isinstance(fs, DeadlineFileSystem) else fs
+
+
 class ObjectStore:
     """Checkpoints under one fsspec filesystem: the versioned layout and its commit.
 
@@ -183,11 +272,14 @@ class ObjectStore:
     Args:
         fs: The fsspec filesystem.
         protocol: Its scheme, for URLs in messages and results.
+        deadline: Seconds each request of an asynchronous filesystem (s3fs) may take, its
+            retries included (:class:`DeadlineFileSystem`); ``None``: the filesystem's own
+            timeouts and retries only.
     """
 
-    def __init__(self, fs: Any, protocol: str) -> None:
-        self.fs = fs
+    def __init__(self, fs: Any, protocol: str, *, deadline: float | None = None) -> None:
         self.protocol = protocol
+        self.fs = fs if deadline is None else DeadlineFileSystem(fs, deadline, self.url)
 
     # ------------------------------------------------------------------------ paths
 
@@ -598,9 +690,10 @@ class StoreCheckpoint(StoreLocation):
 
 
 def open_store(
-    url: str, storage_options: Mapping[str, Any] | None = None
+    url: str, storage_options: Mapping[str, Any] | None = None, *, deadline: float | None = None
 ) -> tuple[ObjectStore, str]:
-    """The :class:`ObjectStore` for ``url`` and the path inside it (no trailing ``/``).
+    """The :class:`ObjectStore` for ``url`` and the path inside it (no trailing ``/``);
+    ``deadline``: as for :class:`ObjectStore`.
 
     Raises:
         ImportError: The scheme's filesystem is not installed (the message says what to
@@ -610,7 +703,7 @@ def open_store(
     fs, path = _filesystem(url, storage_options)
     protocol = url_protocol(url)
     assert protocol is not None
-    return ObjectStore(fs, protocol), path.rstrip("/")
+    return ObjectStore(fs, protocol, deadline=deadline), path.rstrip("/")
 
 
 class ObjectStores:
@@ -625,11 +718,23 @@ class ObjectStores:
         local: The backend of local paths.
         storage_options: Options of the fsspec filesystem of a URL (``endpoint_url``,
             ``key``, ...); the filesystem's own configuration applies without them.
+        group_timeout: The timeout of the collectives of the ranks that save and load
+            (``None``: no group), asked when a URL is opened. Each request to the store
+            then gives up after half of it: a rank whose request fails reaches the next
+            collective before its peers, waiting there since it began, time out, and every
+            rank raises the same error.
     """
 
-    def __init__(self, local: Any, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        local: Any,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        group_timeout: Callable[[], timedelta | None] | None = None,
+    ) -> None:
         self.local = local
         self.storage_options = dict(storage_options or {})
+        self.group_timeout = group_timeout
 
     def location(self, path: str | os.PathLike[str]) -> Any:
         """A :class:`StoreCheckpoint` for a URL (never a local directory named ``s3:``);
@@ -642,7 +747,9 @@ class ObjectStores:
         if isinstance(path, StoreCheckpoint):
             return path
         if is_url(path):
-            store, inside = open_store(os.fspath(path), self.storage_options)
+            timeout = None if self.group_timeout is None else self.group_timeout()
+            deadline = None if timeout is None else timeout.total_seconds() / 2
+            store, inside = open_store(os.fspath(path), self.storage_options, deadline=deadline)
             return StoreCheckpoint(store, inside)
         return self.local.location(local_path(path))
 
