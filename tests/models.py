@@ -33,18 +33,26 @@ Stable API for the whole test suite (other test modules import these names):
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from megatron_fsdp import MixedPrecisionPolicy
 from megatron_fsdp.experimental import Placements, fully_shard_optimizer
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.utils.data import TensorDataset
 
+from lightning_megatron_fsdp import MegatronFSDPStrategy, shard_module, sharding_scope
 from lightning_megatron_fsdp import fsdp_placements as _fsdp_placements
-from lightning_megatron_fsdp import shard_module, sharding_scope
 from lightning_megatron_fsdp.megatron._megatron import FsdpModule
+from tests.harness import PROCESS_GROUP_TIMEOUT
+
+if TYPE_CHECKING:
+    from torchdata.stateful_dataloader import StatefulDataLoader
 
 __all__ = [
     "FFN",
@@ -62,6 +70,8 @@ __all__ = [
     "lm_loss",
     "local_shards",
     "make_batch",
+    "make_trainer",
+    "sequence_loader",
     "shard_packed_lm",
     "sharded_adam",
     "sync_compute_weights",
@@ -282,3 +292,45 @@ def train_unsharded(
         optimizer.step()
         optimizer.zero_grad()
     return model, optimizer
+
+
+def make_trainer(devices: int, strategy: Any = None, **options: Any) -> pl.Trainer:
+    """A quiet CPU ``Trainer`` on ``devices`` processes, as the Trainer tests build it.
+
+    No logger, progress bar or model summary; checkpointing only when ``callbacks`` holds
+    a ``ModelCheckpoint`` (Lightning refuses one with ``enable_checkpointing=False``, and
+    a default one would write files no test asked for). Any of these, and every other
+    ``Trainer`` argument, can be given in ``options``.
+
+    Args:
+        devices: Number of CPU processes.
+        strategy: ``None`` for a ``MegatronFSDPStrategy`` that wraps each
+            :class:`PackedBlock` and gives up on a hung collective after the harness's
+            ``PROCESS_GROUP_TIMEOUT``.
+        options: ``Trainer`` arguments, overriding the defaults above.
+    """
+    if strategy is None:
+        strategy = MegatronFSDPStrategy(
+            auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT
+        )
+    callbacks = options.get("callbacks") or []
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": devices,
+        "strategy": strategy,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": any(isinstance(c, ModelCheckpoint) for c in callbacks),
+    }
+    return pl.Trainer(**{**defaults, **options})
+
+
+def sequence_loader(seed: int, rows: int) -> StatefulDataLoader:
+    """Shuffled batches of 2 random token sequences of length 6 (inputs ``[:, :-1]``,
+    targets ``[:, 1:]``), from a resumable loader: the form users write."""
+    from torchdata.stateful_dataloader import StatefulDataLoader  # not in every test venv
+
+    generator = torch.Generator().manual_seed(seed)
+    sequences = torch.randint(0, VOCAB, (rows, 6), generator=generator)
+    return StatefulDataLoader(TensorDataset(sequences), batch_size=2, shuffle=True)
