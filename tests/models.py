@@ -39,6 +39,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from megatron_fsdp import MixedPrecisionPolicy
 from megatron_fsdp.experimental import Placements, fully_shard_optimizer
 from torch import nn
@@ -71,6 +72,7 @@ __all__ = [
     "local_shards",
     "make_batch",
     "make_trainer",
+    "route_strategy",
     "sequence_loader",
     "shard_packed_lm",
     "sharded_adam",
@@ -310,9 +312,7 @@ def make_trainer(devices: int, strategy: Any = None, **options: Any) -> pl.Train
         options: ``Trainer`` arguments, overriding the defaults above.
     """
     if strategy is None:
-        strategy = MegatronFSDPStrategy(
-            auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT
-        )
+        strategy = route_strategy("megatron_fsdp")
     callbacks = options.get("callbacks") or []
     defaults: dict[str, Any] = {
         "accelerator": "cpu",
@@ -324,6 +324,16 @@ def make_trainer(devices: int, strategy: Any = None, **options: Any) -> pl.Train
         "enable_checkpointing": any(isinstance(c, ModelCheckpoint) for c in callbacks),
     }
     return pl.Trainer(**{**defaults, **options})
+
+
+def route_strategy(route: str) -> Strategy:
+    """The strategy of an equivalence test's route: ``"ddp"``, Lightning's ``DDPStrategy``
+    on gloo (the reference), or ``"megatron_fsdp"``, :func:`make_trainer`'s default."""
+    if route == "ddp":
+        return DDPStrategy(process_group_backend="gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    if route != "megatron_fsdp":
+        raise ValueError(f"route_strategy: expected 'ddp' or 'megatron_fsdp', got {route!r}.")
+    return MegatronFSDPStrategy(auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT)
 
 
 def sequence_loader(seed: int, rows: int) -> StatefulDataLoader:

@@ -66,6 +66,7 @@ from lightning_megatron_fsdp import (
 from lightning_megatron_fsdp.strategies.strategy import fsdp_placements
 from lightning_megatron_fsdp.tools.cli import main
 from lightning_megatron_fsdp.tools.lightning_checkpoint import EXPORT_INFO_KEY
+from tests import models
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import VOCAB, PackedBlock, build_packed_lm, dp_mesh, lm_loss
 from tests.test_export import _one_thread
@@ -150,16 +151,7 @@ class AtTrainEnd(Callback):
 
 
 def make_trainer(devices: int, strategy: Any, **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **kwargs,
-    )
+    return models.make_trainer(devices, strategy, num_sanity_val_steps=0, **kwargs)
 
 
 def _train(rank: int, world_size: int, root: str) -> dict[str, Any]:
