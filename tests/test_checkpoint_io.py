@@ -86,6 +86,8 @@ from tests.models import (
     sharded_adam,
     train_unsharded,
 )
+from tests.scripts.fault_injection import LR, trained
+from tests.scripts.fault_injection import step as _step
 from tests.shard_facts import (
     assemble,
     assert_close_to_reference,
@@ -96,7 +98,6 @@ from tests.shard_facts import (
 from tests.shard_facts import facts as shard_facts
 
 TIMEOUT = 120.0
-LR = 0.05
 # DCP frames every stored item with torch.save: ~1.5 KB of zip headers and alignment.
 ITEM_OVERHEAD_BYTES = 2048
 # Sharded training vs one process: only the rounding of the gradient average differs.
@@ -105,7 +106,7 @@ REFERENCE_ATOL = 1e-6
 
 @functools.cache
 def _reference() -> dict[str, torch.Tensor]:
-    """What ``_trained`` holds, computed by one process without sharding."""
+    """What ``trained`` holds, computed by one process without sharding."""
     return reference_facts(*train_unsharded(2, lr=LR))
 
 
@@ -161,21 +162,6 @@ def _run(worker: Any, world_size: int, *args: Any) -> list[Any]:
 
 def _failing(fail_rank: int) -> dict[str, Any]:
     return {"storage_writer_factory": functools.partial(_FailingWriter, fail_rank=fail_rank)}
-
-
-def _trained(world_size: int, steps: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:
-    enable_cpu_execution()
-    model = shard_packed_lm(build_packed_lm(0), dp_mesh(world_size))
-    optimizer = sharded_adam(model, lr=LR)
-    for step in range(steps):
-        _step(model, optimizer, step)
-    return model, optimizer
-
-
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
-    lm_loss(model, make_batch(seed)).backward()
-    optimizer.step()
-    optimizer.zero_grad()
 
 
 def _checkpoint(
@@ -252,7 +238,7 @@ def _save_round_trip(rank: int, world_size: int, root: str, resharded_from: str 
     world size. Returns facts for the pytest process."""
     root_path = Path(root) / f"ws{world_size}"
     path = root_path / "epoch=1-step=7.ckpt"
-    model, adam = _trained(world_size)
+    model, adam = trained(world_size)
     checkpoint = _checkpoint(model, adam, step=7)
     plugin = MegatronFSDPCheckpointIO()
     plugin.save_checkpoint(checkpoint, path)
@@ -275,13 +261,23 @@ def _save_round_trip(rank: int, world_size: int, root: str, resharded_from: str 
     return facts
 
 
+def _on_disk(plugin: MegatronFSDPCheckpointIO, path: Path, world_size: int) -> dict[str, Any]:
+    """Once every rank is done with ``path``: the listing of its folder, its step, and what
+    loading it into fresh targets gives."""
+    dist.barrier()
+    on_disk = {"listing": sorted(os.listdir(path.parent)), "step": read_manifest(path).global_step}
+    _, state = _targets(world_size)
+    plugin.load_checkpoint(path, state=state)
+    return {**on_disk, "loaded": _tensor_facts(state)}
+
+
 @_portable
 def _atomic_overwrite(rank: int, world_size: int, root: str) -> dict:
     """A save that fails on one rank leaves the previous checkpoint loadable; then a good
     overwrite replaces it; a foreign directory is never overwritten."""
     root_path = Path(root)
     path = root_path / "last.ckpt"
-    model, adam = _trained(world_size)
+    model, adam = trained(world_size)
     plugin = MegatronFSDPCheckpointIO()
     first = _checkpoint(model, adam, step=2)
     plugin.save_checkpoint(first, path)
@@ -293,23 +289,9 @@ def _atomic_overwrite(rank: int, world_size: int, root: str) -> dict:
         match=r"(?s)failed on rank\(s\) \[1\].*injected write failure on rank 1.*untouched",
     ):
         plugin.save_checkpoint(second, path, storage_options=_failing(fail_rank=1))
-    dist.barrier()
-    after_failure = {
-        "listing": sorted(os.listdir(root_path)),
-        "step": read_manifest(path).global_step,
-    }
-    _, state = _targets(world_size)
-    plugin.load_checkpoint(path, state=state)
-    after_failure["loaded"] = _tensor_facts(state)
+    after_failure = _on_disk(plugin, path, world_size)
     plugin.save_checkpoint(second, path)
-    dist.barrier()
-    after_overwrite = {
-        "listing": sorted(os.listdir(root_path)),
-        "step": read_manifest(path).global_step,
-    }
-    _, state = _targets(world_size)
-    plugin.load_checkpoint(path, state=state)
-    after_overwrite["loaded"] = _tensor_facts(state)
+    after_overwrite = _on_disk(plugin, path, world_size)
     # A malformed checkpoint on one rank only: every rank raises before writing anything.
     malformed = {**second, "state_dict": [1]} if rank == 1 else second
     with pytest.raises(CheckpointSaveError, match=r"rank 1: TypeError: checkpoint\['state_dict'\]"):
@@ -344,7 +326,7 @@ def _copy_checkpoint(source: Path, destination: Path) -> Path:
 def _bad_inputs(rank: int, world_size: int, root: str) -> list[str]:
     """Every bad input raises its documented error, with its message, on every rank."""
     root_path = Path(root)
-    model, adam = _trained(world_size)
+    model, adam = trained(world_size)
     plugin = MegatronFSDPCheckpointIO()
     good, weights_only = root_path / "good", root_path / "weights-only"
     full = _checkpoint(model, adam, step=2)
@@ -601,7 +583,7 @@ def _async_vs_sync(rank: int, world_size: int, root: str) -> dict:
     """An async save equals a sync save byte for byte although training goes on during
     it; a failing background save is reported at poll() and at the next save."""
     root_path = Path(root)
-    model, adam = _trained(world_size)
+    model, adam = trained(world_size)
     checkpoint = _checkpoint(model, adam, step=3)
     before = _tensor_facts(checkpoint)
     MegatronFSDPCheckpointIO().save_checkpoint(checkpoint, root_path / "sync")
