@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -316,11 +316,28 @@ def _atomic_overwrite(rank: int, world_size: int, root: str) -> dict:
     }
 
 
-def _copy_checkpoint(source: Path, destination: Path) -> Path:
+def _damaged_copy(good: Path, name: str, damage: Callable[[Path], object]) -> Path:
+    """Rank 0 copies the checkpoint ``good`` to ``name`` beside it and applies ``damage`` to
+    the copy; every rank returns the copy's path once that is done."""
+    copy = good.parent / name
     if dist.get_rank() == 0:
-        shutil.copytree(source, destination)
+        shutil.copytree(good, copy)
+        damage(copy)
     dist.barrier()
-    return destination
+    return copy
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _zero_file(path: Path) -> None:
+    """Same size, every byte zero."""
+    path.write_bytes(bytes(path.stat().st_size))
 
 
 def _bad_inputs(rank: int, world_size: int, root: str) -> list[str]:
@@ -366,41 +383,24 @@ def _bad_inputs(rank: int, world_size: int, root: str) -> list[str]:
     assert "torch.load it" not in str(refused.value), refused.value  # torch.load cannot
     checked.append("safetensors file")
 
-    no_manifest = _copy_checkpoint(good, root_path / "no-manifest")
-    if rank == 0:
-        (no_manifest / MANIFEST_FILE).unlink()
-    dist.barrier()
+    no_manifest = _damaged_copy(good, "no-manifest", lambda c: (c / MANIFEST_FILE).unlink())
     with pytest.raises(NotACheckpointError, match=r"holds DCP files but no manifest.json"):
         load(no_manifest)
     checked.append("no manifest")
 
-    garbled = _copy_checkpoint(good, root_path / "garbled")
-    if rank == 0:
-        (garbled / MANIFEST_FILE).write_text("{not json")
-    dist.barrier()
+    garbled = _damaged_copy(good, "garbled", lambda c: (c / MANIFEST_FILE).write_text("{not json"))
     with pytest.raises(NotACheckpointError, match=r"manifest.json cannot be parsed"):
         load(garbled)
     checked.append("garbled manifest")
 
-    truncated = _copy_checkpoint(good, root_path / "truncated")
-    if rank == 0:
-        with open(truncated / "__1_0.distcp", "r+b") as file:
-            file.truncate(100)
-    dist.barrier()
+    truncated = _damaged_copy(good, "truncated", lambda c: os.truncate(c / "__1_0.distcp", 100))
     with pytest.raises(
         CheckpointCorruptedError, match=r"__1_0\.distcp: 100 bytes on disk, \d+ in the manifest"
     ):
         load(truncated)
     checked.append("truncated")
 
-    flipped = _copy_checkpoint(good, root_path / "flipped")
-    if rank == 0:
-        with open(flipped / "__0_0.distcp", "r+b") as file:
-            file.seek(700)
-            byte = file.read(1)
-            file.seek(700)
-            file.write(bytes([byte[0] ^ 0xFF]))
-    dist.barrier()
+    flipped = _damaged_copy(good, "flipped", lambda c: _flip_byte(c / "__0_0.distcp", 700))
     # Found while reading, by every rank that reads that record; every rank raises, and the
     # message names the record and what each rank had already written into its targets.
     with pytest.raises(
@@ -414,11 +414,7 @@ def _bad_inputs(rank: int, world_size: int, root: str) -> list[str]:
 
     # Same size, garbage content, checksums off: DCP itself fails while reading, and the
     # failure is translated into a CheckpointError naming the failing rank(s).
-    zeroed = _copy_checkpoint(good, root_path / "zeroed")
-    if rank == 0:
-        size = (zeroed / "__1_0.distcp").stat().st_size
-        (zeroed / "__1_0.distcp").write_bytes(bytes(size))
-    dist.barrier()
+    zeroed = _damaged_copy(good, "zeroed", lambda c: _zero_file(c / "__1_0.distcp"))
     with pytest.raises(CheckpointError, match=r"Loading checkpoint .*zeroed failed on rank\(s\)"):
         load(zeroed, plugin=MegatronFSDPCheckpointIO(verify_checksums=False))
     checked.append("dcp failure")
