@@ -27,11 +27,13 @@ Stable API for the whole test suite (other test modules import these names):
     :func:`shard_packed_lm`, :func:`dp_mesh`, :func:`hsdp_mesh`, :func:`fsdp_placements`,
     :func:`bf16_policy`, :func:`make_batch`, :func:`lm_loss`, :func:`fsdp_modules`,
     :func:`sync_compute_weights`, :func:`local_shards`, :func:`sharded_adam`,
-    :func:`train_unsharded`.
+    :func:`train_unsharded`, :func:`make_trainer`, :func:`route_strategy`,
+    :func:`sequence_loader`, :func:`adamw_step_lr`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +64,7 @@ __all__ = [
     "VOCAB",
     "PackedBlock",
     "PackedLM",
+    "adamw_step_lr",
     "bf16_policy",
     "build_packed_lm",
     "dp_mesh",
@@ -324,6 +327,14 @@ def make_trainer(devices: int, strategy: Any = None, **options: Any) -> pl.Train
         "enable_checkpointing": any(isinstance(c, ModelCheckpoint) for c in callbacks),
     }
     return pl.Trainer(**{**defaults, **options})
+
+
+def adamw_step_lr(parameters: Iterable[nn.Parameter], lr: float) -> dict[str, Any]:
+    """``configure_optimizers``' answer: AdamW (weight decay 0.1) and a ``StepLR`` that
+    halves the rate every 3 steps, stepped every step, so both carry state to checkpoint."""
+    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def route_strategy(route: str) -> Strategy:

@@ -68,7 +68,7 @@ from lightning_megatron_fsdp.tools.cli import main
 from lightning_megatron_fsdp.tools.lightning_checkpoint import EXPORT_INFO_KEY
 from tests import models
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
-from tests.models import VOCAB, PackedBlock, build_packed_lm, dp_mesh, lm_loss
+from tests.models import VOCAB, PackedBlock, adamw_step_lr, build_packed_lm, dp_mesh, lm_loss
 from tests.test_export import _one_thread
 from tests.test_portability import assemble, optimizer_shards
 
@@ -102,13 +102,8 @@ class ExportLM(pl.LightningModule):
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         return lm_loss(self.lm, (batch[0], batch[1]))
 
-    def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
-        }
+    def configure_optimizers(self) -> dict[str, Any]:
+        return adamw_step_lr(self.parameters(), self.hparams.lr)
 
 
 class TokenData(pl.LightningDataModule):
