@@ -66,11 +66,10 @@ from lightning_megatron_fsdp import (
 from lightning_megatron_fsdp.strategies.strategy import fsdp_placements
 from lightning_megatron_fsdp.tools.cli import main
 from lightning_megatron_fsdp.tools.lightning_checkpoint import EXPORT_INFO_KEY
-from tests import models
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import VOCAB, PackedBlock, adamw_step_lr, build_packed_lm, dp_mesh, lm_loss
 from tests.test_export import _one_thread
-from tests.test_portability import assemble, optimizer_shards
+from tests.test_portability import assemble, make_trainer, optimizer_shards
 
 TIMEOUT = 240.0
 ROWS = 16
@@ -143,10 +142,6 @@ class AtTrainEnd(Callback):
         self.global_step = trainer.global_step
         with torch.no_grad():
             self.logits = pl_module(probe_tokens()).numpy().copy()
-
-
-def make_trainer(devices: int, strategy: Any, **kwargs: Any) -> pl.Trainer:
-    return models.make_trainer(devices, strategy, num_sanity_val_steps=0, **kwargs)
 
 
 def _train(rank: int, world_size: int, root: str) -> dict[str, Any]:
