@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -48,14 +48,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy, shard_module, sharding_scope
 from lightning_megatron_fsdp import fsdp_placements as _fsdp_placements
 from lightning_megatron_fsdp.megatron._megatron import FsdpModule
 from tests.harness import PROCESS_GROUP_TIMEOUT
-
-if TYPE_CHECKING:
-    from torchdata.stateful_dataloader import StatefulDataLoader
 
 __all__ = [
     "FFN",
@@ -349,8 +347,6 @@ def route_strategy(route: str) -> Strategy:
 def sequence_loader(seed: int, rows: int) -> StatefulDataLoader:
     """Shuffled batches of 2 random token sequences of length 6 (inputs ``[:, :-1]``,
     targets ``[:, 1:]``), from a resumable loader: the form users write."""
-    from torchdata.stateful_dataloader import StatefulDataLoader  # not in every test venv
-
     generator = torch.Generator().manual_seed(seed)
     sequences = torch.randint(0, VOCAB, (rows, 6), generator=generator)
     return StatefulDataLoader(TensorDataset(sequences), batch_size=2, shuffle=True)
