@@ -1,4 +1,4 @@
-"""Run every benchmark of issue 6 and write ``benchmarks/RESULTS.md`` and ``results.png``.
+"""Run every benchmark of issue 6 and print a Markdown report of their figures and targets.
 
 Each benchmark runs as its own ``python -m benchmarks.<name>`` subprocess, one after the
 other, so no two compete for the 2 cores; inside each, the sides being compared share one
@@ -11,13 +11,15 @@ process tree and are interleaved (see each module's docstring). The five:
 5. ``bench_strategy_overhead``: ``Trainer.fit`` steps/s against a hand-written loop.
 
 The report says which targets are met, with the figures, and for each one missed a
-one-line analysis derived from the measured breakdowns (not written in advance).
+one-line analysis derived from the measured breakdowns (not written in advance). It goes to
+stdout (progress goes to stderr); ``--out FILE`` also writes it to ``FILE`` and ``--chart
+FILE`` draws the chart there. Nothing else is written: ``benchmarks/RESULTS.md`` is kept by
+hand, its figures copied from these reports with the command that produced each.
 
 Run: ``python -m benchmarks.run_all`` from the repository root (about 10 minutes on 2
-cores). ``--quick`` smoke-runs every benchmark at small sizes in about 3 minutes and
-writes its report to a temporary directory unless ``--out-dir`` is given, so it never
-overwrites the real results. ``--only NAME[,NAME]`` runs a subset (the report then covers
-only those).
+cores). ``--quick`` smoke-runs every benchmark at small sizes in about 3 minutes (not
+figures to report). ``--only NAME[,NAME]`` runs a subset (the report then covers only
+those). ``--chart benchmarks/results.png`` redraws the chart ``RESULTS.md`` shows.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from typing import Any
 __all__ = ["BENCHMARKS", "Outcome", "main"]
 
 ROOT = Path(__file__).resolve().parent.parent
-HERE = Path(__file__).resolve().parent
 # name -> (writes --json, accepts --quick)
 BENCHMARKS: dict[str, tuple[bool, bool]] = {
     "bench_metadata": (False, False),
@@ -103,7 +104,7 @@ def _run(name: str, quick: bool, scratch: Path) -> Outcome:
         command.append("--quick")
     if name == "bench_async_save" and not quick:
         command.append("--diagnose")
-    print(f"[run_all] {' '.join(command[1:])}", flush=True)
+    print(f"[run_all] {' '.join(command[1:])}", file=sys.stderr, flush=True)
     start = time.perf_counter()
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
     completed = subprocess.run(
@@ -119,7 +120,7 @@ def _run(name: str, quick: bool, scratch: Path) -> Outcome:
     elif name == "bench_consolidate_memory":
         outcome.parsed = _parse_consolidate(completed.stdout)
     status = "ok" if outcome.ok else f"FAILED (exit {completed.returncode})"
-    print(f"[run_all]   {status} in {outcome.seconds:.0f} s", flush=True)
+    print(f"[run_all]   {status} in {outcome.seconds:.0f} s", file=sys.stderr, flush=True)
     return outcome
 
 
@@ -746,16 +747,16 @@ def _section(outcome: Outcome) -> list[str]:
     return lines
 
 
-def write_report(
+def render_report(
     outcomes: dict[str, Outcome],
-    path: Path,
+    rows: list[Verdict],
     chart: str | None,
     machine: list[tuple[str, str]],
     load: tuple[str, str],
     quick: bool,
-) -> list[Verdict]:
-    """Write the Markdown report; return the verdicts."""
-    rows = verdicts(outcomes)
+) -> str:
+    """The Markdown report of ``outcomes`` and their verdicts ``rows``; ``chart``, if
+    given, is the chart's path as the report links it."""
     met = sum(1 for v in rows if v.met)
     lines = ["# Benchmark results", ""]
     if quick:
@@ -764,7 +765,7 @@ def write_report(
             "",
         ]
     lines += [
-        "Written by `python -m benchmarks.run_all`; every figure below comes from that run. "
+        "Printed by `python -m benchmarks.run_all`; every figure below comes from that run. "
         "Each benchmark is its own process tree, run one after another; within one, the "
         "sides compared share the processes and are interleaved, and times are medians of "
         "repeats. The machine is shared (other test suites ran at the same time), so "
@@ -796,16 +797,17 @@ def write_report(
     for name in BENCHMARKS:
         if name in outcomes:
             lines += _section(outcomes[name])
-    path.write_text("\n".join(lines).rstrip() + "\n")
-    return rows
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmarks, write the report and chart; exit 1 if any benchmark failed."""
+    """Run the benchmarks, print the report (and write it and the chart where asked); exit
+    1 if any benchmark failed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, a smoke run")
     parser.add_argument("--only", help="comma-separated benchmark names to run")
-    parser.add_argument("--out-dir", type=Path, help="where RESULTS.md and results.png go")
+    parser.add_argument("--out", type=Path, help="also write the report to this file")
+    parser.add_argument("--chart", type=Path, help="draw the chart (PNG) into this file")
     args = parser.parse_args(argv)
     names = list(BENCHMARKS)
     if args.only:
@@ -813,10 +815,6 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted(set(names) - set(BENCHMARKS))
         if unknown:
             parser.error(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
-    out_dir = args.out_dir
-    if out_dir is None:
-        out_dir = Path(tempfile.mkdtemp(prefix="run_all-quick-")) if args.quick else HERE
-    out_dir.mkdir(parents=True, exist_ok=True)
     machine = machine_description(tempfile.gettempdir())
     load_before = _load_average()
     start = time.perf_counter()
@@ -825,16 +823,29 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = {name: _run(name, args.quick, scratch) for name in names}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    chart_path = out_dir / "results.png"
-    chart = chart_path.name if write_chart(outcomes, chart_path) else None
-    report = out_dir / "RESULTS.md"
-    rows = write_report(
-        outcomes, report, chart, machine, (load_before, _load_average()), args.quick
-    )
+    chart = None
+    if args.chart is not None:
+        args.chart.parent.mkdir(parents=True, exist_ok=True)
+        if write_chart(outcomes, args.chart):
+            # Linked from the report's folder (the current one when it is only printed).
+            base = args.out.resolve().parent if args.out is not None else Path.cwd()
+            chart = os.path.relpath(args.chart.resolve(), base)
+    rows = verdicts(outcomes)
+    load = (load_before, _load_average())
+    report = render_report(outcomes, rows, chart, machine, load, args.quick)
+    sys.stdout.write(report)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report)
     for v in rows:
         mark = {True: "met", False: "NOT met", None: "not measured"}[v.met]
-        print(f"[run_all] {v.benchmark}: {v.target}: {v.measured} -> {mark}")
-    print(f"[run_all] wrote {report} and {chart_path} in {time.perf_counter() - start:.0f} s")
+        print(f"[run_all] {v.benchmark}: {v.target}: {v.measured} -> {mark}", file=sys.stderr)
+    written = [str(p) for p in (args.out, args.chart if chart else None) if p is not None]
+    print(
+        f"[run_all] done in {time.perf_counter() - start:.0f} s"
+        + (f"; wrote {', '.join(written)}" if written else ""),
+        file=sys.stderr,
+    )
     return 0 if all(o.ok for o in outcomes.values()) else 1
 
 

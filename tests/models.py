@@ -27,24 +27,33 @@ Stable API for the whole test suite (other test modules import these names):
     :func:`shard_packed_lm`, :func:`dp_mesh`, :func:`hsdp_mesh`, :func:`fsdp_placements`,
     :func:`bf16_policy`, :func:`make_batch`, :func:`lm_loss`, :func:`fsdp_modules`,
     :func:`sync_compute_weights`, :func:`local_shards`, :func:`sharded_adam`,
-    :func:`train_unsharded`.
+    :func:`train_unsharded`, :func:`make_trainer`, :func:`route_strategy`,
+    :func:`sequence_loader`, :func:`adamw_step_lr`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import timedelta
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from megatron_fsdp import MixedPrecisionPolicy
 from megatron_fsdp.experimental import Placements, fully_shard_optimizer
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.utils.data import TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lightning_megatron_fsdp import MegatronFSDPStrategy, shard_module, sharding_scope
 from lightning_megatron_fsdp import fsdp_placements as _fsdp_placements
-from lightning_megatron_fsdp import shard_module, sharding_scope
 from lightning_megatron_fsdp.megatron._megatron import FsdpModule
+from tests.harness import PROCESS_GROUP_TIMEOUT
 
 __all__ = [
     "FFN",
@@ -53,6 +62,7 @@ __all__ = [
     "VOCAB",
     "PackedBlock",
     "PackedLM",
+    "adamw_step_lr",
     "bf16_policy",
     "build_packed_lm",
     "dp_mesh",
@@ -62,6 +72,9 @@ __all__ = [
     "lm_loss",
     "local_shards",
     "make_batch",
+    "make_trainer",
+    "route_strategy",
+    "sequence_loader",
     "shard_packed_lm",
     "sharded_adam",
     "sync_compute_weights",
@@ -282,3 +295,58 @@ def train_unsharded(
         optimizer.step()
         optimizer.zero_grad()
     return model, optimizer
+
+
+def make_trainer(devices: int, strategy: Any = None, **options: Any) -> pl.Trainer:
+    """A quiet CPU ``Trainer`` on ``devices`` processes, as the Trainer tests build it.
+
+    No logger, progress bar or model summary; checkpointing only when ``callbacks`` holds
+    a ``ModelCheckpoint`` (Lightning refuses one with ``enable_checkpointing=False``, and
+    a default one would write files no test asked for). Any of these, and every other
+    ``Trainer`` argument, can be given in ``options``.
+
+    Args:
+        devices: Number of CPU processes.
+        strategy: ``None`` for a ``MegatronFSDPStrategy`` that wraps each
+            :class:`PackedBlock` and gives up on a hung collective after the harness's
+            ``PROCESS_GROUP_TIMEOUT``.
+        options: ``Trainer`` arguments, overriding the defaults above.
+    """
+    if strategy is None:
+        strategy = route_strategy("megatron_fsdp")
+    callbacks = options.get("callbacks") or []
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": devices,
+        "strategy": strategy,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": any(isinstance(c, ModelCheckpoint) for c in callbacks),
+    }
+    return pl.Trainer(**{**defaults, **options})
+
+
+def adamw_step_lr(parameters: Iterable[nn.Parameter], lr: float) -> dict[str, Any]:
+    """``configure_optimizers``' answer: AdamW (weight decay 0.1) and a ``StepLR`` that
+    halves the rate every 3 steps, stepped every step, so both carry state to checkpoint."""
+    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def route_strategy(route: str) -> Strategy:
+    """The strategy of an equivalence test's route: for ``"ddp"`` Lightning's
+    ``DDPStrategy`` on gloo (the reference), for any other route (``"megatron_fsdp"``, or
+    a variant of it a test names) :func:`make_trainer`'s default."""
+    if route == "ddp":
+        return DDPStrategy(process_group_backend="gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    return MegatronFSDPStrategy(auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT)
+
+
+def sequence_loader(seed: int, rows: int) -> StatefulDataLoader:
+    """Shuffled batches of 2 random token sequences of length 6 (inputs ``[:, :-1]``,
+    targets ``[:, 1:]``), from a resumable loader: the form users write."""
+    generator = torch.Generator().manual_seed(seed)
+    sequences = torch.randint(0, VOCAB, (rows, 6), generator=generator)
+    return StatefulDataLoader(TensorDataset(sequences), batch_size=2, shuffle=True)

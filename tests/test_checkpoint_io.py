@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,8 @@ from tests.models import (
     sharded_adam,
     train_unsharded,
 )
+from tests.scripts.fault_injection import LR, trained
+from tests.scripts.fault_injection import step as _step
 from tests.shard_facts import (
     assemble,
     assert_close_to_reference,
@@ -96,7 +98,6 @@ from tests.shard_facts import (
 from tests.shard_facts import facts as shard_facts
 
 TIMEOUT = 120.0
-LR = 0.05
 # DCP frames every stored item with torch.save: ~1.5 KB of zip headers and alignment.
 ITEM_OVERHEAD_BYTES = 2048
 # Sharded training vs one process: only the rounding of the gradient average differs.
@@ -105,7 +106,7 @@ REFERENCE_ATOL = 1e-6
 
 @functools.cache
 def _reference() -> dict[str, torch.Tensor]:
-    """What ``_trained`` holds, computed by one process without sharding."""
+    """What ``trained`` holds, computed by one process without sharding."""
     return reference_facts(*train_unsharded(2, lr=LR))
 
 
@@ -161,21 +162,6 @@ def _run(worker: Any, world_size: int, *args: Any) -> list[Any]:
 
 def _failing(fail_rank: int) -> dict[str, Any]:
     return {"storage_writer_factory": functools.partial(_FailingWriter, fail_rank=fail_rank)}
-
-
-def _trained(world_size: int, steps: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:
-    enable_cpu_execution()
-    model = shard_packed_lm(build_packed_lm(0), dp_mesh(world_size))
-    optimizer = sharded_adam(model, lr=LR)
-    for step in range(steps):
-        _step(model, optimizer, step)
-    return model, optimizer
-
-
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
-    lm_loss(model, make_batch(seed)).backward()
-    optimizer.step()
-    optimizer.zero_grad()
 
 
 def _checkpoint(
@@ -252,7 +238,7 @@ def _save_round_trip(rank: int, world_size: int, root: str, resharded_from: str 
     world size. Returns facts for the pytest process."""
     root_path = Path(root) / f"ws{world_size}"
     path = root_path / "epoch=1-step=7.ckpt"
-    model, adam = _trained(world_size)
+    model, adam = trained(world_size)
     checkpoint = _checkpoint(model, adam, step=7)
     plugin = MegatronFSDPCheckpointIO()
     plugin.save_checkpoint(checkpoint, path)
@@ -275,13 +261,23 @@ def _save_round_trip(rank: int, world_size: int, root: str, resharded_from: str 
     return facts
 
 
+def _on_disk(plugin: MegatronFSDPCheckpointIO, path: Path, world_size: int) -> dict[str, Any]:
+    """Once every rank is done with ``path``: the listing of its folder, its step, and what
+    loading it into fresh targets gives."""
+    dist.barrier()
+    on_disk = {"listing": sorted(os.listdir(path.parent)), "step": read_manifest(path).global_step}
+    _, state = _targets(world_size)
+    plugin.load_checkpoint(path, state=state)
+    return {**on_disk, "loaded": _tensor_facts(state)}
+
+
 @_portable
 def _atomic_overwrite(rank: int, world_size: int, root: str) -> dict:
     """A save that fails on one rank leaves the previous checkpoint loadable; then a good
     overwrite replaces it; a foreign directory is never overwritten."""
     root_path = Path(root)
     path = root_path / "last.ckpt"
-    model, adam = _trained(world_size)
+    model, adam = trained(world_size)
     plugin = MegatronFSDPCheckpointIO()
     first = _checkpoint(model, adam, step=2)
     plugin.save_checkpoint(first, path)
@@ -293,23 +289,9 @@ def _atomic_overwrite(rank: int, world_size: int, root: str) -> dict:
         match=r"(?s)failed on rank\(s\) \[1\].*injected write failure on rank 1.*untouched",
     ):
         plugin.save_checkpoint(second, path, storage_options=_failing(fail_rank=1))
-    dist.barrier()
-    after_failure = {
-        "listing": sorted(os.listdir(root_path)),
-        "step": read_manifest(path).global_step,
-    }
-    _, state = _targets(world_size)
-    plugin.load_checkpoint(path, state=state)
-    after_failure["loaded"] = _tensor_facts(state)
+    after_failure = _on_disk(plugin, path, world_size)
     plugin.save_checkpoint(second, path)
-    dist.barrier()
-    after_overwrite = {
-        "listing": sorted(os.listdir(root_path)),
-        "step": read_manifest(path).global_step,
-    }
-    _, state = _targets(world_size)
-    plugin.load_checkpoint(path, state=state)
-    after_overwrite["loaded"] = _tensor_facts(state)
+    after_overwrite = _on_disk(plugin, path, world_size)
     # A malformed checkpoint on one rank only: every rank raises before writing anything.
     malformed = {**second, "state_dict": [1]} if rank == 1 else second
     with pytest.raises(CheckpointSaveError, match=r"rank 1: TypeError: checkpoint\['state_dict'\]"):
@@ -334,17 +316,34 @@ def _atomic_overwrite(rank: int, world_size: int, root: str) -> dict:
     }
 
 
-def _copy_checkpoint(source: Path, destination: Path) -> Path:
+def _damaged_copy(good: Path, name: str, damage: Callable[[Path], object]) -> Path:
+    """Rank 0 copies the checkpoint ``good`` to ``name`` beside it and applies ``damage`` to
+    the copy; every rank returns the copy's path once that is done."""
+    copy = good.parent / name
     if dist.get_rank() == 0:
-        shutil.copytree(source, destination)
+        shutil.copytree(good, copy)
+        damage(copy)
     dist.barrier()
-    return destination
+    return copy
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _zero_file(path: Path) -> None:
+    """Same size, every byte zero."""
+    path.write_bytes(bytes(path.stat().st_size))
 
 
 def _bad_inputs(rank: int, world_size: int, root: str) -> list[str]:
     """Every bad input raises its documented error, with its message, on every rank."""
     root_path = Path(root)
-    model, adam = _trained(world_size)
+    model, adam = trained(world_size)
     plugin = MegatronFSDPCheckpointIO()
     good, weights_only = root_path / "good", root_path / "weights-only"
     full = _checkpoint(model, adam, step=2)
@@ -384,41 +383,24 @@ def _bad_inputs(rank: int, world_size: int, root: str) -> list[str]:
     assert "torch.load it" not in str(refused.value), refused.value  # torch.load cannot
     checked.append("safetensors file")
 
-    no_manifest = _copy_checkpoint(good, root_path / "no-manifest")
-    if rank == 0:
-        (no_manifest / MANIFEST_FILE).unlink()
-    dist.barrier()
+    no_manifest = _damaged_copy(good, "no-manifest", lambda c: (c / MANIFEST_FILE).unlink())
     with pytest.raises(NotACheckpointError, match=r"holds DCP files but no manifest.json"):
         load(no_manifest)
     checked.append("no manifest")
 
-    garbled = _copy_checkpoint(good, root_path / "garbled")
-    if rank == 0:
-        (garbled / MANIFEST_FILE).write_text("{not json")
-    dist.barrier()
+    garbled = _damaged_copy(good, "garbled", lambda c: (c / MANIFEST_FILE).write_text("{not json"))
     with pytest.raises(NotACheckpointError, match=r"manifest.json cannot be parsed"):
         load(garbled)
     checked.append("garbled manifest")
 
-    truncated = _copy_checkpoint(good, root_path / "truncated")
-    if rank == 0:
-        with open(truncated / "__1_0.distcp", "r+b") as file:
-            file.truncate(100)
-    dist.barrier()
+    truncated = _damaged_copy(good, "truncated", lambda c: os.truncate(c / "__1_0.distcp", 100))
     with pytest.raises(
         CheckpointCorruptedError, match=r"__1_0\.distcp: 100 bytes on disk, \d+ in the manifest"
     ):
         load(truncated)
     checked.append("truncated")
 
-    flipped = _copy_checkpoint(good, root_path / "flipped")
-    if rank == 0:
-        with open(flipped / "__0_0.distcp", "r+b") as file:
-            file.seek(700)
-            byte = file.read(1)
-            file.seek(700)
-            file.write(bytes([byte[0] ^ 0xFF]))
-    dist.barrier()
+    flipped = _damaged_copy(good, "flipped", lambda c: _flip_byte(c / "__0_0.distcp", 700))
     # Found while reading, by every rank that reads that record; every rank raises, and the
     # message names the record and what each rank had already written into its targets.
     with pytest.raises(
@@ -432,11 +414,7 @@ def _bad_inputs(rank: int, world_size: int, root: str) -> list[str]:
 
     # Same size, garbage content, checksums off: DCP itself fails while reading, and the
     # failure is translated into a CheckpointError naming the failing rank(s).
-    zeroed = _copy_checkpoint(good, root_path / "zeroed")
-    if rank == 0:
-        size = (zeroed / "__1_0.distcp").stat().st_size
-        (zeroed / "__1_0.distcp").write_bytes(bytes(size))
-    dist.barrier()
+    zeroed = _damaged_copy(good, "zeroed", lambda c: _zero_file(c / "__1_0.distcp"))
     with pytest.raises(CheckpointError, match=r"Loading checkpoint .*zeroed failed on rank\(s\)"):
         load(zeroed, plugin=MegatronFSDPCheckpointIO(verify_checksums=False))
     checked.append("dcp failure")
@@ -601,7 +579,7 @@ def _async_vs_sync(rank: int, world_size: int, root: str) -> dict:
     """An async save equals a sync save byte for byte although training goes on during
     it; a failing background save is reported at poll() and at the next save."""
     root_path = Path(root)
-    model, adam = _trained(world_size)
+    model, adam = trained(world_size)
     checkpoint = _checkpoint(model, adam, step=3)
     before = _tensor_facts(checkpoint)
     MegatronFSDPCheckpointIO().save_checkpoint(checkpoint, root_path / "sync")

@@ -103,6 +103,26 @@ def calls_to(owner: Any, name: str) -> Iterator[list[int]]:
         setattr(owner, name, original)
 
 
+@contextlib.contextmanager
+def counting_load(counted: dict[str, list[Any]], **more: tuple[Any, str]) -> Iterator[None]:
+    """Append one load's rounds of ours to ``counted["load"]`` and its manifest parses,
+    crash recoveries and ``.metadata`` reads (and each of ``more``, key -> (owner, name)) to
+    ``counted[key]``, once the load returns (nothing is appended if it raises)."""
+    targets = {
+        "parsed": (Manifest, "from_json"),
+        "recovered": (commit, "recover_checkpoint"),
+        "metadata_read": (VerifyingFileSystemReader, "_read_metadata_file"),
+        **more,
+    }
+    with contextlib.ExitStack() as stack:
+        rounds = stack.enter_context(our_rounds())
+        counts = {key: stack.enter_context(calls_to(*target)) for key, target in targets.items()}
+        yield
+    counted["load"].append(rounds)
+    for key, count in counts.items():
+        counted[key].append(count[0])
+
+
 class CountingStrategy(MegatronFSDPStrategy):
     """The strategy, with our rounds of each save and load recorded, and per load the
     manifest parses and crash recoveries."""
@@ -123,18 +143,8 @@ class CountingStrategy(MegatronFSDPStrategy):
         self.counted["save"].append(rounds)
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        with (
-            our_rounds() as rounds,
-            calls_to(Manifest, "from_json") as parsed,
-            calls_to(commit, "recover_checkpoint") as recovered,
-            calls_to(VerifyingFileSystemReader, "_read_metadata_file") as metadata_read,
-        ):
-            result = super().load_checkpoint(*args, **kwargs)
-        self.counted["metadata_read"].append(metadata_read[0])
-        self.counted["load"].append(rounds)
-        self.counted["parsed"].append(parsed[0])
-        self.counted["recovered"].append(recovered[0])
-        return result
+        with counting_load(self.counted):
+            return super().load_checkpoint(*args, **kwargs)
 
 
 def _fit_save_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -180,23 +190,8 @@ class CountingFabricStrategy(FabricStrategy):
         self.counted |= {"metadata_read": [], "meta_read": []}
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        with (
-            our_rounds() as rounds,
-            calls_to(Manifest, "from_json") as parsed,
-            calls_to(commit, "recover_checkpoint") as recovered,
-            calls_to(VerifyingFileSystemReader, "_read_metadata_file") as metadata_read,
-            calls_to(LocalDirectories, "read_bytes") as meta_read,
-        ):
-            result = super().load_checkpoint(*args, **kwargs)
-        for key, value in (
-            ("load", rounds),
-            ("parsed", parsed[0]),
-            ("recovered", recovered[0]),
-            ("metadata_read", metadata_read[0]),
-            ("meta_read", meta_read[0]),
-        ):
-            self.counted[key].append(value)
-        return result
+        with counting_load(self.counted, meta_read=(LocalDirectories, "read_bytes")):
+            return super().load_checkpoint(*args, **kwargs)
 
 
 def _fabric_save_load(rank: int, world_size: int, root: str) -> dict[str, Any]:

@@ -25,17 +25,17 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
-from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import (
-    VOCAB,
     build_packed_lm,
     dp_mesh,
     lm_loss,
     make_batch,
+    make_trainer,
+    sequence_loader,
     shard_packed_lm,
 )
 
@@ -75,25 +75,12 @@ class CompiledLM(pl.LightningModule):
 
 
 def _loader() -> StatefulDataLoader:
-    generator = torch.Generator().manual_seed(4)
-    sequences = torch.randint(0, VOCAB, (8, 6), generator=generator)
-    return StatefulDataLoader(TensorDataset(sequences), batch_size=2, shuffle=True)
+    return sequence_loader(4, rows=8)
 
 
 def _trainer(world_size: int, root: Path, **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": world_size,
-        "strategy": MegatronFSDPStrategy(timeout=PROCESS_GROUP_TIMEOUT),
-        "max_steps": STEPS,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "default_root_dir": root,
-    }
-    options.update(kwargs)
-    return pl.Trainer(**options)
+    strategy = MegatronFSDPStrategy(timeout=PROCESS_GROUP_TIMEOUT)
+    return make_trainer(world_size, strategy, max_steps=STEPS, default_root_dir=root, **kwargs)
 
 
 def _probe(model: CompiledLM) -> Tensor:
@@ -110,9 +97,7 @@ def _compile_fit_resume(rank: int, world_size: int, root: str) -> dict[str, Any]
         dirpath=Path(root), filename="{step}", every_n_train_steps=RESUME, save_top_k=-1
     )
     full = CompiledLM(counter)
-    _trainer(world_size, Path(root), callbacks=[saver], enable_checkpointing=True).fit(
-        full, _loader()
-    )
+    _trainer(world_size, Path(root), callbacks=[saver]).fit(full, _loader())
     frames_after_fit = counter.frame_count
     resumed = CompiledLM(counter)
     _trainer(world_size, Path(root)).fit(

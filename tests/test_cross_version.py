@@ -41,34 +41,32 @@ def test_checkpoint_saved_under_the_other_version_resumes_here(other_side: Other
     assert_same_state(loaded, saved, cross_version=True)
 
 
-@pytest.mark.parametrize("value", ["1", "true", "True", "TRUE", "yes", "Yes", " on "])
-def test_a_truthy_ci_fails_instead_of_skipping(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
-    """CI services set ``CI=true`` or ``CI=1``; either must make a missing other interpreter
-    fail the run, never skip (``CI=1`` used to skip silently)."""
-    monkeypatch.setenv("CI", value)
+def _without_interpreter(monkeypatch: pytest.MonkeyPatch, ci: str | None) -> type:
+    """The exception ``other_python()`` raises with ``CI`` set to ``ci`` (``None``: unset)
+    and no other interpreter named; it must say that the variable is not set."""
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
     monkeypatch.delenv(ENV_VAR, raising=False)
     other_python.cache_clear()
     try:
         with pytest.raises(BaseException, match=f"{ENV_VAR} is not set") as outcome:
             other_python()
-        assert outcome.type is pytest.fail.Exception, outcome  # not a skip
     finally:
         other_python.cache_clear()
+    return outcome.type
+
+
+@pytest.mark.parametrize("value", ["1", "true", "True", "TRUE", "yes", "Yes", " on "])
+def test_a_truthy_ci_fails_instead_of_skipping(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """CI services set ``CI=true`` or ``CI=1``; either must make a missing other interpreter
+    fail the run, never skip (``CI=1`` used to skip silently)."""
+    assert _without_interpreter(monkeypatch, value) is pytest.fail.Exception  # not a skip
 
 
 @pytest.mark.parametrize("value", [None, "", "0", "false", "no"])
 def test_outside_ci_a_missing_interpreter_skips(
     monkeypatch: pytest.MonkeyPatch, value: str | None
 ) -> None:
-    if value is None:
-        monkeypatch.delenv("CI", raising=False)
-    else:
-        monkeypatch.setenv("CI", value)
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    other_python.cache_clear()
-    try:
-        with pytest.raises(BaseException, match=f"{ENV_VAR} is not set") as outcome:
-            other_python()
-        assert outcome.type is pytest.skip.Exception, outcome
-    finally:
-        other_python.cache_clear()
+    assert _without_interpreter(monkeypatch, value) is pytest.skip.Exception

@@ -32,14 +32,12 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
-from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_megatron_fsdp import MegatronFSDPStrategy
 from lightning_megatron_fsdp.common.exact_resume import RNG_STATES_KEY
 from lightning_megatron_fsdp.storage.format import META_FILE
-from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
-from tests.models import VOCAB, PackedBlock, build_packed_lm, make_batch
+from tests.harness import run_distributed
+from tests.models import build_packed_lm, make_batch, make_trainer, sequence_loader
 
 SAMPLES = 16  # 2 ranks x batch 2: 4 batches per rank per epoch
 TOTAL_STEPS = 10
@@ -88,31 +86,19 @@ class NoisyLM(pl.LightningModule):
 
 
 def _loader() -> StatefulDataLoader:
-    generator = torch.Generator().manual_seed(5)
-    sequences = torch.randint(0, VOCAB, (SAMPLES, 6), generator=generator)
-    return StatefulDataLoader(TensorDataset(sequences), batch_size=2, shuffle=True)
+    return sequence_loader(5, rows=SAMPLES)
 
 
 def _trainer(world_size: int, root: Path, **kwargs: Any) -> pl.Trainer:
     options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": world_size,
-        "strategy": MegatronFSDPStrategy(
-            auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT
-        ),
         "max_steps": TOTAL_STEPS,
         "val_check_interval": 2,
         "check_val_every_n_epoch": None,
         "limit_val_batches": 1,
         "num_sanity_val_steps": 0,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
         "default_root_dir": root,
     }
-    options.update(kwargs)
-    return pl.Trainer(**options)
+    return make_trainer(world_size, **{**options, **kwargs})
 
 
 def _probe(model: NoisyLM) -> Tensor:
@@ -136,7 +122,7 @@ def _uninterrupted_then_resumed(rank: int, world_size: int, root: str) -> dict[s
         ),
     ]
     model = NoisyLM()
-    trainer = _trainer(world_size, Path(root), callbacks=savers, enable_checkpointing=True)
+    trainer = _trainer(world_size, Path(root), callbacks=savers)
     trainer.fit(model, _loader(), _loader())
     facts: dict[str, Any] = {"full": model.records, "full_probe": _probe(model), "resumed": {}}
     for name in RESUMED_FROM:
@@ -220,9 +206,7 @@ def _save_two_rank_checkpoint(rank: int, world_size: int, root: str) -> None:
     saver = ModelCheckpoint(
         dirpath=Path(root, "checkpoints"), filename="{step}", every_n_train_steps=6
     )
-    trainer = _trainer(
-        world_size, Path(root), max_steps=6, callbacks=[saver], enable_checkpointing=True
-    )
+    trainer = _trainer(world_size, Path(root), max_steps=6, callbacks=[saver])
     trainer.fit(NoisyLM(), _loader())
 
 

@@ -55,6 +55,7 @@ from tests.models import train_unsharded
 from tests.scripts.fault_injection import (
     LR,
     Fault,
+    WarningRecords,
     arm_commit_fault,
     checkpoint_dict,
     init_group,
@@ -177,20 +178,11 @@ def _crash_during_load(rank: int, world_size: int, root: str) -> str:
     return "returned without an error"
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _resume(rank: int, world_size: int, roots: list[str], expected_steps: list[int]) -> list[dict]:
     """For each crashed run: load its ``last.ckpt`` into zeroed targets, take the step the
     crashed run took after it, save again. Returns facts for the pytest process."""
     init_group(rank, world_size)
-    records = _Records()
+    records = WarningRecords()
     logging.getLogger("lightning_megatron_fsdp").addHandler(records)
     out = []
     for root, saved_step in zip(roots, expected_steps, strict=True):

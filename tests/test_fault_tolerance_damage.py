@@ -41,11 +41,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.errors import CheckpointError
 from lightning_megatron_fsdp.tools.cli import main as cli_main
 from lightning_megatron_fsdp.tools.inspection import verify_checkpoint
 from tests.harness import run_distributed
 from tests.scripts.fault_injection import (
+    attempt,
     checkpoint_dict,
     init_group,
     live_state,
@@ -188,11 +188,7 @@ def _restore(state: Any, snapshot: Any) -> None:
 
 
 def _load_into(plugin: MegatronFSDPCheckpointIO, path: Path, state: dict) -> str:
-    try:
-        plugin.load_checkpoint(path, state=state)
-    except CheckpointError as err:
-        return f"{type(err).__name__}: {err}"
-    return "no error"
+    return attempt(lambda: plugin.load_checkpoint(path, state=state))
 
 
 def _damaged(rank: int, world_size: int, root: str) -> dict[str, Any]:

@@ -54,7 +54,9 @@ from tests.scripts.fault_injection import (
     Fault,
     FaultyReader,
     FaultyWriter,
+    WarningRecords,
     arm_commit_fault,
+    attempt,
     checkpoint_dict,
     file_size_limit,
     init_group,
@@ -107,17 +109,6 @@ def _tree(path: Path) -> dict[str, str]:
         for p in sorted(path.rglob("*"))
         if p.is_file()
     }
-
-
-class _Records(logging.Handler):
-    """The messages of warnings logged while attached."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _named_phases(source: object, call: str) -> set[str]:
@@ -191,7 +182,7 @@ def _phase_faults(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
     # After the rename nothing may fail the save: the new checkpoint is committed, and
     # the previous one is left behind for the next save to delete.
-    records = _Records()
+    records = WarningRecords()
     logging.getLogger("lightning_megatron_fsdp.storage.commit").addHandler(records)
     for phase, failing, how in COMMITTED_FAULTS:
         replaced = base / f"replaced-{how}" / "last.ckpt"
@@ -314,14 +305,6 @@ def test_a_failure_in_any_phase_raises_on_every_rank_and_changes_nothing(tmp_pat
 # ---------------------------------------------------------------------------------------
 
 
-def _attempt(action: Any) -> str:
-    try:
-        action()
-    except CheckpointError as err:
-        return f"{type(err).__name__}: {err}"
-    return "no error"
-
-
 def _disagreeing(rank: int, world_size: int, root: str) -> dict[str, str]:
     init_group(rank, world_size)
     base = Path(root)
@@ -333,29 +316,29 @@ def _disagreeing(rank: int, world_size: int, root: str) -> dict[str, str]:
     lacking = checkpoint_dict(model, adam, 3)
     if rank == 1:  # as if rank 1's optimizer never stepped that parameter
         del lacking["optimizer_states"][0]["state"]["blocks.0.gain"]
-    out["save, optimizer lacks a parameter"] = _attempt(
+    out["save, optimizer lacks a parameter"] = attempt(
         lambda: plugin.save_checkpoint(lacking, base / "a")
     )
 
     retyped = checkpoint_dict(model, adam, 3)
     if rank == 1:
         retyped["state_dict"]["head.bias"] = torch.zeros(11, dtype=torch.bfloat16)
-    out["save, dtype differs"] = _attempt(lambda: plugin.save_checkpoint(retyped, base / "b"))
+    out["save, dtype differs"] = attempt(lambda: plugin.save_checkpoint(retyped, base / "b"))
 
     # Rank 1 built a model with an extra block (never trained: its collectives would not
     # match rank 0's). Saving it, and loading into it, must fail on both ranks.
     other, other_adam = trained(world_size, steps=0, num_blocks=2 + rank)
-    out["save, model differs"] = _attempt(
+    out["save, model differs"] = attempt(
         lambda: plugin.save_checkpoint(checkpoint_dict(other, other_adam, 3), base / "c")
     )
-    out["load, model differs"] = _attempt(
+    out["load, model differs"] = attempt(
         lambda: plugin.load_checkpoint(base / "good", state=live_state(other, other_adam))
     )
 
     _, _, state = target_state(world_size)
     if rank == 1:
         del state["optimizer_states"][0]["state"]["blocks.0.gain"]
-    out["load, optimizer lacks a parameter"] = _attempt(
+    out["load, optimizer lacks a parameter"] = attempt(
         lambda: plugin.load_checkpoint(base / "good", state=state)
     )
     dist.barrier()

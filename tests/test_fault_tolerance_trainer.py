@@ -38,7 +38,7 @@ from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.storage.format import parse_hidden_name, read_manifest
 from lightning_megatron_fsdp.tools.inspection import verify_checkpoint
 from tests.harness import run_distributed
-from tests.models import VOCAB, PackedBlock, build_packed_lm, lm_loss
+from tests.models import VOCAB, PackedBlock, build_packed_lm, lm_loss, make_trainer
 from tests.scripts.fault_injection import PG_TIMEOUT, Fault, FaultyWriter
 from tests.shard_facts import assert_same_facts
 
@@ -109,17 +109,13 @@ def _data() -> DataLoader:
 
 
 def _trainer(root: Path, checkpoint_io: MegatronFSDPCheckpointIO | None) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=MegatronFSDPStrategy(
+    return make_trainer(
+        2,
+        MegatronFSDPStrategy(
             auto_wrap_policy={PackedBlock}, timeout=PG_TIMEOUT, checkpoint_io=checkpoint_io
         ),
         max_epochs=EPOCHS,
         callbacks=[ModelCheckpoint(dirpath=root / "ckpt", save_last=True)],
-        enable_progress_bar=False,
-        logger=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
 
@@ -216,10 +212,9 @@ def _fit_with_failing_async_save(rank: int, world_size: int, root: str) -> dict[
     pl.seed_everything(0, verbose=False)
     last = Path(root) / "ckpt" / "last.ckpt"
     watcher = _FailSecondAsyncSave(last)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=MegatronFSDPStrategy(
+    trainer = make_trainer(
+        2,
+        MegatronFSDPStrategy(
             auto_wrap_policy={PackedBlock},
             timeout=PG_TIMEOUT,
             checkpoint_io=MegatronFSDPCheckpointIO(async_save=True),
@@ -231,9 +226,6 @@ def _fit_with_failing_async_save(rank: int, world_size: int, root: str) -> dict[
             ),
             watcher,
         ],
-        enable_progress_bar=False,
-        logger=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     try:

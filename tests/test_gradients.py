@@ -28,14 +28,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_megatron_fsdp import (
-    MegatronFSDPStrategy,
     enable_cpu_execution,
     full_tensor,
     grad_norm,
@@ -45,8 +43,8 @@ from lightning_megatron_fsdp import (
     sharding_scope,
 )
 from lightning_megatron_fsdp.megatron.gather import _FullTensorMethod
-from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
-from tests.models import PackedBlock, build_packed_lm, lm_loss, make_batch
+from tests.harness import run_distributed
+from tests.models import build_packed_lm, lm_loss, make_batch, make_trainer, route_strategy
 
 # CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").
 pytestmark = pytest.mark.both_versions
@@ -125,21 +123,7 @@ def _fit(rank: int, world_size: int, route: str) -> list[dict[str, Any]]:
     model = LitPacked(route)
     tokens, targets = zip(*(make_batch(seed, batch_size=1) for seed in range(8)), strict=True)
     data = TensorDataset(torch.cat(tokens), torch.cat(targets))
-    strategy = (
-        DDPStrategy(process_group_backend="gloo", timeout=PROCESS_GROUP_TIMEOUT)
-        if route == "ddp"
-        else MegatronFSDPStrategy(auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT)
-    )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        max_steps=STEPS,
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-    )
+    trainer = make_trainer(world_size, route_strategy(route), max_steps=STEPS)
     trainer.fit(model, DataLoader(data, batch_size=2))
     model.seen.append({"logged": _floats(trainer.callback_metrics)})
     return model.seen

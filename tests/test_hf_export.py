@@ -30,6 +30,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from lightning_megatron_fsdp import MegatronFSDPStrategy, PretrainedWeights
 from lightning_megatron_fsdp.tools.cli import main
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
+from tests.models import make_trainer
 from tests.test_export import _one_thread
 
 TIMEOUT = 240.0
@@ -92,16 +93,8 @@ def _fine_tune(rank: int, world_size: int, pretrained: str, run: str) -> dict[st
         init_weights_from=PretrainedWeights(pretrained, add_prefix="model."),
         timeout=PROCESS_GROUP_TIMEOUT,
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[logits, ModelCheckpoint(dirpath=run, filename="gpt2")],
-    )
+    callbacks = [logits, ModelCheckpoint(dirpath=run, filename="gpt2")]
+    trainer = make_trainer(world_size, strategy, max_epochs=1, callbacks=callbacks)
     trainer.fit(GPT2Lit(CONFIG), DataLoader(TensorDataset(tokens), batch_size=2))
     return {"start": logits.start, "end": logits.end}
 

@@ -35,6 +35,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from lightning_megatron_fsdp import MegatronFSDPStrategy
 from lightning_megatron_fsdp.megatron._megatron import FsdpModule
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
+from tests.models import make_trainer
 
 # CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").
 pytestmark = pytest.mark.both_versions
@@ -142,19 +143,9 @@ class SampleText(Callback):
 
 
 def _trainer(world_size: int, root: Path, policy: type[nn.Module], **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": world_size,
-        "strategy": MegatronFSDPStrategy(auto_wrap_policy={policy}, timeout=PROCESS_GROUP_TIMEOUT),
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "num_sanity_val_steps": 0,
-        "default_root_dir": root,
-    }
-    options.update(kwargs)
-    return pl.Trainer(**options)
+    strategy = MegatronFSDPStrategy(auto_wrap_policy={policy}, timeout=PROCESS_GROUP_TIMEOUT)
+    options = {"num_sanity_val_steps": 0, "default_root_dir": root}
+    return make_trainer(world_size, strategy, **{**options, **kwargs})
 
 
 def _logits(model: nn.Module) -> Tensor:
@@ -245,7 +236,7 @@ def _fit_and_resume_gpt2(rank: int, world_size: int, root: str) -> dict[str, Any
         dirpath=Path(root, "checkpoints"), filename="{step}", every_n_train_steps=3, save_top_k=-1
     )
     full = LitCausalLM("gpt2", checkpointing=True)
-    trainer = _gpt2_trainer(world_size, Path(root), callbacks=[saver], enable_checkpointing=True)
+    trainer = _gpt2_trainer(world_size, Path(root), callbacks=[saver])
     trainer.fit(full, *_gpt2_loaders(world_size))
     resumed = LitCausalLM("gpt2", checkpointing=True)
     with torch.no_grad():

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_megatron_fsdp import MegatronFSDPStrategy
 from lightning_megatron_fsdp.megatron._megatron import FsdpModule
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
-from tests.models import PackedBlock, build_packed_lm, lm_loss, make_batch
+from tests.models import PackedBlock, build_packed_lm, lm_loss, make_batch, make_trainer
 
 PROBE = make_batch(99, batch_size=2, seq_len=4)[0]  # tokens every rank evaluates
 
@@ -87,22 +87,8 @@ def _data(world_size: int, steps: int) -> DataLoader:
 
 
 def _trainer(world_size: int, root: Path | None = None, **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": world_size,
-        "strategy": MegatronFSDPStrategy(
-            auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT
-        ),
-        "max_steps": 3,
-        "limit_val_batches": 1,
-        "enable_progress_bar": False,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_model_summary": False,
-        "default_root_dir": root,
-    }
-    options.update(kwargs)
-    return pl.Trainer(**options)
+    options = {"max_steps": 3, "limit_val_batches": 1, "default_root_dir": root}
+    return make_trainer(world_size, **{**options, **kwargs})
 
 
 def _use_after_fit(rank: int, world_size: int, root: str) -> dict[str, Any]:

@@ -67,9 +67,9 @@ from lightning_megatron_fsdp.strategies.strategy import fsdp_placements
 from lightning_megatron_fsdp.tools.cli import main
 from lightning_megatron_fsdp.tools.lightning_checkpoint import EXPORT_INFO_KEY
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
-from tests.models import VOCAB, PackedBlock, build_packed_lm, dp_mesh, lm_loss
+from tests.models import VOCAB, PackedBlock, adamw_step_lr, build_packed_lm, dp_mesh, lm_loss
 from tests.test_export import _one_thread
-from tests.test_portability import assemble, optimizer_shards
+from tests.test_portability import assemble, make_trainer, optimizer_shards
 
 TIMEOUT = 240.0
 ROWS = 16
@@ -101,13 +101,8 @@ class ExportLM(pl.LightningModule):
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         return lm_loss(self.lm, (batch[0], batch[1]))
 
-    def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
-        }
+    def configure_optimizers(self) -> dict[str, Any]:
+        return adamw_step_lr(self.parameters(), self.hparams.lr)
 
 
 class TokenData(pl.LightningDataModule):
@@ -147,19 +142,6 @@ class AtTrainEnd(Callback):
         self.global_step = trainer.global_step
         with torch.no_grad():
             self.logits = pl_module(probe_tokens()).numpy().copy()
-
-
-def make_trainer(devices: int, strategy: Any, **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **kwargs,
-    )
 
 
 def _train(rank: int, world_size: int, root: str) -> dict[str, Any]:

@@ -17,14 +17,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.profilers import PyTorchProfiler
-from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_megatron_fsdp import MegatronFSDPStrategy
 from lightning_megatron_fsdp.megatron._megatron import FsdpModule
-from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
-from tests.models import PackedBlock, build_packed_lm, lm_loss, make_batch
+from tests.harness import run_distributed
+from tests.models import build_packed_lm, lm_loss, make_batch, make_trainer, route_strategy
 
 WORLD_SIZE = 2
 
@@ -61,20 +59,11 @@ def _fit(rank: int, world_size: int, route: str) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     model = NamedLM()
     tokens, targets = zip(*(make_batch(seed, batch_size=1) for seed in range(8)), strict=True)
-    strategy = (
-        DDPStrategy(process_group_backend="gloo", timeout=PROCESS_GROUP_TIMEOUT)
-        if route == "ddp"
-        else MegatronFSDPStrategy(auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT)
-    )
     profiler = PyTorchProfiler(record_module_names=True, export_to_chrome=False)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
+    trainer = make_trainer(
+        world_size,
+        route_strategy(route),
         max_steps=2,
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
         callbacks=[ModelSummary(max_depth=-1)],
         profiler=profiler,
     )

@@ -54,6 +54,7 @@ from lightning_megatron_fsdp.weights.pretrained import (
     as_pretrained_weights,
     load_full_weights,
 )
+from tests import models
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import VOCAB, PackedBlock, bf16_policy, build_packed_lm, dp_mesh
 from tests.untrusted_attacks import reseal
@@ -155,18 +156,8 @@ def megatron_strategy(**kwargs: Any) -> MegatronFSDPStrategy:
 
 
 def make_trainer(world_size: int, strategy: Any, **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": world_size,
-        "strategy": strategy,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "num_sanity_val_steps": 0,
-    }
-    options.update(kwargs)
-    return pl.Trainer(**options)
+    """:func:`tests.models.make_trainer` without the sanity validation steps."""
+    return models.make_trainer(world_size, strategy, **{"num_sanity_val_steps": 0, **kwargs})
 
 
 # name -> (first global row of this rank's shard or None for a whole tensor, values)

@@ -31,12 +31,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
-from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
-from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
-from tests.models import VOCAB, PackedBlock, build_packed_lm, lm_loss, make_batch
+from tests.harness import run_distributed
+from tests.models import build_packed_lm, lm_loss, make_batch, make_trainer, sequence_loader
 
 # CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").
 pytestmark = pytest.mark.both_versions
@@ -67,28 +66,12 @@ class LitPacked(pl.LightningModule):
 
 
 def _loader() -> StatefulDataLoader:
-    generator = torch.Generator().manual_seed(8)
-    sequences = torch.randint(0, VOCAB, (2 * WORLD_SIZE * 2, 6), generator=generator)
-    return StatefulDataLoader(TensorDataset(sequences), batch_size=2, shuffle=True)
+    return sequence_loader(8, rows=2 * WORLD_SIZE * 2)
 
 
 def _trainer(precision: str, root: Path, **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": WORLD_SIZE,
-        "precision": precision,
-        "strategy": MegatronFSDPStrategy(
-            auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT
-        ),
-        "max_steps": STEPS,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "default_root_dir": root,
-    }
-    options.update(kwargs)
-    return pl.Trainer(**options)
+    options = {"precision": precision, "max_steps": STEPS, "default_root_dir": root}
+    return make_trainer(WORLD_SIZE, **{**options, **kwargs})
 
 
 def _probe(model: LitPacked, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -109,9 +92,7 @@ def _fit_precisions(rank: int, world_size: int, root: str) -> dict[str, Any]:
         dirpath=Path(root), filename="{step}", every_n_train_steps=3, save_top_k=-1
     )
     full = LitPacked()
-    trainer = _trainer(
-        "bf16-mixed", Path(root), max_steps=6, callbacks=[saver], enable_checkpointing=True
-    )
+    trainer = _trainer("bf16-mixed", Path(root), max_steps=6, callbacks=[saver])
     trainer.fit(full, _loader())
     resumed = LitPacked()
     trainer = _trainer("bf16-mixed", Path(root), max_steps=6)

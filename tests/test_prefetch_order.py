@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_megatron_fsdp import MegatronFSDPStrategy, full_tensor
 from lightning_megatron_fsdp.megatron import _megatron, sharding
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
-from tests.models import dp_mesh
+from tests.models import dp_mesh, make_trainer
 
 # CI runs this module in every pass (README, "Supported torch and megatron-fsdp versions").
 pytestmark = pytest.mark.both_versions
@@ -144,18 +144,13 @@ def _run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     facts: dict[str, Any] = {}
     model, reference = Pair(), Pair()
     at_rest = _AtRest()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=MegatronFSDPStrategy(timeout=PROCESS_GROUP_TIMEOUT),
+    trainer = make_trainer(
+        1,
+        MegatronFSDPStrategy(timeout=PROCESS_GROUP_TIMEOUT),
         max_steps=STEPS,
         val_check_interval=2,
         limit_val_batches=1,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         callbacks=[at_rest],
     )
     loader = DataLoader(_data(), batch_size=2)

@@ -43,7 +43,9 @@ from lightning_megatron_fsdp.megatron import _megatron
 from lightning_megatron_fsdp.megatron._megatron import FsdpModule
 from tests.gpu import assert_ran_on_cuda, cuda_world_size
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
-from tests.models import PackedBlock, PackedLM, build_packed_lm, lm_loss, make_batch
+from tests.models import PackedBlock, PackedLM, build_packed_lm, lm_loss, make_batch, make_trainer
+from tests.scripts.strategy_fit import Block  # one auto-wrapped unit
+from tests.test_portability import assemble
 
 ATOL = 1e-5  # fp32 equivalence bound from the issue
 BATCH = 2  # per-rank micro-batch
@@ -51,17 +53,6 @@ STEPS = 3
 
 
 # ---------------------------------------------------------------------- models and data
-
-
-class Block(nn.Module):
-    """One auto-wrapped unit."""
-
-    def __init__(self, d_in: int, d_out: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(d_in, d_out)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.tanh(self.lin(x))
 
 
 class MLP(pl.LightningModule):
@@ -139,18 +130,7 @@ def _strategy(**kwargs: Any) -> MegatronFSDPStrategy:
 
 
 def _trainer(world_size: int, strategy: MegatronFSDPStrategy, **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": world_size,
-        "strategy": strategy,
-        "max_steps": STEPS,
-        "enable_progress_bar": False,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_model_summary": False,
-    }
-    options.update(kwargs)
-    return pl.Trainer(**options)
+    return make_trainer(world_size, strategy, **{"max_steps": STEPS, **kwargs})
 
 
 def _global_batches(
@@ -181,20 +161,7 @@ def _shards(model: nn.Module) -> dict[str, tuple[int, np.ndarray]]:
 
 def _assemble(per_rank: list[dict[str, tuple[int, np.ndarray]]]) -> dict[str, Tensor]:
     """Full tensors from every rank's shards; each element must be written exactly once."""
-    names = per_rank[0].keys()
-    full = {}
-    for name in names:
-        pieces = [shards[name] for shards in per_rank]
-        rows = sum(piece.shape[0] for _, piece in pieces)
-        shape = (rows, *pieces[0][1].shape[1:])
-        tensor = torch.zeros(shape)
-        written = torch.zeros(shape[0], dtype=torch.int64)
-        for offset, piece in pieces:
-            tensor[offset : offset + piece.shape[0]] = torch.from_numpy(piece)
-            written[offset : offset + piece.shape[0]] += 1
-        assert torch.equal(written, torch.ones_like(written)), f"{name}: rows written {written}"
-        full[name] = tensor
-    return full
+    return {name: torch.from_numpy(full) for name, full in assemble(per_rank).items()}
 
 
 def _assert_params_close(

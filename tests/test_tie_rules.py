@@ -25,7 +25,7 @@ from lightning_megatron_fsdp import MegatronFSDPStrategy
 from lightning_megatron_fsdp.megatron._megatron import FsdpModule
 from lightning_megatron_fsdp.megatron.sharding import plan_units
 from tests.harness import run_distributed
-from tests.models import VOCAB, PackedBlock, make_batch
+from tests.models import VOCAB, PackedBlock, make_batch, make_trainer
 
 TIMEOUT = 180.0
 STEPS = 2
@@ -79,17 +79,8 @@ def _data(world_size: int) -> DataLoader:
 
 
 def _trainer(world_size: int, policy: Any = None, **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=MegatronFSDPStrategy(auto_wrap_policy=policy),
-        max_steps=STEPS,
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    strategy = MegatronFSDPStrategy(auto_wrap_policy=policy)
+    return make_trainer(world_size, strategy, max_steps=STEPS, **kwargs)
 
 
 def _outcome(action: Any) -> str:

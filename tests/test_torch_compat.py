@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_megatron_fsdp import _torch
 from tests.harness import run_distributed
+from tests.test_lightning_compat import private_attributes
 
 VERSION = torch.__version__
 TIMEOUT = 120.0
@@ -389,11 +390,7 @@ def test_checkpointable_tensor_protocol_flag(tmp_path: Path) -> None:
 def test_this_module_covers_every_private_name_of_the_adapter() -> None:
     """Every private torch name ``_torch.py`` uses has a test above."""
     tree = ast.parse(inspect.getsource(_torch))
-    used = {
-        node.attr
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute) and node.attr.startswith("_")
-    }
+    used = private_attributes(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             used |= {a.name for a in node.names if a.name.startswith("_")}

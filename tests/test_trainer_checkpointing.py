@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_megatron_fsdp import MegatronFSDPStrategy
 from lightning_megatron_fsdp.storage.format import MANIFEST_FILE, META_FILE, read_manifest
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
-from tests.models import VOCAB, PackedBlock, build_packed_lm, lm_loss
+from tests.models import VOCAB, PackedBlock, adamw_step_lr, build_packed_lm, lm_loss
 from tests.test_strategy import Block, TwoOptimizers, _regression_data
 
 TIMEOUT = 120.0
@@ -92,13 +92,8 @@ class CheckpointedLM(pl.LightningModule):
     def predict_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         return self.lm(batch[0]).float()
 
-    def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
-        }
+    def configure_optimizers(self) -> dict[str, Any]:
+        return adamw_step_lr(self.parameters(), self.hparams.lr)
 
 
 class BatchCounter(Callback):

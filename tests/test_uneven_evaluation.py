@@ -23,13 +23,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torchmetrics
-from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from lightning_megatron_fsdp import MegatronFSDPStrategy
-from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
-from tests.models import HIDDEN, PackedBlock
+from tests.harness import run_distributed
+from tests.models import HIDDEN, PackedBlock, make_trainer, route_strategy
 
 WORLD_SIZE = 2
 
@@ -143,23 +141,7 @@ def _rank_rows(rows_by_rank: list[int], rank: int, seed: int) -> TensorDataset:
 
 
 def _trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": WORLD_SIZE,
-        "strategy": strategy,
-        "enable_progress_bar": False,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_model_summary": False,
-    }
-    options.update(kwargs)
-    return pl.Trainer(**options)
-
-
-def _strategy(name: str) -> Any:
-    if name == "ddp":
-        return DDPStrategy(process_group_backend="gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    return MegatronFSDPStrategy(auto_wrap_policy={PackedBlock}, timeout=PROCESS_GROUP_TIMEOUT)
+    return make_trainer(WORLD_SIZE, strategy, **kwargs)
 
 
 def _model(own_parameter: bool) -> Tower:
@@ -184,13 +166,13 @@ def _run(rank: int, world_size: int, own_parameter: bool, stages: tuple[str, ...
                 DataLoader(_indexed(5, seed=1), batch_size=1),
                 DataLoader(_indexed(7, seed=2), batch_size=1),
             ]
-            result["predict"] = _predictions(_trainer(_strategy(name)).predict(model, loaders))
+            result["predict"] = _predictions(_trainer(route_strategy(name)).predict(model, loaders))
             result["predict_counts"] = (model.steps, model.batch_ends)
         if "predict_iterable" in stages:
             # No length: Lightning's fetcher prefetches; rank 1 has no batch at all.
             model = _model(own_parameter)
             loader = DataLoader(RankRows([3, 0][rank], seed=3), batch_size=2)
-            trainer = _trainer(_strategy(name), use_distributed_sampler=False)
+            trainer = _trainer(route_strategy(name), use_distributed_sampler=False)
             result["predict_iterable"] = _predictions([trainer.predict(model, loader)])
             result["predict_iterable_counts"] = (model.steps, model.batch_ends)
         if "validate" in stages:
@@ -200,7 +182,7 @@ def _run(rank: int, world_size: int, own_parameter: bool, stages: tuple[str, ...
                 DataLoader(_rank_rows([3, 1], rank, seed=4), batch_size=1),
                 DataLoader(_rank_rows([2, 4], rank, seed=5), batch_size=2),
             ]
-            trainer = _trainer(_strategy(name), use_distributed_sampler=False)
+            trainer = _trainer(route_strategy(name), use_distributed_sampler=False)
             result["validate"] = trainer.validate(model, loaders, verbose=False)
             result["validate_counts"] = (model.steps, model.batch_ends)
             result["metric_updates"] = model.metric_updates
@@ -209,13 +191,13 @@ def _run(rank: int, world_size: int, own_parameter: bool, stages: tuple[str, ...
             # Equal batch counts: no join, so no collective beyond the model's own.
             model = _model(own_parameter)
             loader = DataLoader(_rank_rows([2, 2], rank, seed=9), batch_size=1)
-            trainer = _trainer(_strategy(name), use_distributed_sampler=False)
+            trainer = _trainer(route_strategy(name), use_distributed_sampler=False)
             result["validate_even"] = trainer.validate(model, loader, verbose=False)
             result["joined_even"] = set(model.joined)
         if "test_iterable" in stages:
             model = _model(own_parameter)
             loader = DataLoader(RankRows([1, 3][rank], seed=6, with_targets=True), batch_size=1)
-            trainer = _trainer(_strategy(name), use_distributed_sampler=False)
+            trainer = _trainer(route_strategy(name), use_distributed_sampler=False)
             result["test"] = trainer.test(model, loader, verbose=False)
             result["test_counts"] = (model.steps, model.batch_ends)
         if "fit" in stages:
@@ -224,7 +206,7 @@ def _run(rank: int, world_size: int, own_parameter: bool, stages: tuple[str, ...
             x, y = _data(4, seed=7)
             train = DataLoader(TensorDataset(x[rank::2], y[rank::2]), batch_size=1)
             val = DataLoader(_rank_rows([1, 4], rank, seed=8), batch_size=1)
-            trainer = _trainer(_strategy(name), use_distributed_sampler=False, max_epochs=1)
+            trainer = _trainer(route_strategy(name), use_distributed_sampler=False, max_epochs=1)
             trainer.fit(model, train, val)
             result["fit"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
             result["fit_counts"] = (model.steps, model.batch_ends)
@@ -318,7 +300,7 @@ class StepSync(Tower):
 def _refused(rank: int, world_size: int, cls: type[Tower]) -> str:
     model = cls(own_parameter=False)
     loader = DataLoader(_rank_rows([3, 1], rank, seed=4), batch_size=1)
-    trainer = _trainer(_strategy("megatron_fsdp"), use_distributed_sampler=False)
+    trainer = _trainer(route_strategy("megatron_fsdp"), use_distributed_sampler=False)
     try:
         trainer.validate(model, loader, verbose=False)
     except (ValueError, RuntimeError) as err:

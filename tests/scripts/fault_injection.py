@@ -40,10 +40,11 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import logging
 import os
 import resource
 import signal
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, NoReturn
@@ -63,6 +64,7 @@ from lightning_megatron_fsdp import (
     enable_cpu_execution,
     ensure_optimizer_state,
 )
+from lightning_megatron_fsdp.errors import CheckpointError
 from lightning_megatron_fsdp.storage.filesystem import (
     ChecksummingFileSystemWriter,
     VerifyingFileSystemReader,
@@ -82,7 +84,9 @@ __all__ = [
     "Fault",
     "FaultyReader",
     "FaultyWriter",
+    "WarningRecords",
     "arm_commit_fault",
+    "attempt",
     "checkpoint_dict",
     "die",
     "file_size_limit",
@@ -242,6 +246,30 @@ def file_size_limit(limit: int | None) -> Iterator[None]:
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
+
+
+# ---------------------------------------------------------------------------- outcomes
+
+
+def attempt(action: Callable[[], object]) -> str:
+    """``"no error"``, or ``"<class>: <message>"`` of the ``CheckpointError`` ``action``
+    raised (any other exception propagates)."""
+    try:
+        action()
+    except CheckpointError as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+class WarningRecords(logging.Handler):
+    """The messages of the warnings logged while attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 # ---------------------------------------------------------------------------- training
