@@ -9,7 +9,9 @@ with the Trainer and with Fabric.
 import importlib
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lightning_megatron_fsdp.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from lightning_megatron_fsdp.checkpoint import MegatronFSDPCheckpointIO
@@ -65,55 +67,53 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "CheckpointCorruptedError": "errors",
-    "CheckpointError": "errors",
-    "CheckpointInfo": "tools",
-    "CheckpointMismatchError": "errors",
-    "CheckpointSaveError": "errors",
-    "FullWeightsLoad": "weights",
-    "MegatronFSDPCheckpointIO": "checkpoint",
-    "MegatronFSDPPrecision": "common",
-    "MegatronFSDPStrategy": "strategies",
-    "NotACheckpointError": "errors",
-    "PretrainedWeights": "weights",
-    "ShardingMode": "megatron",
-    "TensorInfo": "tools",
-    "attach_uneven_dtensor_metadata": "megatron",
-    "chunk_metadata_by_fqn": "megatron",
-    "clip_sharded_grad_norm_": "common",
-    "clip_sharded_grad_value_": "common",
-    "consolidate_checkpoint": "tools",
-    "cpu_execution_enabled": "megatron",
-    "enable_cpu_execution": "megatron",
-    "ensure_optimizer_state": "megatron",
-    "export_lightning_checkpoint": "tools",
-    "fsdp_placements": "megatron",
-    "full_tensor": "megatron",
-    "grad_norm": "megatron",
-    "hsdp_placements": "megatron",
-    "inspect_checkpoint": "tools",
-    "interrupted_saves": "storage",
-    "is_complete_checkpoint": "storage",
-    "load_full_weights": "weights",
-    "load_lightning_module": "tools",
-    "read_manifest": "storage",
-    "resolve_latest_checkpoint": "storage",
-    "shard_module": "megatron",
-    "sharded_grad_norm": "megatron",
-    "sharding_scope": "megatron",
-    "verify_checkpoint": "tools",
+    "checkpoint": ("MegatronFSDPCheckpointIO",),
+    "common": ("MegatronFSDPPrecision", "clip_sharded_grad_norm_", "clip_sharded_grad_value_"),
+    "errors": (
+        "CheckpointCorruptedError",
+        "CheckpointError",
+        "CheckpointMismatchError",
+        "CheckpointSaveError",
+        "NotACheckpointError",
+    ),
+    "megatron": (
+        "ShardingMode",
+        "attach_uneven_dtensor_metadata",
+        "chunk_metadata_by_fqn",
+        "cpu_execution_enabled",
+        "enable_cpu_execution",
+        "ensure_optimizer_state",
+        "fsdp_placements",
+        "full_tensor",
+        "grad_norm",
+        "hsdp_placements",
+        "shard_module",
+        "sharded_grad_norm",
+        "sharding_scope",
+    ),
+    "storage": (
+        "interrupted_saves",
+        "is_complete_checkpoint",
+        "read_manifest",
+        "resolve_latest_checkpoint",
+    ),
+    "strategies": ("MegatronFSDPStrategy",),
+    "tools": (
+        "CheckpointInfo",
+        "TensorInfo",
+        "consolidate_checkpoint",
+        "export_lightning_checkpoint",
+        "inspect_checkpoint",
+        "load_lightning_module",
+        "verify_checkpoint",
+    ),
+    "weights": ("FullWeightsLoad", "PretrainedWeights", "load_full_weights"),
 }
 
+# ``__all__`` stays a literal below, for type checkers and linters, as the imports above do.
+_, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
 CONSOLE_SCRIPT = "lightning-megatron-fsdp"
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
 
 
 def _import_ignoring(module: str, message: str) -> None:
@@ -131,10 +131,6 @@ def _import_ignoring(module: str, message: str) -> None:
         importlib.import_module(module)
     finally:
         stop_ignoring(added)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
 
 
 if os.path.basename(getattr(sys, "argv", [""])[0] or "") != CONSOLE_SCRIPT:

@@ -220,6 +220,21 @@ def test_folder_exports_name_what_their_modules_define() -> None:
     assert not missing, missing
 
 
+def test_the_package_lists_what_it_exports() -> None:
+    """The package's literal ``__all__`` (for type checkers) names exactly what its lazy
+    ``_EXPORTS`` imports on first use."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    values = {
+        t.id: node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+    exported = set().union(*ast.literal_eval(values["_EXPORTS"]).values())
+    assert sorted(ast.literal_eval(values["__all__"])) == sorted(exported)
+
+
 def test_no_import_cycle_inside_a_folder() -> None:
     modules = _modules()
     graph: dict[str, set[str]] = {}

@@ -184,11 +184,8 @@ class DeadlineFileSystem:
     follows a failed save (each request of which would wait as long again) is skipped and
     left to the next save, which retires what a failed one left.
 
-    Rejected: botocore's ``connect_timeout``/``read_timeout`` bound one attempt, not a
-    request: s3fs and botocore each retry a timed-out attempt, so the wait is their product;
-    lowering them or the retries would change the user's ``storage_options`` and make a
-    throttled store fail. The wrapper leaves the user's filesystem (fsspec's cached
-    instance) untouched and applies fsspec's own ``timeout`` of a blocking call.
+    The user's filesystem (fsspec's cached instance) and ``storage_options`` stay untouched
+    (docs/DESIGN.md says why botocore's own timeouts were not used).
 
     Args:
         fs: The filesystem (an ``AsyncFileSystem``; calls of a synchronous one pass through).
