@@ -11,6 +11,8 @@ import importlib.util
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,9 @@ if importlib.util.find_spec("litgpt") is None:  # installed beside the extras (R
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "litgpt_pretrain.py"
 README = Path(__file__).resolve().parents[1] / "README.md"
+# One run takes under a minute on an idle machine; CI runs four test passes side by side on
+# two cores, where the three runs (four ranks at once, each importing litgpt) took minutes.
+RUN_TIMEOUT_S = 480
 
 
 def _readme_snippet() -> str:
@@ -52,7 +57,12 @@ def _runs(*runs: tuple[Path, tuple[str, ...]]) -> None:
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
             started.append((command, stack.enter_context(spawned(command, env=env))))
         for command, process in started:
-            _, stderr = process.communicate(timeout=300)
+            try:
+                _, stderr = process.communicate(timeout=RUN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                _, stderr = process.communicate()
+                pytest.fail(f"{command} ran past {RUN_TIMEOUT_S} s:\n{stderr[-4000:]}")
             assert process.returncode == 0, (
                 f"{command} exited {process.returncode}:\n{stderr[-4000:]}"
             )
@@ -65,6 +75,7 @@ def _losses(out: Path) -> dict[int, float]:
 
 
 @pytest.mark.both_versions
+@pytest.mark.timeout(3 * RUN_TIMEOUT_S)
 def test_litgpt_pretrain_resumes_exactly_and_exports_for_litgpt(tmp_path: Path) -> None:
     resumed, straight = tmp_path / "resumed", tmp_path / "uninterrupted"
     _runs((resumed, ("--max-steps", "4")), (straight, ("--max-steps", "8")))
