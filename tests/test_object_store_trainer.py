@@ -112,6 +112,7 @@ def _resume(
     }
 
 
+@pytest.mark.both_versions
 @pytest.mark.parametrize(
     ("world_size", "async_save"), [(2, False), (3, True)], ids=["2-ranks-sync", "3-ranks-async"]
 )

@@ -213,6 +213,7 @@ def _training_table(outcomes: dict[str, dict[str, str]]) -> dict[str, dict[str, 
     }
 
 
+@pytest.mark.both_versions
 def test_init_weights_from_and_fit_on_one_rank(checkpoints: dict[str, Path]) -> None:
     names = [*CONTROLS, *ATTACKS]
     (outcomes,) = run_distributed(
@@ -227,6 +228,7 @@ def test_init_weights_from_and_fit_on_one_rank(checkpoints: dict[str, Path]) -> 
     _assert_safe(_training_table(outcomes), checkpoints["markers"])
 
 
+@pytest.mark.both_versions
 def test_fit_on_two_ranks_refuses_on_every_rank(checkpoints: dict[str, Path]) -> None:
     names = [*CONTROLS, *ATTACKS]
     results = run_distributed(
@@ -475,6 +477,7 @@ def _fabric_entry_points(
     return outcomes
 
 
+@pytest.mark.both_versions
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_fabric_load_and_load_raw(checkpoints: dict[str, Path], world_size: int) -> None:
     """``fabric.load`` and ``fabric.load_raw`` (the Fabric strategy) run none of a
