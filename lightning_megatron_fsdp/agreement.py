@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import traceback
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
@@ -44,16 +45,30 @@ class PeerLostError(CheckpointError):
     category = "peer lost"
 
 
-# Substrings of the RuntimeErrors gloo and NCCL raise when a peer is gone or late (older
-# torch raises plain RuntimeError for some of them instead of ``DistError``).
-_BACKEND_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "timed out")
+# torch's operator dispatch: the frames between a functional collective (DTensor's) and
+# the native code that raised.
+_DISPATCH_MODULES = ("torch._ops", "torch._library")
 
 
-def _is_backend_failure(err: BaseException) -> bool:
+def _in_module(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(f"{p}.") for p in packages)
+
+
+def _raised_by_torch_distributed(err: BaseException) -> bool:
+    """Whether ``err`` came out of torch.distributed: a ``DistError`` (NCCL, the store), or
+    an error whose innermost frame, past torch's operator dispatch, is torch.distributed's.
+
+    gloo reports a peer that closed its connections, or did not answer within the group's
+    timeout, as a plain ``RuntimeError`` out of the collective's call (torch 2.13 and 2.15
+    alike), in words that vary with the collective; where it was raised does not.
+    """
     if isinstance(err, dist.DistError):
         return True
-    text = str(err).lower()
-    return isinstance(err, RuntimeError) and any(marker in text for marker in _BACKEND_MARKERS)
+    modules = [
+        frame.f_globals.get("__name__", "") for frame, _ in traceback.walk_tb(err.__traceback__)
+    ]
+    raised_in = [m for m in modules if not _in_module(m, _DISPATCH_MODULES)]
+    return bool(raised_in) and _in_module(raised_in[-1], ("torch.distributed",))
 
 
 @contextlib.contextmanager
@@ -72,7 +87,7 @@ def peer_failures_explained(what: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as err:
-        if not _is_backend_failure(err):
+        if not _raised_by_torch_distributed(err):
             raise
         raise RuntimeError(
             f"{what} failed in a collective with the other ranks: {LOST_PEER_HINT}, and "

@@ -77,6 +77,7 @@ __all__ = [
     "sequence_loader",
     "shard_packed_lm",
     "sharded_adam",
+    "sharded_packed_lm",
     "sync_compute_weights",
     "train_unsharded",
 ]
@@ -277,6 +278,23 @@ def sharded_adam(model: nn.Module, lr: float = 0.05) -> torch.optim.Adam:
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     fully_shard_optimizer(optimizer)
     return optimizer
+
+
+def sharded_packed_lm(
+    world_size: int,
+    seed: int | None = 0,
+    *,
+    lr: float = 0.05,
+    dtype: torch.dtype = torch.float32,
+    num_blocks: int = 2,
+    mixed_precision_policy: MixedPrecisionPolicy | None = None,
+) -> tuple[PackedLM, torch.optim.Adam]:
+    """:func:`build_packed_lm` sharded on :func:`dp_mesh` (:func:`shard_packed_lm`), and its
+    :func:`sharded_adam`."""
+    model = build_packed_lm(seed, dtype=dtype, num_blocks=num_blocks)
+    mesh = dp_mesh(world_size)
+    model = shard_packed_lm(model, mesh, mixed_precision_policy=mixed_precision_policy)
+    return model, sharded_adam(model, lr=lr)
 
 
 def train_unsharded(

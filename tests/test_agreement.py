@@ -1,15 +1,30 @@
 """``Ranks.exchange``: the round that carries each rank's data also carries its outcome;
 ``Ranks.agree``: the error each problem carries, and the summary of their categories;
-``Ranks.raise_together``: one rank's error class of ours arrives as itself on every rank."""
+``Ranks.raise_together``: one rank's error class of ours arrives as itself on every rank;
+``peer_failures_explained``: an error torch.distributed raised is explained, whatever its
+words, and no other is."""
 
 from __future__ import annotations
 
 import pickle
+import time
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
-from lightning_megatron_fsdp.agreement import Outcomes, PeerLostError, Problem, Ranks
+from lightning_megatron_fsdp.agreement import (
+    Outcomes,
+    PeerLostError,
+    Problem,
+    Ranks,
+    peer_failures_explained,
+)
 from lightning_megatron_fsdp.errors import (
     CheckpointCorruptedError,
     CheckpointError,
@@ -150,3 +165,65 @@ def test_problems_travel_as_category_strings_and_only_registered_classes_travel(
         Problem(UnregisteredError, "text")
     with pytest.raises(TypeError, match="cannot travel between ranks"):
         Problem(KeyError, "text")
+
+
+_EXPLAINED = "step failed in a collective with the other ranks"
+
+
+def _explained(run: Any) -> str:
+    """What ``peer_failures_explained`` lets out of ``run()``: its error's type and text."""
+    try:
+        with peer_failures_explained("step"):
+            run()
+    except RuntimeError as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def _peer_hangs_then_leaves(rank: int, world_size: int, flag: str) -> list[str]:
+    """Rank 1 stays out of rank 0's collective past a short group's timeout, then leaves;
+    rank 0 says what each collective it tried raised, through ``peer_failures_explained``."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    sharded = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+    short = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
+    if rank == 1:
+        while not Path(flag).exists():  # alive, connected, silent
+            time.sleep(0.05)
+        return []  # leaving closes its connections (the harness destroys its groups)
+
+    def gather() -> None:
+        dist.all_gather_object([None] * world_size, 0, group=short)
+
+    hung = [_explained(gather), _explained(gather)]  # timed out, then the pairs it closed
+    Path(flag).touch()
+    return [
+        *hung,
+        _explained(sharded.full_tensor),  # DTensor's functional collective
+        _explained(lambda: dist.all_reduce(torch.ones(2))),
+    ]
+
+
+def test_errors_torch_distributed_raised_are_explained_whatever_their_words(
+    tmp_path: Path,
+) -> None:
+    """A hung peer (gloo: a timeout, then "Application timeout caused pair closure", no word
+    a phrase list held) and a peer that left ("Connection closed by peer"), in a c10d and in
+    a DTensor collective: each is explained, chained from gloo's error. (Explained by
+    phrases, the closed pair passed through unexplained.)"""
+    messages = run_distributed(_peer_hangs_then_leaves, 2, str(tmp_path / "go"))[0]
+    assert len(messages) == 4, messages
+    for message in messages:
+        assert message.startswith(f"RuntimeError: {_EXPLAINED}"), message
+        assert "another rank probably crashed or timed out" in message, message
+        assert "Backend error: RuntimeError: " in message, message
+
+
+def test_other_errors_pass_unexplained_whatever_their_words() -> None:
+    """A step's own RuntimeError that names a backend or a timeout is not a collective's:
+    it passes unchanged. (Explained by phrases, it was blamed on the other ranks.)"""
+
+    def own_error() -> None:
+        raise RuntimeError("gloo config: nccl connection closed, timed out")
+
+    assert _explained(own_error) == "RuntimeError: gloo config: nccl connection closed, timed out"
+    assert _explained(lambda: None) == "no error"

@@ -8,6 +8,7 @@ checkpoints. The model is ``tests.models.PackedLM`` (packed shards that defeat c
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from pathlib import Path
@@ -22,7 +23,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import lightning_megatron_fsdp
+from lightning_megatron_fsdp import MegatronFSDPStrategy as TrainerStrategy
 from lightning_megatron_fsdp import full_tensor
+from lightning_megatron_fsdp.common import StrategyOptions
 from lightning_megatron_fsdp.fabric import MegatronFSDPStrategy
 from lightning_megatron_fsdp.megatron import _megatron
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
@@ -760,3 +763,18 @@ def test_registered_as_megatron_fsdp() -> None:
     assert type(fabric.strategy) is MegatronFSDPStrategy
     assert lightning_megatron_fsdp.fabric.MegatronFSDPStrategy is MegatronFSDPStrategy
     assert fabric.strategy.precision.compute_dtype == torch.bfloat16
+
+
+def test_both_constructors_declare_the_shared_options_alike() -> None:
+    """The options both strategies hand to ``StrategyOptions.validate`` are written out in
+    both constructors, so that users see each keyword with its type, and declared alike:
+    the same type hint (validate's) and the same default in each."""
+    validate = inspect.signature(StrategyOptions.validate).parameters.values()
+    shared = [p for p in validate if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert len(shared) == 7, shared
+    trainer = inspect.signature(TrainerStrategy.__init__).parameters
+    fabric = inspect.signature(MegatronFSDPStrategy.__init__).parameters
+    for option in shared:
+        declared = [(p.kind, p.annotation) for p in (trainer[option.name], fabric[option.name])]
+        assert declared == [(inspect.Parameter.KEYWORD_ONLY, option.annotation)] * 2, option
+        assert trainer[option.name].default == fabric[option.name].default, option

@@ -2,7 +2,8 @@
 :func:`shard_module` (``fully_shard`` that keeps ties on both versions),
 :func:`sharding_scope`, :func:`plan_units` (the policy's units bottom-up, then the outermost
 modules that own parameters) and :func:`shard_unit` (materialise, cast, shard, check). It
-depends on torch and megatron-fsdp, never on Lightning.
+depends on torch and megatron-fsdp, never on Lightning. Its public names are the ones
+``megatron/__init__.py`` lists for it (no ``__all__`` here to repeat them).
 """
 
 from __future__ import annotations
@@ -29,22 +30,6 @@ from lightning_megatron_fsdp.megatron._megatron import (
     hsdp_placements,
 )
 from lightning_megatron_fsdp.megatron.cpu_execution import enable_cpu_execution
-
-__all__ = [
-    "AutoWrapPolicy",
-    "check_fully_sharded",
-    "check_no_foreign_sharding",
-    "check_optimizer_parameters",
-    "check_placements",
-    "fsdp_placements",
-    "hsdp_placements",
-    "materialize_outside_units",
-    "plan_units",
-    "shard_module",
-    "shard_unit",
-    "sharding_scope",
-    "validate_auto_wrap_policy",
-]
 
 #: A set of module classes, or a callable ``policy(module) -> bool`` or torch-FSDP style
 #: ``policy(module, recurse, nonwrapped_numel) -> bool`` (``ModuleWrapPolicy``,

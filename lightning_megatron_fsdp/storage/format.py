@@ -6,7 +6,8 @@ tensor reads begin. ``manifest.json``, written last, records the layout fingerpr
 tensor's global shape and dtype by FQN), the world size and mesh, package versions, the
 training position and the size and checksum of every other file; a directory is a complete
 checkpoint iff its manifest parses and every listed file has its recorded size. Pure files
-and bookkeeping: no process group, no Lightning (docs/DESIGN.md, "On-disk format").
+and bookkeeping: no process group, no Lightning (docs/DESIGN.md, "On-disk format"). What
+other folders use is listed in ``storage/__init__.py`` (no ``__all__`` here to repeat it).
 """
 
 from __future__ import annotations
@@ -32,42 +33,6 @@ from lightning_megatron_fsdp.storage.confined_files import (
     read_regular,
     regular_size,
 )
-
-__all__ = [
-    "ASIDE",
-    "DCP_METADATA_FILE",
-    "DELETING",
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "MANIFEST_FILE",
-    "MAX_EXAMPLES",
-    "META_FILE",
-    "MODEL_PREFIX",
-    "OPTIMIZER_PREFIX",
-    "READABLE_FORMAT_VERSIONS",
-    "STAGING",
-    "FileRecord",
-    "Fingerprint",
-    "Manifest",
-    "TensorSpec",
-    "check_digests",
-    "check_files",
-    "checkpoints_in_directory",
-    "compare_fingerprints",
-    "count",
-    "finite_int_or_none",
-    "hidden_path",
-    "is_complete_checkpoint",
-    "listed",
-    "mesh_info",
-    "model_fingerprint",
-    "optimizer_fingerprint",
-    "package_versions",
-    "parse_hidden_name",
-    "read_manifest",
-    "sha256_file",
-    "summarise",
-]
 
 FORMAT_NAME = "lightning-megatron-fsdp"
 

@@ -38,12 +38,9 @@ from lightning_megatron_fsdp.common.sharded_checkpoint import load_into_sharded_
 from tests.harness import run_distributed
 from tests.models import (
     bf16_policy,
-    build_packed_lm,
-    dp_mesh,
     lm_loss,
     make_batch,
-    shard_packed_lm,
-    sharded_adam,
+    sharded_packed_lm,
 )
 from tests.shard_facts import facts
 
@@ -56,12 +53,8 @@ STEPS = 2
 def _build(world_size: int, seed: int | None, bf16: bool) -> tuple[Any, Any]:
     enable_cpu_execution()
     dtype = torch.bfloat16 if bf16 else torch.float32
-    model = shard_packed_lm(
-        build_packed_lm(seed, dtype=dtype),
-        dp_mesh(world_size),
-        mixed_precision_policy=bf16_policy() if bf16 else None,
-    )
-    return model, sharded_adam(model)
+    policy = bf16_policy() if bf16 else None
+    return sharded_packed_lm(world_size, seed, dtype=dtype, mixed_precision_policy=policy)
 
 
 def _train(model: Any, optimizer: Any, rank: int) -> None:

@@ -69,14 +69,7 @@ from lightning_megatron_fsdp.storage.filesystem import (
     ChecksummingFileSystemWriter,
     VerifyingFileSystemReader,
 )
-from tests.models import (
-    build_packed_lm,
-    dp_mesh,
-    lm_loss,
-    make_batch,
-    shard_packed_lm,
-    sharded_adam,
-)
+from tests.models import lm_loss, make_batch, sharded_packed_lm
 
 __all__ = [
     "LR",
@@ -280,8 +273,7 @@ def trained(
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The sharded :class:`~tests.models.PackedLM` and its Adam after ``steps`` steps."""
     enable_cpu_execution()
-    model = shard_packed_lm(build_packed_lm(0, num_blocks=num_blocks), dp_mesh(world_size))
-    optimizer = sharded_adam(model, lr=LR)
+    model, optimizer = sharded_packed_lm(world_size, 0, lr=LR, num_blocks=num_blocks)
     for seed in range(steps):
         step(model, optimizer, seed)
     return model, optimizer
@@ -324,8 +316,7 @@ def checkpoint_dict(
 def target_state(world_size: int, *, num_blocks: int = 2) -> tuple[nn.Module, Any, dict]:
     """A fresh all-zero model and Adam (state zeroed, lr 0) and their state as targets."""
     enable_cpu_execution()
-    model = shard_packed_lm(build_packed_lm(None, num_blocks=num_blocks), dp_mesh(world_size))
-    optimizer = sharded_adam(model, lr=LR)
+    model, optimizer = sharded_packed_lm(world_size, None, lr=LR, num_blocks=num_blocks)
     state = live_state(model, optimizer)
     with torch.no_grad():
         for entries in state["optimizer_states"][0]["state"].values():
