@@ -339,6 +339,18 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def timed_cpu(fn: Callable[[], Any], cpu: list[float]) -> float:
+    """:func:`timed`, also appending to ``cpu`` the process CPU seconds ``fn`` took on the
+    rank that took the most: a measure that a crowded machine's run queue inflates far less
+    than wall time."""
+    start = time.process_time()
+    wall = timed(fn)
+    used = torch.tensor([time.process_time() - start], dtype=torch.float64)
+    dist.all_reduce(used, op=dist.ReduceOp.MAX)
+    cpu.append(used.item())
+    return wall
+
+
 def _crc_files(paths: list[Path]) -> list[int]:
     """CRC32C of each file, read once in 8 MiB blocks (a verify-before-load pass)."""
     values, buffer = [], bytearray(8 << 20)
@@ -411,6 +423,9 @@ def _measure(
     sides = ["baseline", "raw", *ios]
     saves: dict[str, list[float]] = {side: [] for side in sides}
     loads: dict[str, list[float]] = {side: [] for side in sides}
+    cpu: dict[str, dict[str, list[float]]] = {
+        key: {side: [] for side in sides} for key in ("save", "load")
+    }
     plans: dict[str, list[float]] = {side: [] for side in ios}
     state_dicts: dict[str, list[float]] = {side: [] for side in ios}
     sizes: dict[str, int] = {}
@@ -424,17 +439,15 @@ def _measure(
         for side in order:
             if side == "baseline":
                 save = functools.partial(_baseline_save, baseline_tensors, paths[side])
-                saves[side].append(timed(save))
+                saves[side].append(timed_cpu(save, cpu["save"][side]))
                 continue
             if side == "raw":
-                saves[side].append(timed(functools.partial(_raw_save, raw_views, paths[side])))
+                save = functools.partial(_raw_save, raw_views, paths[side])
+                saves[side].append(timed_cpu(save, cpu["save"][side]))
                 continue
             record: dict[str, float] = {}
-            saves[side].append(
-                timed(
-                    functools.partial(_save_ours, model, optimizer, ios[side], paths[side], record)
-                )
-            )
+            save = functools.partial(_save_ours, model, optimizer, ios[side], paths[side], record)
+            saves[side].append(timed_cpu(save, cpu["save"][side]))
             parts = torch.tensor(
                 [record["plan_end"] - record["plan_start"], record["state_dict"]],
                 dtype=torch.float64,
@@ -449,7 +462,7 @@ def _measure(
                 load = functools.partial(_raw_load, paths[side], raw_buffer)
             else:
                 load = functools.partial(load_state, model, optimizer, ios[side], str(paths[side]))
-            loads[side].append(timed(load))
+            loads[side].append(timed_cpu(load, cpu["load"][side]))
         # What a verify-before-load pass would add: every rank reads and CRC32Cs its own
         # share of the default checkpoint's files once (warm cache, as the loads read).
         files = sorted(p for p in paths["ours"].iterdir() if p.name != "manifest.json")
@@ -481,6 +494,8 @@ def _measure(
         },
         "save_s": saves,
         "load_s": loads,
+        "save_cpu_s": cpu["save"],
+        "load_cpu_s": cpu["load"],
         "plan_s": plans,
         "state_dict_s": state_dicts,
         "prepass_s": prepass,
@@ -510,6 +525,12 @@ def _summarize(raw: dict[str, Any]) -> list[dict[str, Any]]:
             "load_ratio": load / base_load,
             "save_raw_ratio": save / raw_save,
             "load_raw_ratio": load / raw_load,
+            "save_cpu_s": median(raw["save_cpu_s"][side]),
+            "load_cpu_s": median(raw["load_cpu_s"][side]),
+            "save_cpu_raw_ratio": median(raw["save_cpu_s"][side])
+            / median(raw["save_cpu_s"]["raw"]),
+            "load_cpu_raw_ratio": median(raw["load_cpu_s"][side])
+            / median(raw["load_cpu_s"]["raw"]),
             "disk_mb": raw["bytes_on_disk"][side] / MB,
         }
         if side != "baseline":
@@ -571,6 +592,7 @@ def run(
                 "loadavg": os.getloadavg(),
                 "raw_bytes": {
                     key: {
+                        "cpu_median": median(raw[f"{key}_cpu_s"]["raw"]),
                         "median": median(raw[f"{key}_s"]["raw"]),
                         "spread": spread(raw[f"{key}_s"]["raw"]),
                     }
@@ -633,6 +655,19 @@ def format_table(result: dict[str, Any]) -> str:
                 f"/ raw: ours over these (targets: save <= {SAVE_RAW_TARGET}x, load <= "
                 f"{LOAD_RAW_TARGET}x). Load average at the end: "
                 f"{' '.join(f'{v:.2f}' for v in model.get('loadavg', ()))}."
+            )
+            lines.append("")
+            lines.append(
+                "Process CPU seconds (the busier rank's, median), less inflated than wall time "
+                f"on a crowded machine: raw save {raw_bytes['save']['cpu_median']:.3f}, raw "
+                f"load {raw_bytes['load']['cpu_median']:.3f}; "
+                + "; ".join(
+                    f"{row['side']} save {row['save_cpu_s']:.3f} "
+                    f"({row['save_cpu_raw_ratio']:.2f}x raw), load {row['load_cpu_s']:.3f} "
+                    f"({row['load_cpu_raw_ratio']:.2f}x raw)"
+                    for row in model["rows"]
+                )
+                + "."
             )
             lines.append("")
         lines.append(
