@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import shutil
 import statistics
@@ -107,6 +108,10 @@ __all__ = [
 ]
 
 MB = 1e6
+SAVE_RAW_TARGET = 1.05
+"""Issue 35: a save within this factor of writing and ``fsync``-ing the same bytes."""
+LOAD_RAW_TARGET = 1.3
+"""Issue 35: a load within this factor of one ``readinto`` of the same bytes."""
 LABELS = {
     "baseline": "torch.save/load per rank (baseline)",
     "ours": "ours, default options",
@@ -274,15 +279,20 @@ def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 
     Rank-local (no collective). Counts tensor elements, not the packing's padding.
     """
-    tensors = list(local_tensors(save_state(model, optimizer)).values())
+    return sum(t.numel() * t.element_size() for t in unique_tensors(save_state(model, optimizer)))
+
+
+def unique_tensors(checkpoint: dict[str, Any]) -> list[Tensor]:
+    """:func:`local_tensors` of ``checkpoint``, each distinct tensor once (tied names and
+    views of the same bytes counted once): the bytes a rank's checkpoint holds."""
     seen: set[tuple[int, int, int]] = set()
-    total = 0
-    for tensor in tensors:
+    unique = []
+    for tensor in local_tensors(checkpoint).values():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.numel())
         if key not in seen:
             seen.add(key)
-            total += tensor.numel() * tensor.element_size()
-    return total
+            unique.append(tensor)
+    return unique
 
 
 class PlanTimingWriter(_DefaultWriter):  # type: ignore[misc,valid-type]
@@ -329,6 +339,18 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def timed_cpu(fn: Callable[[], Any], cpu: list[float]) -> float:
+    """:func:`timed`, also appending to ``cpu`` the process CPU seconds ``fn`` took on the
+    rank that took the most: a measure that a crowded machine's run queue inflates far less
+    than wall time."""
+    start = time.process_time()
+    wall = timed(fn)
+    used = torch.tensor([time.process_time() - start], dtype=torch.float64)
+    dist.all_reduce(used, op=dist.ReduceOp.MAX)
+    cpu.append(used.item())
+    return wall
+
+
 def _crc_files(paths: list[Path]) -> list[int]:
     """CRC32C of each file, read once in 8 MiB blocks (a verify-before-load pass)."""
     values, buffer = [], bytearray(8 << 20)
@@ -339,6 +361,30 @@ def _crc_files(paths: list[Path]) -> list[int]:
                 value = crc32c.crc32c(memoryview(buffer)[:n], value)
         values.append(value)
     return values
+
+
+def _tensor_view(tensor: Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy())
+
+
+def _raw_save(views: list[memoryview], path: Path) -> None:
+    """The physical floor of a save: the rank's tensor bytes written from their own memory
+    into one file, then ``fsync``."""
+    with open(path, "wb", buffering=0) as file:
+        for view in views:
+            while view.nbytes:
+                view = view[file.write(view) :]
+        os.fsync(file.fileno())
+
+
+def _raw_load(path: Path, buffer: memoryview) -> None:
+    """The physical floor of a load: one ``readinto`` of the whole file into memory that
+    already exists (as a load's targets do)."""
+    with open(path, "rb", buffering=0) as file:
+        if file.readinto(buffer) != buffer.nbytes:
+            raise AssertionError(f"{path}: short read")
 
 
 def _baseline_save(tensors: dict[str, Tensor], path: Path) -> None:
@@ -370,11 +416,16 @@ def _measure(
     model, optimizer = build_sharded(width, world_size, kind)
     state = resident_bytes(model, optimizer)
     baseline_tensors = local_tensors(save_state(model, optimizer))
+    raw_views = [_tensor_view(t) for t in unique_tensors(save_state(model, optimizer))]
+    raw_buffer = memoryview(bytearray(sum(v.nbytes for v in raw_views)))  # zeroed: paged in
     root = Path(directory)
     ios = {side: MegatronFSDPCheckpointIO(**options) for side, options in OPTIONS.items()}
-    sides = ["baseline", *ios]
+    sides = ["baseline", "raw", *ios]
     saves: dict[str, list[float]] = {side: [] for side in sides}
     loads: dict[str, list[float]] = {side: [] for side in sides}
+    cpu: dict[str, dict[str, list[float]]] = {
+        key: {side: [] for side in sides} for key in ("save", "load")
+    }
     plans: dict[str, list[float]] = {side: [] for side in ios}
     state_dicts: dict[str, list[float]] = {side: [] for side in ios}
     sizes: dict[str, int] = {}
@@ -384,17 +435,19 @@ def _measure(
         order = sides[repeat % len(sides) :] + sides[: repeat % len(sides)]
         paths = {side: root / f"{side}-{repeat}" for side in ios}
         paths["baseline"] = root / f"baseline-{repeat}-rank{rank}.pt"
+        paths["raw"] = root / f"raw-{repeat}-rank{rank}.bin"
         for side in order:
             if side == "baseline":
                 save = functools.partial(_baseline_save, baseline_tensors, paths[side])
-                saves[side].append(timed(save))
+                saves[side].append(timed_cpu(save, cpu["save"][side]))
+                continue
+            if side == "raw":
+                save = functools.partial(_raw_save, raw_views, paths[side])
+                saves[side].append(timed_cpu(save, cpu["save"][side]))
                 continue
             record: dict[str, float] = {}
-            saves[side].append(
-                timed(
-                    functools.partial(_save_ours, model, optimizer, ios[side], paths[side], record)
-                )
-            )
+            save = functools.partial(_save_ours, model, optimizer, ios[side], paths[side], record)
+            saves[side].append(timed_cpu(save, cpu["save"][side]))
             parts = torch.tensor(
                 [record["plan_end"] - record["plan_start"], record["state_dict"]],
                 dtype=torch.float64,
@@ -405,9 +458,11 @@ def _measure(
         for side in order:
             if side == "baseline":
                 load = functools.partial(torch.load, paths[side], weights_only=True)
+            elif side == "raw":
+                load = functools.partial(_raw_load, paths[side], raw_buffer)
             else:
                 load = functools.partial(load_state, model, optimizer, ios[side], str(paths[side]))
-            loads[side].append(timed(load))
+            loads[side].append(timed_cpu(load, cpu["load"][side]))
         # What a verify-before-load pass would add: every rank reads and CRC32Cs its own
         # share of the default checkpoint's files once (warm cache, as the loads read).
         files = sorted(p for p in paths["ours"].iterdir() if p.name != "manifest.json")
@@ -418,11 +473,13 @@ def _measure(
                 sizes[side] = sum(f.stat().st_size for f in paths[side].iterdir())
         dist.barrier()
         paths["baseline"].unlink()
+        paths["raw"].unlink()
         if rank == 0:
             for side in ios:
                 shutil.rmtree(paths[side])
     # Per-rank baseline file sizes and state bytes: sum over ranks.
     totals = torch.tensor([state, sizes["baseline"]], dtype=torch.float64)
+    raw_mib = state / (1 << 20)
     dist.all_reduce(totals)
     return {
         "model": kind,
@@ -430,12 +487,15 @@ def _measure(
         "parameters": sum(p.numel() for p in _model(kind, width).parameters()),
         "tensors": len(list(_model(kind, width).parameters())),
         "state_bytes": totals[0].item(),
+        "rank_mib": raw_mib,
         "bytes_on_disk": {
             "baseline": totals[1].item(),
             **{side: float(sizes[side]) for side in ios},
         },
         "save_s": saves,
         "load_s": loads,
+        "save_cpu_s": cpu["save"],
+        "load_cpu_s": cpu["load"],
         "plan_s": plans,
         "state_dict_s": state_dicts,
         "prepass_s": prepass,
@@ -447,6 +507,8 @@ def _summarize(raw: dict[str, Any]) -> list[dict[str, Any]]:
     rank_mb = raw["state_bytes"] / raw["world_size"] / MB
     base_save = median(raw["save_s"]["baseline"])
     base_load = median(raw["load_s"]["baseline"])
+    raw_save = median(raw["save_s"]["raw"])
+    raw_load = median(raw["load_s"]["raw"])
     rows = []
     for side in LABELS:
         save = median(raw["save_s"][side])
@@ -461,6 +523,14 @@ def _summarize(raw: dict[str, Any]) -> list[dict[str, Any]]:
             "load_mb_s": rank_mb / load,
             "save_ratio": save / base_save,
             "load_ratio": load / base_load,
+            "save_raw_ratio": save / raw_save,
+            "load_raw_ratio": load / raw_load,
+            "save_cpu_s": median(raw["save_cpu_s"][side]),
+            "load_cpu_s": median(raw["load_cpu_s"][side]),
+            "save_cpu_raw_ratio": median(raw["save_cpu_s"][side])
+            / median(raw["save_cpu_s"]["raw"]),
+            "load_cpu_raw_ratio": median(raw["load_cpu_s"][side])
+            / median(raw["load_cpu_s"]["raw"]),
             "disk_mb": raw["bytes_on_disk"][side] / MB,
         }
         if side != "baseline":
@@ -471,31 +541,63 @@ def _summarize(raw: dict[str, Any]) -> list[dict[str, Any]]:
             row["save_met"] = row["save_ratio"] <= 1.2
             row["load_met"] = row["load_ratio"] <= 1.2
             row["plan_met"] = row["plan_share"] < 0.10
+            row["save_raw_met"] = row["save_raw_ratio"] <= SAVE_RAW_TARGET
+            row["load_raw_met"] = row["load_raw_ratio"] <= LOAD_RAW_TARGET
         rows.append(row)
     return rows
 
 
-def run(*, quick: bool = False) -> dict[str, Any]:
+def width_for(rank_mib: float, world_size: int = 2) -> int:
+    """The :class:`BenchLM` width whose fp32 + Adam state comes closest to ``rank_mib`` MiB
+    per rank (3 x 4 bytes per parameter, ``16 w^2 + DEPTH (4 w^2 + 3 w)`` parameters)."""
+
+    def rank_bytes(width: int) -> float:
+        return 12 * (16 * width**2 + DEPTH * (4 * width**2 + 3 * width)) / world_size
+
+    width = int(math.sqrt(rank_mib * (1 << 20) * world_size / 12 / (16 + 4 * DEPTH)))
+    return min((width - 1, width, width + 1), key=lambda w: abs(rank_bytes(w) - rank_mib * 2**20))
+
+
+def run(
+    *,
+    quick: bool = False,
+    rank_mib: float | None = None,
+    repeats: int | None = None,
+) -> dict[str, Any]:
     """Measure both models at world size 2; return medians, spreads, ratios and target
-    verdicts (rank 0's view). ``quick``: small models, 3 repeats.
+    verdicts (rank 0's view). ``quick``: small models, 3 repeats. ``rank_mib``: only the
+    ``bench`` model, of the width closest to that many MiB of state per rank.
+    ``repeats``: instead of 7 (``bench``) and 5 (``gpt``).
 
     Returns:
         ``{"models": [{"raw", "rows", ...} per model], "rows": the first model's rows}``.
     """
     width = QUICK_WIDTH if quick else WIDTH
+    kinds = MODELS
+    if rank_mib is not None:
+        width, kinds = width_for(rank_mib), ("bench",)
     models = []
-    for kind in MODELS:
-        repeats = 3 if quick else (7 if kind == "bench" else 5)
+    for kind in kinds:
+        count = repeats or (3 if quick else (7 if kind == "bench" else 5))
         with tempfile.TemporaryDirectory(prefix="bench_save_load-") as directory:
-            raw = run_distributed(_measure, 2, width, kind, directory, repeats, timeout=1800)[0]
+            raw = run_distributed(_measure, 2, width, kind, directory, count, timeout=1800)[0]
         rows = _summarize(raw)
         prepass = median(raw["prepass_s"])
         models.append(
             {
                 "model": kind,
                 "raw": raw,
-                "repeats": repeats,
+                "repeats": count,
                 "rows": rows,
+                "loadavg": os.getloadavg(),
+                "raw_bytes": {
+                    key: {
+                        "cpu_median": median(raw[f"{key}_cpu_s"]["raw"]),
+                        "median": median(raw[f"{key}_s"]["raw"]),
+                        "spread": spread(raw[f"{key}_s"]["raw"]),
+                    }
+                    for key in ("save", "load")
+                },
                 "prepass_s": prepass,
                 "prepass_spread": spread(raw["prepass_s"]),
                 "prepass_share": prepass / rows[1]["load_s"],
@@ -523,10 +625,10 @@ def format_table(result: dict[str, Any]) -> str:
             f"of {model['repeats']} interleaved repeats; MB/s per rank = the rank's state MB / "
             "median seconds; ours includes building the state dicts.",
             "",
-            "| side | save s (min-max) | save MB/s/rank | save / base | load s (min-max) "
-            "| load MB/s/rank | load / base | state dicts s | plan s | plan / save "
-            "| on disk MB |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| side | save s (min-max) | save MB/s/rank | save / base | save / raw "
+            "| load s (min-max) | load MB/s/rank | load / base | load / raw | state dicts s "
+            "| plan s | plan / save | on disk MB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for row in model["rows"]:
             plan = (
@@ -537,10 +639,37 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {LABELS[row['side']]} | {row['save_s']:.3f} ({row['save_spread']}) "
                 f"| {row['save_mb_s']:.0f} | {row['save_ratio']:.2f}x "
+                f"| {row['save_raw_ratio']:.2f}x "
                 f"| {row['load_s']:.3f} ({row['load_spread']}) | {row['load_mb_s']:.0f} "
-                f"| {row['load_ratio']:.2f}x | {plan} | {row['disk_mb']:.0f} |"
+                f"| {row['load_ratio']:.2f}x | {row['load_raw_ratio']:.2f}x | {plan} "
+                f"| {row['disk_mb']:.0f} |"
             )
         lines.append("")
+        if "raw_bytes" in model:
+            raw_bytes = model["raw_bytes"]
+            lines.append(
+                f"Raw bytes (the rank's {raw.get('rank_mib', 0):.0f} MiB of tensor bytes, same "
+                f"run): written from tensor memory + fsync in {raw_bytes['save']['median']:.3f} s "
+                f"({raw_bytes['save']['spread']}), one readinto into existing memory in "
+                f"{raw_bytes['load']['median']:.3f} s ({raw_bytes['load']['spread']}); "
+                f"/ raw: ours over these (targets: save <= {SAVE_RAW_TARGET}x, load <= "
+                f"{LOAD_RAW_TARGET}x). Load average at the end: "
+                f"{' '.join(f'{v:.2f}' for v in model.get('loadavg', ()))}."
+            )
+            lines.append("")
+            lines.append(
+                "Process CPU seconds (the busier rank's, median), less inflated than wall time "
+                f"on a crowded machine: raw save {raw_bytes['save']['cpu_median']:.3f}, raw "
+                f"load {raw_bytes['load']['cpu_median']:.3f}; "
+                + "; ".join(
+                    f"{row['side']} save {row['save_cpu_s']:.3f} "
+                    f"({row['save_cpu_raw_ratio']:.2f}x raw), load {row['load_cpu_s']:.3f} "
+                    f"({row['load_cpu_raw_ratio']:.2f}x raw)"
+                    for row in model["rows"]
+                )
+                + "."
+            )
+            lines.append("")
         lines.append(
             f"A verify-before-load pass (each rank CRC32Cs its share of the files once, warm "
             f"cache) would take {model['prepass_s']:.3f} s ({model['prepass_spread']}), "
@@ -550,7 +679,12 @@ def format_table(result: dict[str, Any]) -> str:
         for row in model["rows"][1:]:
             verdict = ", ".join(
                 f"{name} {'met' if row[key] else 'NOT met'}"
-                for name, key in (("save <= 1.2x", "save_met"), ("load <= 1.2x", "load_met"))
+                for name, key in (
+                    ("save <= 1.2x", "save_met"),
+                    ("load <= 1.2x", "load_met"),
+                    (f"save <= {SAVE_RAW_TARGET}x raw", "save_raw_met"),
+                    (f"load <= {LOAD_RAW_TARGET}x raw", "load_raw_met"),
+                )
             )
             plan = "met" if row["plan_met"] else "NOT met"
             lines.append(f"- {LABELS[row['side']]}: {verdict}, planning < 10% of save {plan}.")
@@ -564,22 +698,36 @@ def bench_main(
     format_table: Callable[[dict[str, Any]], str],
     quick_help: str,
     argv: list[str] | None = None,
+    configure: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> int:
-    """The command line every benchmark shares: ``--quick``, ``--json PATH``, print the table."""
+    """The command line every benchmark shares: ``--quick``, ``--json PATH``, print the table.
+    ``configure`` adds a benchmark's own options, passed to ``run`` by name."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--json", type=Path, help="also write the result here")
-    args = parser.parse_args(argv)
-    result = run(quick=args.quick)
+    if configure is not None:
+        configure(parser)
+    options = vars(parser.parse_args(argv))
+    json_path = options.pop("json")
+    result = run(**options)
     print(format_table(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print the table, optionally write the result as JSON."""
-    return bench_main(__doc__, run, format_table, "small models, 3 repeats", argv)
+
+    def configure(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--rank-mib",
+            type=float,
+            help="only the bench model, sized to this many MiB of state per rank (issue 35: 240)",
+        )
+        parser.add_argument("--repeats", type=int, help="repeats per model")
+
+    return bench_main(__doc__, run, format_table, "small models, 3 repeats", argv, configure)
 
 
 if __name__ == "__main__":

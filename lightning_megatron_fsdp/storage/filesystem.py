@@ -4,9 +4,10 @@ Checking a checkpoint's integrity must not cost extra passes over every byte, an
 reader pays a ``torch.load`` and a copy per record. :class:`ChecksummingFileSystemWriter`
 is torch's writer whose streams CRC32C every record as it goes out and note where its
 tensor payload starts, kept on DCP's own storage entries in ``.metadata``;
-:class:`VerifyingFileSystemReader` reads each annotated record with one ``preadv`` straight
-into its target and checks its CRC32C over exactly those bytes (docs/DESIGN.md, "On-disk
-format", "Atomic load" and "Storage": the mechanism, the guarantees, the alternatives).
+:class:`VerifyingFileSystemReader` reads each annotated record straight into its target, in
+chunks CRC32Ced as they arrive, and checks its CRC32C over exactly those bytes
+(docs/DESIGN.md, "On-disk format", "Atomic load" and "Storage": the mechanism, the
+guarantees, the alternatives).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import io
 import math
 import os
 import re
+import stat
 import struct
 import sys
 from collections.abc import Callable, Iterator
@@ -48,7 +50,6 @@ from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.errors import CheckpointCorruptedError, NotACheckpointError
 from lightning_megatron_fsdp.storage.checksums import (
     bytes_digest,
-    crc32c,
     crc32c_combine,
     crc32c_hex,
     file_digest,
@@ -83,6 +84,42 @@ RECORD_ATTR = "lmf_record"
 entry: ``{"crc32c": int}`` (absent without checksums) plus, for a tensor record,
 ``"payload": [local header offset, payload offset]`` (relative to the record) and
 ``"byteorder"``."""
+
+_WRITE_BEHIND = 16 << 20
+"""Bytes a local file's stream hands the kernel between asking it to start writing them
+to disk, so the final ``fsync`` finds most of the file already there instead of starting
+the whole write then (the CPU's checksums and copies overlap the disk's writes)."""
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """Linux's ``sync_file_range`` (not in :mod:`os`), or ``None`` where there is none.
+
+    Only a hint to begin writeback: durability still comes from the ``fsync`` after the
+    last write, so a platform without it, or a call that fails, changes no guarantee.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return cast(Callable[[int, int, int, int], int], function)
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages, do not wait
+
+
+def _regular_fd(file: Any) -> int | None:
+    """``file``'s descriptor when it has one of a regular file, else ``None``."""
+    try:
+        fd = file.fileno()
+        return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except (OSError, AttributeError, ValueError):  # io.UnsupportedOperation is an OSError
+        return None
+
 
 _LOCAL_HEADER = b"PK\x03\x04"
 _LOCAL_HEADER_SIZE = 30
@@ -120,12 +157,18 @@ class RecordStream(io.RawIOBase):
     DCP calls ``tell()`` right before and right after writing each item, so the bytes
     between two ``tell()`` calls are one record. Within a record, a 30-byte zip local
     header followed by a ``.../data/<n>`` name announces a tensor payload.
+
+    With ``write_behind`` and a local file, every :data:`_WRITE_BEHIND` bytes are handed
+    to the kernel with a request to start writing them to disk (the file is synced
+    after its last record all the same).
     """
 
-    def __init__(self, file: Any, checksum: bool) -> None:
+    def __init__(self, file: Any, checksum: bool, *, write_behind: bool = False) -> None:
         super().__init__()
         self._file = file
         self._checksum = checksum
+        self._fd = _regular_fd(file) if write_behind and _SYNC_FILE_RANGE else None
+        self._behind = 0  # bytes up to here were handed to the kernel's writeback
         self._position = 0
         self._start = 0
         self._crc = 0
@@ -146,6 +189,8 @@ class RecordStream(io.RawIOBase):
             self._crc = _crc32c_update(view, self._crc)
         self._file.write(view)
         self._position += size
+        if self._fd is not None and self._position - self._behind >= _WRITE_BEHIND:
+            self._write_behind()
         return size
 
     def write_raw(self, data: Any) -> None:
@@ -155,6 +200,17 @@ class RecordStream(io.RawIOBase):
             self._crc = _crc32c_update(data, self._crc)
         self._file.write(data)
         self._position += len(data) if isinstance(data, bytes) else memoryview(data).nbytes
+        if self._fd is not None and self._position - self._behind >= _WRITE_BEHIND:
+            self._write_behind()
+
+    def _write_behind(self) -> None:
+        """Ask the kernel to start writing the bytes since the last request to disk."""
+        assert self._fd is not None and _SYNC_FILE_RANGE is not None
+        self._file.flush()
+        _SYNC_FILE_RANGE(
+            self._fd, self._behind, self._position - self._behind, _SYNC_FILE_RANGE_WRITE
+        )
+        self._behind = self._position
 
     def add_storage(self, header: int, payload: int) -> None:
         """Note a tensor payload of the current record (offsets relative to its start)."""
@@ -231,6 +287,9 @@ class _RecordingFileSystem(FileSystemBase):
     def __init__(self, inner: FileSystemBase, checksum: bool) -> None:
         self.inner = inner
         self.checksum = checksum
+        self.write_behind = True
+        """Start writing local files to disk while they are written (the writer sets it to
+        its ``sync_files``: without a final ``fsync`` there is nothing to get ahead of)."""
         self.files: dict[str, WrittenFile] = {}
         self.records: dict[str, dict[int, Record]] = {}
 
@@ -241,7 +300,7 @@ class _RecordingFileSystem(FileSystemBase):
             if mode != "wb":
                 yield inner
                 return
-            stream = RecordStream(inner, self.checksum)
+            stream = RecordStream(inner, self.checksum, write_behind=self.write_behind)
             # On an exception the inner stream's own context closes or aborts the file
             # (closing it here would complete an object store's upload of a part).
             yield stream
@@ -371,6 +430,7 @@ class ChecksummingFileSystemWriter(_torch.OwnWriteLoopWriter):
     @override
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         exact = _ExactPlanner(planner)
+        self.fs.write_behind = self.sync_files
         written = super().write_data(plan, cast(SavePlanner, exact))
         for result in written.wait():
             self._annotate(result, exact.exact.get(result.index))
@@ -462,6 +522,29 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 _ReadAt = Callable[[list[Any], int], int]
 """Fill ``buffers`` from a file at ``offset``; returns the bytes read (short at its end)."""
+
+
+def _chunks(
+    pieces: list[tuple[int, memoryview]], limit: int
+) -> Iterator[list[tuple[int, memoryview]]]:
+    """``pieces`` (tagged views) cut into runs of at most ``limit`` bytes, in order, a view
+    split where a run ends; ``limit`` 0: one run of all of them."""
+    if limit <= 0:
+        yield pieces
+        return
+    chunk: list[tuple[int, memoryview]] = []
+    size = 0
+    for index, view in pieces:
+        while view.nbytes:
+            take = min(view.nbytes, limit - size)
+            chunk.append((index, view[:take]))
+            size += take
+            view = view[take:]
+            if size == limit:
+                yield chunk
+                chunk, size = [], 0
+    if chunk:
+        yield chunk
 
 
 def _read_stream_exact(stream: Any, buffers: list[Any], offset: int) -> int:
@@ -721,27 +804,47 @@ class VerifyingFileSystemReader(FileSystemReader):
         if batch:
             yield batch
 
+    read_chunk_bytes = 2 << 20
+    """A batch is read in requests of at most this many bytes, each CRC32Ced as soon as
+    it is read, while its bytes are still in the CPU's cache (one pass over memory for
+    both, not a read pass and then a checksum pass). ``0``: one request per batch."""
+
     def _read_batch(
         self, read_at: _ReadAt, name: str, batch: list[ReadItem], planner: LoadPlanner
     ) -> None:
-        """Read a run of adjacent records with one ``read_at``, then check each and hand it
-        to its target, in order."""
+        """Read a run of adjacent records, CRC32C each piece as it arrives, then check each
+        record and hand it to its target, in order."""
         progress = self.progress
         progress.current, progress.also = batch[0].dest_index.fqn, len(batch) - 1
-        buffers: list[Any] = []
-        finishers = []
-        for item in batch:
-            pieces, finish = self._prepare(name, item, planner)
-            buffers += pieces
+        buffers: list[tuple[int, memoryview]] = []  # (record in batch, piece)
+        finishers, checked = [], []
+        for index, item in enumerate(batch):
+            pieces, expected, finish = self._prepare(name, item, planner)
+            buffers += [(index, byte_view(piece)) for piece in pieces]
             finishers.append(finish)
+            checked.append(expected is not None)
+        crcs = [0] * len(batch)
         start = self.storage_data[batch[0].storage_index].offset
-        got = read_at(buffers, start)
+        got = 0
+        for chunk in _chunks(buffers, self.read_chunk_bytes):
+            wanted = sum(view.nbytes for _, view in chunk)
+            n = read_at([view for _, view in chunk], start + got)
+            got += n
+            left = n
+            for index, view in chunk:
+                if left <= 0:
+                    break
+                if checked[index]:
+                    crcs[index] = _crc32c_update(view[:left], crcs[index])
+                left -= view.nbytes
+            if n < wanted:
+                break  # the file ended
         for index, (item, finish) in enumerate(zip(batch, finishers, strict=True)):
             progress.current, progress.also = item.dest_index.fqn, len(batch) - 1 - index
             info = self.storage_data[item.storage_index]
             if got < info.offset + info.length - start:
                 raise self._truncated(name, item)
-            finish()
+            finish(crcs[index])
             progress.written += 1
             progress.last = item.dest_index.fqn
         progress.current, progress.also = None, 0
@@ -775,9 +878,10 @@ class VerifyingFileSystemReader(FileSystemReader):
 
     def _prepare(
         self, name: str, item: ReadItem, planner: LoadPlanner
-    ) -> tuple[list[Any], Callable[[], None]]:
-        """Where ``item``'s record is to be read (buffers covering it, in order) and what
-        checks it and hands it to its target once it is there."""
+    ) -> tuple[list[Any], int | None, Callable[[int], None]]:
+        """Where ``item``'s record is to be read (buffers covering it, in order), the
+        CRC32C to check it against (``None``: none), and what, given the CRC32C of the
+        bytes read, checks it and hands it to its target once it is there."""
         info = self.storage_data[item.storage_index]
         annotation = self._annotation(item)
         expected = annotation.get("crc32c") if self.verify else None
@@ -787,9 +891,11 @@ class VerifyingFileSystemReader(FileSystemReader):
             and annotation.get("byteorder") == sys.byteorder
             and not info.transform_descriptors
         ):
-            return self._prepare_payload(name, item, planner, annotation, expected)
+            pieces, finish = self._prepare_payload(name, item, planner, annotation, expected)
+            return pieces, expected, finish
         data = bytearray(info.length)
-        return [data], functools.partial(self._finish_record, name, item, planner, data, expected)
+        finish = functools.partial(self._finish_record, name, item, planner, data, expected)
+        return [data], expected, finish
 
     def _finish_record(
         self,
@@ -798,9 +904,10 @@ class VerifyingFileSystemReader(FileSystemReader):
         planner: LoadPlanner,
         data: bytearray,
         expected: int | None,
+        found: int,
     ) -> None:
         info = self.storage_data[item.storage_index]
-        if expected is not None and (found := crc32c(data)) != expected:
+        if expected is not None and found != expected:
             raise self._mismatch(name, item, found, expected)
         where = f"{self._display(name)}: {self._where(item)}"
         nbytes = None
@@ -837,7 +944,7 @@ class VerifyingFileSystemReader(FileSystemReader):
         planner: LoadPlanner,
         annotation: dict[str, Any],
         expected: int | None,
-    ) -> tuple[list[Any], Callable[[], None]]:
+    ) -> tuple[list[Any], Callable[[int], None]]:
         """A tensor record read as header, payload, trailer: the payload straight into the
         target when it is this exact chunk, else into a buffer."""
         info = self.storage_data[item.storage_index]
@@ -862,11 +969,9 @@ class VerifyingFileSystemReader(FileSystemReader):
         head, tail = bytearray(payload), bytearray(info.length - payload - nbytes)
         body = _tensor_bytes(chunk)
 
-        def finish() -> None:
-            if expected is not None:
-                found = crc32c(tail, crc32c(body, crc32c(head)))
-                if found != expected:
-                    raise self._mismatch(name, item, found, expected)
+        def finish(found: int) -> None:
+            if expected is not None and found != expected:
+                raise self._mismatch(name, item, found, expected)
             if not _is_storage_header(head, header, payload):
                 raise self._corrupted(
                     name,

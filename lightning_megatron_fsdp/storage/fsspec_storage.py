@@ -403,6 +403,7 @@ class VerifyingFsspecReader(VerifyingFileSystemReader):
     """
 
     batch_bytes = _RANGE  # one GET per run of adjacent records: requests cost, bytes less
+    read_chunk_bytes = 0  # a batch's bytes in that one GET
 
     def __init__(
         self, store: ObjectStore, path: str, *, verify: bool = True, trust_checkpoint: bool = False
