@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-import lightning_megatron_fsdp.checkpoint.save as checkpoint_parts
+import lightning_megatron_fsdp.checkpoint.io as checkpoint_parts
 from benchmarks.bench_save_load import (
     QUICK_WIDTH,
     WIDTH,
@@ -74,7 +74,8 @@ from benchmarks.bench_save_load import (
     save_state,
     timed,
 )
-from lightning_megatron_fsdp import MegatronFSDPCheckpointIO, tensor_records
+from lightning_megatron_fsdp import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.storage import records as tensor_records
 from tests.harness import run_distributed
 
 __all__ = ["VARIANTS", "format_table", "main", "run"]
