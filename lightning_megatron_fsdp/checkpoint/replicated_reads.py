@@ -3,20 +3,22 @@
 DCP reads every rank's chunks independently: a tensor replicated across ranks (HSDP's
 replica dimension, ``NO_SHARD``, a plain tensor such as Adam's ``step``, which every rank
 holds whole) is fetched once per replica, so 64 replicas pull 64 times the checkpoint from
-the bucket. Here each replicated target is read by one rank of its replica group, the
-reads of a group spread over its ranks by bytes, and after the read each reader
-broadcasts what it read to its group::
+the bucket. Here each replicated target is read by one rank of its replica group (a
+group's targets, in state-dict order, cut into one run of about equal bytes per rank, so
+each rank reads adjacent records), and after the read each reader broadcasts what it read
+to its group::
 
     HSDP (2, 1), tensors a b c d                 after dcp.load: broadcasts
-               reads            receives         rank 0 -> rank 1: a c
-    rank 0     a   c            b   d            rank 1 -> rank 0: b d
-    rank 1       b   d          a   c
+               reads        receives             rank 0 -> rank 1: a b
+    rank 0     a b          c d                  rank 1 -> rank 0: c d
+    rank 1     c d          a b
 
 A replica group is the process group of a DTensor's largest ``Replicate`` mesh dimension
 (its other replicate dimensions, if any, keep reading), and the load's group for plain
 tensors. Every rank of a group must hold the same targets for it, of the same chunks and
-dtypes; one all-gather of a digest per group checks that before reading, and a group whose
-ranks disagree (a rank without some optimizer state, say) reads as before, on every rank.
+dtypes: one all-gather over the load's ranks of each rank's digest per group checks that
+before reading, and a group whose ranks disagree (a rank without some optimizer state, say)
+reads as before, on every rank.
 Every record read is still checked against its CRC32C by its reader; the broadcasts
 carry what a check passed.
 
@@ -190,12 +192,18 @@ def _digest(descriptor: list[tuple[Any, ...]]) -> str:
 
 
 def _spread(replicas: _Group) -> None:
-    """Each target's reader: the largest first, each to the rank with the fewest bytes so
-    far (the lowest index on a tie); the same on every rank of the group."""
-    load = [0] * len(replicas.ranks)
-    for target in sorted(replicas.targets, key=lambda t: (-_nbytes(t.tensor), t.key)):
-        target.source = min(range(len(load)), key=load.__getitem__)
-        load[target.source] += _nbytes(target.tensor)
+    """Each target's reader: the targets, in state-dict order (the order a save writes
+    them), cut into one run per rank of about equal bytes, so each rank reads adjacent
+    records (one ranged request each where the store batches them); the same on every
+    rank of the group."""
+    total = sum(_nbytes(t.tensor) for t in replicas.targets)
+    count = len(replicas.ranks)
+    before = 0
+    for target in replicas.targets:
+        nbytes = _nbytes(target.tensor)
+        middle = before + nbytes // 2
+        target.source = min(count - 1, middle * count // total) if total else 0
+        before += nbytes
 
 
 def _nbytes(tensor: Tensor) -> int:
