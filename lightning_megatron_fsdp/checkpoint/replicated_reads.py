@@ -229,9 +229,10 @@ def _without(value: Any, path: str, dropped: set[str]) -> Any:
 
 
 def _bucket_device(group: dist.ProcessGroup) -> torch.device:
-    """CUDA where the group's backend is NCCL alone; CPU otherwise (gloo)."""
+    """CUDA where the group has an NCCL backend (GPU targets travel by NCCL); CPU
+    otherwise (gloo)."""
     backend = str(dist.get_backend(group))
-    if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
+    if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
