@@ -11,7 +11,7 @@ Asserted per layout: the tensor bytes the ranks' readers fetched together equal 
 checkpoint's tensor records (each once, not once per replica), every rank read some of
 them where there are replicas (the reads are spread), and every rank's targets hold the
 saved values bit for bit. Before the change each HSDP (2, 1) rank read every record, twice
-the checkpoint.
+the checkpoint (and both FSDP ranks Adam's ``step`` tensors).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
@@ -94,9 +95,12 @@ def _round_trip(rank: int, world_size: int, root: str, mesh: tuple[int, ...]) ->
     return out
 
 
-@pytest.mark.parametrize("mesh", [(2, 1), (2,)], ids=["hsdp-2x1", "fsdp-2"])
+@pytest.mark.parametrize("mesh", [(2, 1), (2, 2), (2,)], ids=["hsdp-2x1", "hsdp-2x2", "fsdp-2"])
 def test_replicated_records_are_read_once_per_load(tmp_path: Path, mesh: tuple[int, ...]) -> None:
-    per_rank = run_distributed(_round_trip, 2, str(tmp_path), mesh, timeout=TIMEOUT)
+    """(2, 2): two replica groups of model and Adam rows ({0, 2}, {1, 3}) and one of the
+    whole world (Adam's ``step``), broadcasting side by side."""
+    world_size = mesh[0] * mesh[-1] if len(mesh) == 2 else mesh[0]
+    per_rank = run_distributed(_round_trip, world_size, str(tmp_path), mesh, timeout=TIMEOUT)
     total = per_rank[0]["checkpoint"]
     assert total > 0
     for case in ("atomic=False", "atomic=True"):
@@ -104,7 +108,7 @@ def test_replicated_records_are_read_once_per_load(tmp_path: Path, mesh: tuple[i
             assert result[case]["differing"] == [], (case, rank)
         reads = [result[case]["read"] for result in per_rank]
         assert sum(reads) == total, (case, reads, total)
-        if mesh == (2, 1):  # every record has a replica: both ranks share the reading
+        if len(mesh) == 2:  # every record has a replica: every rank shares the reading
             assert all(reads), (case, reads)
 
 
@@ -115,3 +119,37 @@ def test_counting_sees_every_byte_a_single_rank_reads(tmp_path: Path) -> None:
         assert result[case]["differing"] == [], case
         assert result[case]["read"] == result["checkpoint"] > 0, case
         assert isinstance(result[case]["read"], int)
+
+
+def _plan_and_share(rank: int, world_size: int, extra: bool) -> dict[str, Any]:
+    """Plain tensors (replicated over the world): rank 0 holds ``c`` too where ``extra``."""
+    from lightning_megatron_fsdp.agreement import Ranks
+    from lightning_megatron_fsdp.checkpoint.replicated_reads import plan_replicated_reads
+
+    tensors = {k: torch.full((4,), float(rank), dtype=torch.float64) for k in "ab"}
+    if extra and rank == 0:
+        tensors["c"] = torch.zeros(2)
+    state = {"state_dict": tensors, "optimizer_states": [{"param_groups": [{"lr": 0.1}]}]}
+    keys = {"state_dict.a", "state_dict.b", "state_dict.c"}
+    planned = plan_replicated_reads(state, keys, Ranks.of())
+    kept = sorted(planned.state["state_dict"])
+    planned.share("test")
+    return {
+        "kept": kept,
+        "groups": len(planned.groups),
+        "values": {k: tensors[k][0].item() for k in "ab"},
+        "param_groups": planned.state["optimizer_states"][0]["param_groups"],
+    }
+
+
+def test_a_group_whose_ranks_hold_other_targets_reads_as_before() -> None:
+    agreed = run_distributed(_plan_and_share, 2, False, timeout=TIMEOUT)
+    # Each rank reads one of the two equal-sized tensors and receives the other.
+    assert [r["kept"] for r in agreed] == [["a"], ["b"]]
+    assert all(r["groups"] == 1 for r in agreed)
+    assert [r["values"] for r in agreed] == [{"a": 0.0, "b": 1.0}] * 2
+    assert all(r["param_groups"] == [{"lr": 0.1}] for r in agreed)
+    disagreed = run_distributed(_plan_and_share, 2, True, timeout=TIMEOUT)
+    assert [r["kept"] for r in disagreed] == [["a", "b", "c"], ["a", "b"]]
+    assert all(r["groups"] == 0 for r in disagreed)
+    assert [r["values"] for r in disagreed] == [{"a": 0.0, "b": 0.0}, {"a": 1.0, "b": 1.0}]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -45,6 +46,8 @@ from lightning_megatron_fsdp.agreement import LOST_PEER_HINT, PeerLostError, Ran
 from lightning_megatron_fsdp.megatron import CHUNK_ATTR
 
 __all__ = ["ReplicatedReads", "plan_replicated_reads"]
+
+log = logging.getLogger(__name__)
 
 #: Bytes one broadcast carries at most.
 _BUCKET_BYTES = 256 * 1024 * 1024
@@ -119,16 +122,20 @@ def plan_replicated_reads(
         return ReplicatedReads(state, [])
     load_ranks = tuple(dist.get_process_group_ranks(ranks.group))
     groups: dict[tuple[int, ...], _Group] = {}
-    for key, value in _tensors(state, ""):
-        if key not in keys:
-            continue
-        found = _replica_group(value, ranks.group, load_ranks)
-        if found is None:
-            continue
-        group, members, tensor, chunk = found
-        replicas = groups.setdefault(members, _Group(group, members))
-        replicas.targets.append(_Target(key, tensor))
-        replicas.descriptor.append((key, chunk, str(tensor.dtype), tensor.numel()))
+    try:
+        for key, value in _tensors(state, ""):
+            if key not in keys:
+                continue
+            found = _replica_group(value, ranks.group, load_ranks)
+            if found is None:
+                continue
+            group, members, tensor, chunk = found
+            replicas = groups.setdefault(members, _Group(group, members))
+            replicas.targets.append(_Target(key, tensor))
+            replicas.descriptor.append((key, chunk, str(tensor.dtype), tensor.numel()))
+    except Exception as err:  # this rank reads all its targets; its groups' peers too
+        log.warning("Every rank reads the replicated tensors it loads: %s", describe(err))
+        groups = {}
     digests = {m: _digest(g.descriptor) for m, g in groups.items()}
     try:
         every = ranks.all_gather(digests)
