@@ -55,6 +55,8 @@ _BUCKET_BYTES = 256 * 1024 * 1024
 
 @dataclasses.dataclass
 class _Target:
+    """One replicated target and the rank of its group that reads it."""
+
     key: str
     """DCP's flat key (``state_dict.w``, ``optimizer_states.0.state.w.exp_avg``)."""
     tensor: Tensor
@@ -65,6 +67,9 @@ class _Target:
 
 @dataclasses.dataclass
 class _Group:
+    """The replicated targets this rank shares with the ranks of one process group, and
+    what its ranks compare (key, chunk, dtype, elements per target)."""
+
     group: dist.ProcessGroup
     ranks: tuple[int, ...]
     targets: list[_Target] = dataclasses.field(default_factory=list)
