@@ -24,6 +24,7 @@ _EXPORTS = {
     "confined_files": (
         "FileWindow",
         "SeekableStream",
+        "check_plain_name",
         "create_exclusive",
         "open_regular",
         "read_regular",
@@ -66,6 +67,7 @@ _EXPORTS = {
         "open_store",
     ),
     "safe_unpickling": (
+        "check_dcp_metadata",
         "check_tensor_record",
         "inflate_record",
         "is_tensor_entry",
