@@ -24,7 +24,6 @@ _EXPORTS = {
     "confined_files": (
         "FileWindow",
         "SeekableStream",
-        "check_plain_name",
         "create_exclusive",
         "open_regular",
         "read_regular",
