@@ -114,6 +114,7 @@ def _reads(metadata: Metadata, key: str, local: list[ChunkStorageMetadata]) -> l
     )
 
 
+@pytest.mark.both_versions
 def test_a_rank_gets_the_chunks_it_reads_and_dcp_plans_the_same_reads() -> None:
     metadata, _ = _synthetic()
     slices = _sent(MetadataSlices.cut(metadata, source="synthetic"))
@@ -141,6 +142,7 @@ def _crafted(slices: MetadataSlices, key: str, row: int, column: int, value: int
     )
 
 
+@pytest.mark.both_versions
 @pytest.mark.parametrize(
     ("column", "value", "says"),
     [
@@ -165,6 +167,7 @@ def test_a_crafted_table_is_refused_naming_the_key(column: int, value: int, says
     _assembled(_sent(slices))  # the intact slices fill
 
 
+@pytest.mark.both_versions
 def test_a_crafted_file_name_or_table_shape_is_refused_naming_the_key() -> None:
     metadata, _ = _synthetic()
     slices = MetadataSlices.cut(metadata, source="synthetic")
