@@ -22,8 +22,11 @@ at every size:
   and cutting it once (``checkpoint.metadata_slices``) and each rank assembling the keys it
   holds (its own local plan's keys), in CPU seconds.
 
-    python -m benchmarks.bench_planning [--ranks 64 256 1024 2048 4096 8192] [--no-dcp]
+    python -m benchmarks.bench_planning [--ranks 64 128 ... 8192] [--no-dcp | --dcp-up-to N]
         [--no-load]
+
+Growth per 2x ranks and DCP / ours are ratios of CPU seconds: on a shared machine the wall
+times carry other jobs' load.
 """
 
 from __future__ import annotations
@@ -209,9 +212,10 @@ def measure(world: int, dcp: bool, load: bool = True) -> dict[str, Any]:
 
 def measure_load(data: bytes, plans: list[SavePlan]) -> dict[str, Any]:
     """A load's metadata work: every rank parsing the whole ``.metadata`` (plain pickle and
-    the allow-list reader), against rank 0 parsing and cutting it once and each rank
-    assembling its part (the skeleton and its keys' slices; a few ranks sampled, the one
-    holding the most keys among them); CPU seconds."""
+    the allow-list reader), against rank 0 parsing, checking and cutting it once and each
+    rank unpickling what the first round broadcasts, the skeleton, and its keys' tables,
+    checked, with DCP's objects for the chunks overlapping its own (its local plan's chunks;
+    a few ranks sampled, the slowest reported); CPU seconds."""
     began = time.process_time()
     pickle.loads(data)
     plain = time.process_time() - began
@@ -222,53 +226,69 @@ def measure_load(data: bytes, plans: list[SavePlan]) -> dict[str, Any]:
     allow_list = time.process_time() - began
     slices = MetadataSlices.cut(metadata, source=source)
     once = time.process_time() - began
-    del metadata
+    sent = pickle.dumps(slices, protocol=pickle.HIGHEST_PROTOCOL)
+    del metadata, slices
     gc.collect()
     world = len(plans)
-    per_rank = []
+    per_rank, received, built = [], [], []
     for rank in sorted({0, world // 3, world // 2, world - 1}):
-        keys = {item.index.fqn for item in plans[rank].items}
+        local: dict[str, list[Any]] = {}
+        for item in plans[rank].items:
+            local.setdefault(item.index.fqn, []).append(item.tensor_data.chunk)
         began = time.process_time()
+        slices = pickle.loads(sent)
+        unpickled = time.process_time() - began
         assembled = slices.skeleton_metadata(trust=False)
-        for key in keys:
-            slices.fill(assembled, key, trust=False)
+        for key, chunks in local.items():
+            slices.fill(assembled, key, chunks)
         per_rank.append(time.process_time() - began)
+        received.append(unpickled)
+        built.append(len(assembled.storage_data))
+        del slices, assembled
     return {
         "plain_s": plain,
         "allow_list_s": allow_list,
         "once_s": once,
-        "slices_mb": (len(slices.skeleton) + sum(map(len, slices.keys.values()))) / 1e6,
+        "slices_mb": len(sent) / 1e6,
         "rank_s": max(per_rank),
+        "received_s": max(received),
+        "built": max(built),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 2048, 4096, 8192])
+    parser.add_argument(
+        "--ranks", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    )
     parser.add_argument(
         "--no-dcp", action="store_true", help="skip DCP's default planner (the slow reference)"
+    )
+    parser.add_argument(
+        "--dcp-up-to", type=int, default=None, help="run DCP's planner only up to this many ranks"
     )
     parser.add_argument("--no-load", action="store_true", help="skip the load's table")
     args = parser.parse_args()
     print(
         "| ranks | records | plans gathered MB | plans scattered MB | first save: DCP s "
-        "(CPU s) | first save: ours s (CPU s) | DCP / ours | ours x per 2x ranks "
+        "(CPU s) | first save: ours s (CPU s) | DCP / ours (CPU) | ours x per 2x ranks (CPU) "
         "| later saves s | cached MB moved | .metadata MB |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     previous: tuple[int, float] | None = None
     rows = []
     for world in args.ranks:
-        r = measure(world, not args.no_dcp, not args.no_load)
+        dcp = not args.no_dcp and (args.dcp_up_to is None or world <= args.dcp_up_to)
+        r = measure(world, dcp, not args.no_load)
         rows.append(r)
         growth = "-"
         if previous is not None and world == 2 * previous[0]:
-            growth = f"{r['plan_s'] / previous[1]:.2f}"
-        previous = (world, r["plan_s"])
+            growth = f"{r['plan_cpu'] / previous[1]:.2f}"
+        previous = (world, r["plan_cpu"])
         print(
             f"| {r['ranks']} | {r['items']} | {r['plans_mb']:.1f} | {r['scatter_mb']:.1f} "
             f"| {r['dcp_s']:.2f} ({r['dcp_cpu']:.2f}) | {r['plan_s']:.2f} ({r['plan_cpu']:.2f}) "
-            f"| {r['dcp_s'] / r['plan_s']:.1f} "
+            f"| {r['dcp_cpu'] / r['plan_cpu']:.1f} "
             f"| {growth} | {r['cached_s']:.4f} | {r['cached_mb']:.2f} | {r['metadata_mb']:.1f} |",
             flush=True,
         )
@@ -276,15 +296,17 @@ def main() -> None:
     print(
         "\n| ranks | .metadata MB | before: read from storage per load GB | before: per-rank "
         "parse CPU s (plain pickle / allow-list) | after: read per load GB | after: rank 0 "
-        "parse + cut CPU s | after: slices MB sent in round 1 | after: per-rank assembly CPU s "
-        "(max of 4 ranks) |"
+        "parse + cut CPU s | after: MB sent in round 1 | after: per-rank assembly CPU s "
+        "(max of 4 ranks; of which unpickling round 1) | after: storage entries built per "
+        "rank |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows if not args.no_load else []:
         print(
             f"| {r['ranks']} | {r['metadata_mb']:.1f} | {r['ranks'] * r['metadata_mb'] / 1e3:.2f} "
             f"| {r['plain_s']:.2f} / {r['allow_list_s']:.2f} | {r['metadata_mb'] / 1e3:.3f} "
-            f"| {r['once_s']:.2f} | {r['slices_mb']:.1f} | {r['rank_s']:.3f} |"
+            f"| {r['once_s']:.2f} | {r['slices_mb']:.1f} | {r['rank_s']:.3f} "
+            f"({r['received_s']:.3f}) | {r['built']} |"
         )
 
 

@@ -241,6 +241,14 @@ def storage_info(relative_path: str, offset: int, length: int) -> Any:
     return _filesystem._StorageInfo(relative_path, offset, length)
 
 
+def local_chunks(value: torch.Tensor) -> list[Any]:
+    """The chunks of its global tensor that ``value`` (a tensor, DTensor or sharded tensor)
+    holds on this rank, as DCP's load planner computes them to plan the reads."""
+    from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
+
+    return _create_chunk_list(value)
+
+
 def metadata_path(reader: FileSystemReader, rank: int | None = None) -> str:
     """Where ``reader`` reads ``.metadata`` (or DCP's per-rank metadata) from."""
     return cast(str, reader._get_metadata_path(rank))

@@ -302,9 +302,7 @@ def read_checkpoint(
                 view,
                 storage_reader=reader,
                 planner=(
-                    SlicedLoadPlanner(
-                        opened.slices, trust=options.trust_checkpoint, allow_partial_load=not strict
-                    )
+                    SlicedLoadPlanner(opened.slices, allow_partial_load=not strict)
                     if opened.slices is not None and isinstance(reader, VerifyingFileSystemReader)
                     else DefaultLoadPlanner(allow_partial_load=not strict)
                 ),

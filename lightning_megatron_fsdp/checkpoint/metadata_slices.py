@@ -5,31 +5,74 @@ it runs to hundreds of megabytes, and a load in which every rank reads and unpic
 reads it from shared storage once per rank and puts a full parse on every rank's critical
 path. Instead rank 0 reads it (its digest checked against the manifest), unpickles it
 through the allow-list reader with every field check, and cuts it into a skeleton (every
-key with its size and properties, no chunks, no storage entries) and one slice per key (the
-key's chunks and their storage entries), each pickled on its own; the load's first round
-hands the slices to every rank. A rank unpickles the skeleton and the slices of the keys
-it holds elements of, each through the same allow-list reader and checks, so its work
-follows what it reads, not the world size. A key whose local part is empty keeps no
-chunks: DCP plans no read for it either way.
+key with its size and properties, no chunks, no storage entries, pickled) and one table
+per key: a row of int64 per chunk (its offsets and sizes and its record's file, offset,
+length, transforms and annotation, files and transforms as indices into tables of strings
+the keys share), plain numbers, no pickled objects. The load's first round hands them to
+every rank. A rank unpickles the skeleton through the allow-list reader and, for each key
+it holds elements of, selects in one tensor operation the rows whose chunks overlap what
+it loads (the only chunks DCP's load planner reads: DCP tests each saved chunk against
+each local one the same way), builds DCP's objects for those alone and runs the allow-list
+reader's field checks on them. Its work follows what it reads, not the world size, though
+a packed buffer split across every rank gives some keys a chunk per rank. A key whose
+local part is empty keeps no chunks: DCP plans no read for it either way.
+
+          chunk           its record                       its annotation
+       offsets sizes  present file offset length transf.  annotated crc32c payload  order
+  row  [0, 0]  [4, 8]    1     3     0     640     -1        1      ...   512 1024    0
+  row  [4, 0]  [4, 8]    1     9     0     640     -1        1      ...   512 1024    0
+
+Rejected: per-key pickles of DCP's objects, unpickled by every rank through the allow-list
+reader (each rank rebuilt every chunk of its keys, a chunk per rank for a packed buffer, so
+its time grew with the world size); checking every row of a key's table by value on every
+rank (whole-table tensor operations cost more than the few rows a rank builds).
 """
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import pickle
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_megatron_fsdp import _torch
-from lightning_megatron_fsdp.storage import load_dcp_metadata
+from lightning_megatron_fsdp.errors import CheckpointCorruptedError
+from lightning_megatron_fsdp.storage import check_dcp_metadata, load_dcp_metadata
 
-__all__ = ["MetadataSlices", "SlicedLoadPlanner"]
+__all__ = ["KeyTable", "MetadataSlices", "SlicedLoadPlanner"]
+
+_RECORD = 10  # a row's columns after the chunk's offsets and sizes
+_PRESENT, _FILE, _OFFSET, _LENGTH, _TRANSFORMS = range(5)
+_ANNOTATED, _CRC, _PAYLOAD, _PAYLOAD_END, _BYTEORDER = range(5, 10)
+_BYTEORDERS = ("little", "big")
+_RECORD_ATTR = "lmf_record"  # the annotation our writer sets on a storage entry
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyTable:
+    """One key's chunks and their storage entries, as int64 rows (see the module docstring).
+
+    Attributes:
+        ndim: The key's dimensions (0 for bytes).
+        rows: ``n`` rows of ``2 * ndim + 10`` native int64: a tensor's chunks in
+            ``.metadata``'s order, or a bytes entry's one record.
+    """
+
+    ndim: int
+    rows: bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,13 +83,16 @@ class MetadataSlices:
         source: The file, for messages.
         skeleton: The metadata with every tensor's chunk list empty and no storage entries,
             pickled.
-        keys: Per key, a metadata of that key alone with its chunks and storage entries,
-            pickled.
+        keys: Per key, its table.
+        files: The record files the tables index.
+        transforms: The transform descriptors the tables index.
     """
 
     source: str
     skeleton: bytes
-    keys: dict[str, bytes]
+    keys: dict[str, KeyTable]
+    files: tuple[str, ...]
+    transforms: tuple[tuple[str, ...], ...]
 
     @classmethod
     def cut(cls, metadata: Metadata, *, source: str) -> MetadataSlices:
@@ -55,7 +101,26 @@ class MetadataSlices:
         records: dict[str, dict[Any, Any]] = {key: {} for key in entries}
         for index, info in metadata.storage_data.items():
             if index.fqn in records:  # an entry of no key is never read
-                records[index.fqn][index] = info
+                offset = index.offset
+                records[index.fqn][None if offset is None else tuple(offset)] = info
+        files: dict[str, int] = {}
+        transforms: dict[tuple[str, ...], int] = {}
+        keys = {}
+        for key, entry in entries.items():
+            found = records[key]
+            flat = array.array("q")
+            if isinstance(entry, TensorStorageMetadata):
+                ndim = len(entry.size)
+                for chunk in entry.chunks:
+                    offsets = tuple(chunk.offsets)
+                    flat.extend(offsets)
+                    flat.extend(chunk.sizes)
+                    flat.extend(_record_row(found.get(offsets), files, transforms))
+            else:
+                ndim = 0
+                if None in found:
+                    flat.extend(_record_row(found[None], files, transforms))
+            keys[key] = KeyTable(ndim, flat.tobytes())
         skeleton = {
             key: dataclasses.replace(entry, chunks=[])
             if isinstance(entry, TensorStorageMetadata)
@@ -66,13 +131,9 @@ class MetadataSlices:
         return cls(
             source,
             pickle.dumps(common, protocol=pickle.HIGHEST_PROTOCOL),
-            {
-                key: pickle.dumps(
-                    Metadata({key: entry}, storage_data=records[key]),
-                    protocol=pickle.HIGHEST_PROTOCOL,
-                )
-                for key, entry in entries.items()
-            },
+            keys,
+            tuple(files),
+            tuple(transforms),
         )
 
     def skeleton_metadata(self, *, trust: bool) -> Metadata:
@@ -83,19 +144,135 @@ class MetadataSlices:
         """
         return load_dcp_metadata(self.skeleton, source=self.source, trust=trust)
 
-    def fill(self, metadata: Metadata, key: str, *, trust: bool) -> None:
-        """Give ``key``'s entry in ``metadata`` (a skeleton) its chunks and storage entries,
-        through the allow-list reader and its checks.
+    def fill(
+        self,
+        metadata: Metadata,
+        key: str,
+        local: Sequence[ChunkStorageMetadata] | None = None,
+    ) -> None:
+        """Give ``key``'s entry in ``metadata`` (a skeleton) its chunks that overlap
+        ``local`` (all of them for ``None``) and their storage entries, checked as the
+        allow-list reader checks them.
 
         Raises:
-            CheckpointCorruptedError: As ``load_dcp_metadata``.
+            CheckpointCorruptedError: If the table or what it describes is malformed,
+                naming ``key``.
         """
-        blob = self.keys.get(key)
-        if blob is None:
+        table = self.keys.get(key)
+        if table is None:
             return
-        part = load_dcp_metadata(blob, source=self.source, trust=trust)
-        metadata.state_dict_metadata[key] = part.state_dict_metadata[key]
-        metadata.storage_data.update(part.storage_data)
+        entry = metadata.state_dict_metadata.get(key)
+        tensor = isinstance(entry, TensorStorageMetadata)
+        if not tensor and not isinstance(entry, BytesStorageMetadata):
+            raise self._malformed(key, "a table for a key the skeleton does not hold")
+        ndim = len(entry.size) if tensor else 0
+        width = 2 * ndim + _RECORD
+        if (
+            type(table) is not KeyTable
+            or table.ndim != ndim
+            or not isinstance(table.rows, bytes)
+            or len(table.rows) % (8 * width)
+            or (not tensor and len(table.rows) > 8 * width)
+        ):
+            raise self._malformed(key, "its table of chunks is malformed")
+        rows = torch.frombuffer(bytearray(table.rows), dtype=torch.int64).view(-1, width)
+        if tensor and local is not None and ndim:
+            rows = rows[_overlapping(rows, local, ndim)]
+        chunks = []
+        storage = {}
+        for row in rows.tolist():
+            offsets = None
+            if tensor:
+                offsets = torch.Size(row[:ndim])
+                chunks.append(ChunkStorageMetadata(offsets, torch.Size(row[ndim : 2 * ndim])))
+            record = row[2 * ndim :]
+            if record[_PRESENT] not in (0, 1):
+                raise self._malformed(key, "its table of chunks is malformed")
+            if record[_PRESENT]:
+                storage[MetadataIndex(key, offsets)] = self._storage_info(key, record)
+        filled = dataclasses.replace(entry, chunks=chunks) if tensor else entry
+        # What the allow-list reader checks of these chunks and entries.
+        check_dcp_metadata(
+            Metadata({key: filled}, storage_data=storage),
+            source=self.source,
+            check_planner_data=False,
+        )
+        metadata.state_dict_metadata[key] = filled
+        metadata.storage_data.update(storage)
+
+    def _storage_info(self, key: str, record: list[int]) -> Any:
+        """The storage entry ``record`` (a row's record columns) describes."""
+        if not (
+            0 <= record[_FILE] < len(self.files)
+            and -1 <= record[_TRANSFORMS] < len(self.transforms)
+            and record[_ANNOTATED] in (0, 1)
+            and -1 <= record[_BYTEORDER] < len(_BYTEORDERS)
+            and (record[_ANNOTATED] or record[_CRC : _BYTEORDER + 1] == [-1] * 4)
+        ):
+            raise self._malformed(key, "a storage entry is malformed")
+        info = _torch.storage_info(self.files[record[_FILE]], record[_OFFSET], record[_LENGTH])
+        if record[_TRANSFORMS] >= 0:
+            info.transform_descriptors = list(self.transforms[record[_TRANSFORMS]])
+        if record[_ANNOTATED]:
+            annotation: dict[str, Any] = {}
+            if record[_CRC] != -1:
+                annotation["crc32c"] = record[_CRC]
+            if record[_PAYLOAD] != -1 or record[_PAYLOAD_END] != -1:
+                annotation["payload"] = [record[_PAYLOAD], record[_PAYLOAD_END]]
+            if record[_BYTEORDER] != -1:
+                annotation["byteorder"] = _BYTEORDERS[record[_BYTEORDER]]
+            setattr(info, _RECORD_ATTR, annotation)
+        return info
+
+    def _malformed(self, key: str, problem: str) -> CheckpointCorruptedError:
+        return CheckpointCorruptedError(
+            f"{self.source}: malformed DCP metadata: {key!r}: {problem}. The checkpoint is "
+            "damaged or crafted; use another one."
+        )
+
+
+def _record_row(
+    info: Any, files: dict[str, int], transforms: dict[tuple[str, ...], int]
+) -> tuple[int, ...]:
+    """A table row's record columns for ``info`` (a storage entry, or ``None``)."""
+    if info is None:
+        return (0, 0, 0, 0, -1, 0, -1, -1, -1, -1)
+    name = info.relative_path
+    file = files.setdefault(name, len(files))
+    descriptors = getattr(info, "transform_descriptors", None)
+    transform = (
+        -1 if descriptors is None else transforms.setdefault(tuple(descriptors), len(transforms))
+    )
+    annotation = getattr(info, _RECORD_ATTR, None)
+    if annotation is None:
+        return (1, file, info.offset, info.length, transform, 0, -1, -1, -1, -1)
+    payload = annotation.get("payload") or (-1, -1)
+    byteorder = annotation.get("byteorder")
+    return (
+        1,
+        file,
+        info.offset,
+        info.length,
+        transform,
+        1,
+        annotation.get("crc32c", -1),
+        payload[0],
+        payload[1],
+        -1 if byteorder is None else _BYTEORDERS.index(byteorder),
+    )
+
+
+def _overlapping(
+    rows: torch.Tensor, local: Sequence[ChunkStorageMetadata], ndim: int
+) -> torch.Tensor:
+    """Which ``rows`` hold a chunk that overlaps one of ``local`` (DCP's test of a saved
+    chunk against a local one: overlapping along every dimension)."""
+    if not local:
+        return torch.zeros(len(rows), dtype=torch.bool)
+    wanted = torch.tensor([[*c.offsets, *c.sizes] for c in local], dtype=torch.int64)
+    start, size = rows[:, None, :ndim], rows[:, None, ndim : 2 * ndim]
+    lo, extent = wanted[None, :, :ndim], wanted[None, :, ndim:]
+    return ((start < lo + extent) & (lo < start + size)).all(dim=2).any(dim=1)
 
 
 def _holds_elements(value: Any) -> bool:
@@ -110,12 +287,12 @@ def _holds_elements(value: Any) -> bool:
 class SlicedLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, given the skeleton of :class:`MetadataSlices` by the
     reader: before DCP plans this rank's reads (and the reader checks its records), the
-    skeleton's entries of the keys this rank holds elements of get their chunks."""
+    skeleton's entries of the keys this rank holds elements of get the chunks that overlap
+    what this rank loads of them."""
 
-    def __init__(self, slices: MetadataSlices, *, trust: bool, allow_partial_load: bool) -> None:
+    def __init__(self, slices: MetadataSlices, *, allow_partial_load: bool) -> None:
         super().__init__(allow_partial_load=allow_partial_load)
         self.slices = slices
-        self.trust = trust
 
     @override
     def set_up_planner(
@@ -129,4 +306,5 @@ class SlicedLoadPlanner(DefaultLoadPlanner):
             flat: Mapping[str, Any] = self.state_dict
             for key, value in flat.items():
                 if _holds_elements(value):
-                    self.slices.fill(metadata, key, trust=self.trust)
+                    local = _torch.local_chunks(value) if isinstance(value, torch.Tensor) else None
+                    self.slices.fill(metadata, key, local)

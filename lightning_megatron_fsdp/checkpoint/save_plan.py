@@ -10,7 +10,10 @@ thousands of ranks, keeps every chunk open in that sweep, so it compares every p
 the same ``.metadata``, byte for byte, in time linear in the records: dedup resolves only the
 records more than one rank holds, each item is copied shallowly with its hint, and the
 validation sweeps along the dimension in which the chunks are spread most, where row ranges
-that tile a tensor keep one chunk open at a time. It still refuses chunks that overlap, leave
+that tile a tensor keep one chunk open at a time (and, where no two extents along it meet,
+none is compared at all). The garbage collector stays out of it (see
+:func:`_collector_paused`): its passes over the growing plan made the time grow faster than
+the records. It still refuses chunks that overlap, leave
 a hole or fall outside their tensor, with one error naming the tensor.
 """
 
@@ -19,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import math
+import operator
 from bisect import bisect_right, insort
 from collections.abc import Iterator
 from typing import Any
@@ -63,13 +68,19 @@ def global_save_plan(
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off (as it was, after): planning allocates a few
-    acyclic objects per record, and each of the collector's full passes, triggered by those
-    allocations, would walk every object of the growing plan again and again."""
+    acyclic objects per record, and each of the collector's passes, triggered by those
+    allocations, would walk every object of the growing plan again and again. On the way
+    out the plan joins the oldest generation unscanned (a freeze and a thaw, where nothing
+    was frozen before): it outlives the save (DCP caches it), and the first allocation
+    after re-enabling would otherwise scan every object allocated meanwhile as young."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        if gc.get_freeze_count() == 0:
+            gc.freeze()
+            gc.unfreeze()
         if enabled:
             gc.enable()
 
@@ -80,28 +91,31 @@ def _global_save_plan(
     plans = _dedup(all_plans, to_lowest_rank)
     entries: dict[str, Any] = {}
     global_plan = []
+    byte_io, shard = WriteItemType.BYTE_IO, WriteItemType.SHARD
     for plan in plans:
         items = []
         for item in plan.items:
             fqn = item.index.fqn
-            if item.type == WriteItemType.BYTE_IO:
+            if item.type is byte_io:
                 if fqn in entries:
                     raise AssertionError(f"`{fqn}`: two ranks write it as bytes, undeduplicated")
                 entries[fqn] = BytesStorageMetadata()
                 items.append(item)
                 continue
             data = item.tensor_data
-            if data is None or data.chunk is None:
+            chunk = None if data is None else data.chunk
+            if chunk is None:
                 raise AssertionError(f"`{fqn}`: a tensor write without its chunk")
             entry = entries.get(fqn)
             if entry is None:
                 entry = entries[fqn] = TensorStorageMetadata(
                     properties=data.properties, size=data.size, chunks=[]
                 )
-            elif item.type != WriteItemType.SHARD:
+            elif item.type is not shard:
                 raise AssertionError(f"`{fqn}`: two ranks write it whole, undeduplicated")
-            items.append(_with_hint(item, len(entry.chunks)))
-            entry.chunks.append(data.chunk)
+            chunks = entry.chunks
+            items.append(_with_hint(item, len(chunks)))
+            chunks.append(chunk)
         global_plan.append(dataclasses.replace(plan, items=items))
     metadata = Metadata(entries)
     if merge_planner_data:
@@ -126,35 +140,41 @@ def _dedup(all_plans: list[SavePlan], to_lowest_rank: bool) -> list[SavePlan]:
     """DCP's ``dedup_save_plans``, with its choices (and ties) exactly: a record several
     ranks hold stays in one plan, chosen in the order the records first appear. Only those
     records are resolved; a record one rank holds just counts towards its plan's size."""
-    first: dict[MetadataIndex, int] = {}
-    shared: dict[MetadataIndex, tuple[set[int], WriteItem]] = {}
+    # Keyed by (fqn, offset), what ``MetadataIndex`` compares, hashed without a call.
+    first: dict[tuple[str, Any], int] = {}
+    shared: dict[tuple[str, Any], tuple[set[int], WriteItem]] = {}
     for rank, plan in enumerate(all_plans):
         for item in plan.items:
+            index = item.index
+            key = (index.fqn, index.offset)
             known = len(first)
-            holder = first.setdefault(item.index, rank)
+            holder = first.setdefault(key, rank)
             if len(first) == known:  # seen before, here or on another rank
-                holders = shared[item.index][0] if item.index in shared else {holder}
+                holders = shared[key][0] if key in shared else {holder}
                 holders.add(rank)
-                shared[item.index] = (holders, item)  # DCP sizes the last one seen
+                shared[key] = (holders, item)  # DCP sizes the last one seen
     if not shared:
         return all_plans
     sizes = [0] * len(all_plans)
-    dropped: list[set[MetadataIndex]] = [set() for _ in all_plans]
-    resolved: set[MetadataIndex] = set()
+    dropped: list[set[tuple[str, Any]]] = [set() for _ in all_plans]
+    resolved: set[tuple[str, Any]] = set()
     for rank, plan in enumerate(all_plans):
         for item in plan.items:
-            entry = shared.get(item.index)
+            key = (item.index.fqn, item.index.offset)
+            entry = shared.get(key)
             if entry is None:
                 sizes[rank] += _storage_size(item)
-            elif item.index not in resolved:
-                resolved.add(item.index)
+            elif key not in resolved:
+                resolved.add(key)
                 holders, last = entry
                 chosen = min(holders) if to_lowest_rank else min(holders, key=sizes.__getitem__)
                 sizes[chosen] += _storage_size(last)
                 for other in holders - {chosen}:
-                    dropped[other].add(item.index)
+                    dropped[other].add(key)
     return [
-        dataclasses.replace(plan, items=[i for i in plan.items if i.index not in gone])
+        dataclasses.replace(
+            plan, items=[i for i in plan.items if (i.index.fqn, i.index.offset) not in gone]
+        )
         if gone
         else plan
         for plan, gone in zip(all_plans, dropped, strict=True)
@@ -174,47 +194,74 @@ def _with_hint(item: WriteItem, hint: int) -> WriteItem:
     ``dataclasses.replace`` gives (both objects are frozen dataclasses; shallow copies share
     the chunk and properties as DCP's do)."""
     index = object.__new__(MetadataIndex)
-    vars(index).update(vars(item.index))
-    vars(index)["index"] = hint
+    fields = item.index.__dict__.copy()
+    fields["index"] = hint
+    object.__setattr__(index, "__dict__", fields)
     copied = object.__new__(WriteItem)
-    vars(copied).update(vars(item))
-    vars(copied)["index"] = index
+    fields = item.__dict__.copy()
+    fields["index"] = index
+    object.__setattr__(copied, "__dict__", fields)
     return copied
 
 
 def _tiling_problem(entry: TensorStorageMetadata, *, whole: bool) -> str | None:
     """What is wrong with ``entry``'s chunks (out of bounds, overlapping, or, if
-    ``whole``, not covering the tensor), or ``None``: DCP's checks, in a sweep along the
-    dimension with the most distinct chunk offsets."""
+    ``whole``, not covering the tensor), or ``None``: DCP's checks, per dimension over
+    columns of offsets and sizes, then a sweep along the dimension with the most distinct
+    chunk offsets. Chunks whose extents along it do not meet (row ranges) need no pair
+    compared; only where they meet are the chunks compared pairwise."""
     size = tuple(entry.size)
     if not size:
         return None
     chunks = entry.chunks
-    dims = range(len(size))
-    volume = 0
-    for chunk in chunks:
-        offsets, sizes = chunk.offsets, chunk.sizes
-        for d in dims:
-            if offsets[d] < 0 or sizes[d] < 0 or offsets[d] + sizes[d] > size[d]:
-                return f"include {_box(chunk)}, outside the tensor"
-        volume += math.prod(sizes)
+    offsets = [chunk.offsets for chunk in chunks]
+    sizes = [chunk.sizes for chunk in chunks]
+    if {*map(len, offsets), *map(len, sizes)} - {len(size)}:
+        bad = next(c for c in chunks if not len(c.offsets) == len(c.sizes) == len(size))
+        return f"include {_box(bad)}, outside the tensor"
+    starts = [[o[d] for o in offsets] for d in range(len(size))]
+    lengths = [[n[d] for n in sizes] for d in range(len(size))]
+    ends = [list(map(operator.add, starts[d], lengths[d])) for d in range(len(size))]
+    for d, extent in enumerate(size):
+        if min(starts[d]) < 0 or min(lengths[d]) < 0 or max(ends[d]) > extent:
+            bad = next(
+                c
+                for c in chunks
+                if min(c.offsets) < 0
+                or min(c.sizes) < 0
+                or not all(map(operator.le, map(operator.add, c.offsets, c.sizes), size))
+            )
+            return f"include {_box(bad)}, outside the tensor"
+    volume = sum(map(math.prod, sizes))
     if len(chunks) > 1:
-        spread = [len({c.offsets[d] for c in chunks}) for d in dims]
-        sweep = max(dims, key=lambda d: (spread[d], size[d]))
-        order = sorted(
-            range(len(chunks)), key=lambda i: (chunks[i].offsets[sweep], *chunks[i].offsets)
-        )
-        active: list[tuple[int, int]] = []  # (end along the sweep, chunk), sorted
-        for i in order:
-            current = chunks[i]
-            start = current.offsets[sweep]
-            del active[: bisect_right(active, (start, len(chunks)))]
-            for _, j in active:
-                if _overlap(current, chunks[j], dims):
-                    return f"overlap: {_box(chunks[j])} and {_box(current)}"
-            insort(active, (start + current.sizes[sweep], i))
+        dims = range(len(size))
+        sweep = max(dims, key=lambda d: (len(set(starts[d])), size[d]))
+        keys = list(zip(starts[sweep], *starts, strict=True))
+        order = sorted(range(len(chunks)), key=keys.__getitem__)
+        first = [starts[sweep][i] for i in order]
+        reach = list(itertools.accumulate((ends[sweep][i] for i in order), max))
+        if not all(map(operator.ge, first[1:], reach)):  # some extents meet: compare them
+            problem = _overlap_problem(chunks, order, sweep, dims)
+            if problem:
+                return problem
     if whole and volume != math.prod(size):
         return f"hold {volume} of its {math.prod(size)} elements: a hole"
+    return None
+
+
+def _overlap_problem(
+    chunks: list[ChunkStorageMetadata], order: list[int], sweep: int, dims: range
+) -> str | None:
+    """The first two of ``chunks`` that overlap, in a sweep along ``sweep`` in ``order``."""
+    active: list[tuple[int, int]] = []  # (end along the sweep, chunk), sorted
+    for i in order:
+        current = chunks[i]
+        start = current.offsets[sweep]
+        del active[: bisect_right(active, (start, len(chunks)))]
+        for _, j in active:
+            if _overlap(current, chunks[j], dims):
+                return f"overlap: {_box(chunks[j])} and {_box(current)}"
+        insort(active, (start + current.sizes[sweep], i))
     return None
 
 

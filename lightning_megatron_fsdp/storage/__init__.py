@@ -66,6 +66,7 @@ _EXPORTS = {
         "open_store",
     ),
     "safe_unpickling": (
+        "check_dcp_metadata",
         "check_tensor_record",
         "inflate_record",
         "is_tensor_entry",

@@ -46,6 +46,7 @@ __all__ = [
     "BYTE_RECORD_LIMIT",
     "TENSOR_RECORD_FRAMING",
     "TRUST_HINT",
+    "check_dcp_metadata",
     "check_stored_zip",
     "check_tensor_record",
     "inflate_record",
@@ -218,13 +219,25 @@ def load_dcp_metadata(
             f"{source}: not DCP metadata ({type(err).__name__}: {err}); the file is corrupt "
             "or was not written by torch.distributed.checkpoint."
         ) from err
-    problem = _metadata_problem(metadata, _types(records), check_planner_data=not trust)
+    check_dcp_metadata(metadata, source=source, records=records, check_planner_data=not trust)
+    return metadata
+
+
+def check_dcp_metadata(
+    metadata: Any, *, source: str, records: bool = False, check_planner_data: bool = True
+) -> None:
+    """The field checks :func:`load_dcp_metadata` makes of what it unpickled, for a
+    metadata built otherwise (of DCP's classes, or ``records``' ones).
+
+    Raises:
+        CheckpointCorruptedError: If a field is malformed, naming it.
+    """
+    problem = _metadata_problem(metadata, _types(records), check_planner_data=check_planner_data)
     if problem is not None:
         raise CheckpointCorruptedError(
             f"{source}: malformed DCP metadata: {problem}. The checkpoint is damaged or "
             "crafted; use another one."
         )
-    return metadata
 
 
 def is_tensor_entry(entry: Any) -> bool:
