@@ -36,7 +36,8 @@ from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.errors import CheckpointError
 from lightning_megatron_fsdp.storage.format import MANIFEST_FILE
 from lightning_megatron_fsdp.storage.fsspec_storage import ChecksummingFsspecWriter
-from lightning_megatron_fsdp.storage.object_store import ObjectStore, StoreCheckpoint
+from lightning_megatron_fsdp.storage.object_store import ObjectStore
+from lightning_megatron_fsdp.storage.store_location import StoreLocation
 from tests.harness import run_distributed
 from tests.object_store import ACCESS_KEY, SECRET_KEY, SeaweedServer
 from tests.scripts.fault_injection import Fault, arm_commit_fault, die, init_group
@@ -62,7 +63,7 @@ class _DieAfterFirstPart(ChecksummingFsspecWriter):
     """The object-store writer; rank ``victim`` SIGKILLs itself once its shard's record is
     in the stream: the first part uploaded, the upload neither completed nor aborted."""
 
-    def __init__(self, staging: StoreCheckpoint, *, victim: int) -> None:
+    def __init__(self, staging: StoreLocation, *, victim: int) -> None:
         super().__init__(staging.store, staging.path)
         self.victim = victim
 
@@ -87,7 +88,7 @@ def _save_then_crash(rank: int, world_size: int, env: dict[str, str], url: str, 
     else:
         victim = int(kill.removeprefix("upload:"))
 
-        def factory(staging: StoreCheckpoint) -> _DieAfterFirstPart:
+        def factory(staging: StoreLocation) -> _DieAfterFirstPart:
             return _DieAfterFirstPart(staging, victim=victim)
 
         options = {"storage_writer_factory": factory}
