@@ -167,7 +167,9 @@ def test_every_commit_step_of_the_object_store_is_killed_here() -> None:
     """Each commit step the object store marks (``reach("...")``) has a scenario above; a
     new step without one fails this test."""
     import lightning_megatron_fsdp.storage.object_store as object_store
+    import lightning_megatron_fsdp.storage.store_location as store_location
 
-    marked = set(re.findall(r'reach\("([^"]+)"\)', inspect.getsource(object_store)))
+    source = inspect.getsource(object_store) + inspect.getsource(store_location)
+    marked = set(re.findall(r'reach\("([^"]+)"\)', source))
     killed = {kill for kill, *_ in SCENARIOS.values() if kill.startswith("commit:")}
     assert marked == killed == {"commit:manifest", "commit:replaced", "commit:retiring"}

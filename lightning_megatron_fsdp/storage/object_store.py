@@ -580,7 +580,13 @@ class ObjectStore:
     def manifest_time(self, prefix: str) -> float:
         """When ``prefix``'s manifest was written (the store's clock), in seconds."""
         info = self.fs.info(self.join(prefix, MANIFEST_FILE))
-        value = info.get("LastModified") or info.get("mtime") or info.get("updated") or 0
+        value = (
+            info.get("LastModified")
+            or info.get("mtime")
+            or info.get("updated")
+            or info.get("created")
+            or 0
+        )
         return value.timestamp() if hasattr(value, "timestamp") else float(value)
 
     def latest(self, dirpath: str, pattern: str, *, by: str = "step") -> str | None:

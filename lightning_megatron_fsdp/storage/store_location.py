@@ -232,6 +232,12 @@ class StoreLocation:
                 "next save. Write it elsewhere."
             )
 
+    def _appeared(self, who: str) -> str:
+        return (
+            f"{who}: output {self} appeared while exporting; nothing was written. "
+            "Pass overwrite=True (--overwrite) to replace it."
+        )
+
     def write_atomically(
         self,
         write: Callable[[IO[bytes]], None],
@@ -246,16 +252,22 @@ class StoreLocation:
         aborts it."""
         fs = self.store.fs
         part = _PART if size is None else max(_PART, math.ceil(size / _MAX_PARTS))
+        existed = self.exists()
+        if existed and not overwrite:
+            raise FileExistsError(self._appeared(who))
         file = fs.open(self.path, "wb", block_size=part)
+        # A filesystem that shows a file while it is written (memory://) cannot tell a
+        # concurrent writer's object from ours; a failed write deletes what it showed.
+        shown = not existed and self.exists()
         try:
             write(file)
-            if not overwrite and self.exists():
-                raise FileExistsError(
-                    f"{who}: output {self} appeared while exporting; nothing was written. "
-                    "Pass overwrite=True (--overwrite) to replace it."
-                )
+            if not overwrite and not shown and self.exists():
+                raise FileExistsError(self._appeared(who))
         except BaseException:
             abort_upload(file)  # never close(): that completes the upload with what was written
+            if shown:
+                with contextlib.suppress(Exception):
+                    fs.rm_file(self.path)
             raise
         try:
             file.close()  # completes the upload: the object appears, whole
