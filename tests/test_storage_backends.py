@@ -6,6 +6,9 @@ write their outputs there.
 
 The memory filesystem lives in one process: the whole test runs in one rank's process
 (``run_distributed``, one rank), which reports what it saw.
+
+A user's own DCP ``StorageWriter``/``StorageReader`` pair plugs in through the plugin's
+factories instead (Lightning's #20205): the plugin's commit stays around it.
 """
 
 from __future__ import annotations
@@ -42,11 +45,11 @@ from tests.test_trainer_checkpointing import (
 TIMEOUT = 300.0
 
 
-def _trainer(url: str, max_steps: int, callbacks: list[Any]) -> pl.Trainer:
+def _trainer(url: str, max_steps: int, callbacks: list[Any], **plugin: Any) -> pl.Trainer:
     strategy = MegatronFSDPStrategy(
         auto_wrap_policy={PackedBlock},
         timeout=PROCESS_GROUP_TIMEOUT,
-        checkpoint_io=MegatronFSDPCheckpointIO(),
+        checkpoint_io=MegatronFSDPCheckpointIO(**plugin),
     )
     checkpoints = ModelCheckpoint(dirpath=url, every_n_train_steps=2, save_top_k=-1, save_last=True)
     return make_trainer(
@@ -168,3 +171,64 @@ def test_memory_backend_through_the_trainer_and_the_tools(tmp_path: Path) -> Non
     assert run["exported_bytes"] == (tmp_path / "model.ckpt").read_bytes()
     weights = torch.load(io.BytesIO(run["consolidated_bytes"]), weights_only=True)
     assert set(weights) >= set(run["inspected"]["model"]) > set()
+
+
+def _fit_and_resume_through_user_storage(
+    rank: int, world_size: int, dirpath: str
+) -> dict[str, Any]:
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    made: list[str] = []
+
+    def writer(staging: Any) -> FileSystemWriter:
+        made.append(f"writer {type(staging).__name__}")
+        return FileSystemWriter(staging)
+
+    def reader(location: Any) -> FileSystemReader:
+        made.append(f"reader {type(location).__name__}")
+        return FileSystemReader(location)
+
+    factories = {"storage_writer_factory": writer, "storage_reader_factory": reader}
+    pl.seed_everything(0, verbose=False)
+    model = CheckpointedLM()
+    reference = make_trainer(
+        1, max_steps=TOTAL_STEPS, callbacks=[BatchCounter()], enable_checkpointing=False
+    )
+    reference.fit(model, token_loader(1))
+    result: dict[str, Any] = {"reference": {**snapshot(reference, model), "losses": model.losses}}
+    pl.seed_everything(0, verbose=False)
+    model = CheckpointedLM()
+    trainer = _trainer(dirpath, SAVED_STEP, [BatchCounter(), Probe()], **factories)
+    trainer.fit(model, token_loader(1))
+    result["saved"] = snapshot(trainer, model)
+    pl.seed_everything(0, verbose=False)
+    model, probe = CheckpointedLM(), Probe()
+    trainer = _trainer(dirpath, TOTAL_STEPS, [BatchCounter(), probe], **factories)
+    trainer.fit(model, token_loader(1), ckpt_path="last")
+    result["resumed"] = {
+        "start": probe.train_start,
+        "final": snapshot(trainer, model),
+        "losses": model.losses,
+    }
+    result["made"] = sorted(set(made))
+    return result
+
+
+def test_a_user_storage_writer_and_reader_through_the_plugin_factories(tmp_path: Path) -> None:
+    """Lightning's ask for a user's own DCP ``StorageWriter``/``StorageReader`` under the
+    Trainer (#20205): torch's plain pair, handed to the plugin's factories, saves every
+    checkpoint the plugin commits and resumes from ``"last"`` bit for bit."""
+    (run,) = run_distributed(
+        _fit_and_resume_through_user_storage,
+        1,
+        str(tmp_path / "checkpoints"),
+        init_process_group=False,
+        timeout=TIMEOUT,
+    )
+    assert run["made"] == ["reader PosixPath", "writer PosixPath"], run["made"]
+    reference, saved, resumed = run["reference"], run["saved"], run["resumed"]
+    assert (resumed["start"]["epoch"], resumed["start"]["global_step"]) == (2, SAVED_STEP)
+    assert_same(resumed["start"], saved, "restored")
+    assert resumed["losses"] == reference["losses"][SAVED_STEP * ACCUMULATE :]
+    assert_same(resumed["final"], {k: v for k, v in reference.items() if k in saved}, "end")
+    assert (tmp_path / "checkpoints" / "last.ckpt" / "manifest.json").is_file()
