@@ -33,7 +33,7 @@ from lightning_megatron_fsdp.storage.object_store import (
     open_store,
 )
 
-__all__ = ["ObjectStores", "StoreLocation"]
+__all__ = ["ObjectStores", "StoreCommit", "StoreLocation"]
 
 log = logging.getLogger(__name__)
 
@@ -280,13 +280,110 @@ class StoreLocation:
             ) from err
 
 
+class StoreCommit:
+    """:class:`~lightning_megatron_fsdp.storage.commit.CheckpointStore` on an object store,
+    for :class:`StoreLocation` only: a save writes a new version, its manifest last (one
+    PUT: the commit), then retires the previous ones; nothing is ever renamed."""
+
+    def staging_path(self, final: StoreLocation, token: str) -> StoreLocation:
+        return StoreLocation(final.store, final.key(token))
+
+    def check_target(self, final: StoreLocation, token: str) -> str:
+        """Refuse a prefix holding objects that are not ours, and pick the next version
+        (rank 0 lists); its name is the save's token.
+
+        Raises:
+            CheckpointSaveError: If the target holds something a save must not replace.
+        """
+        return final.store.new_version(final.path).name
+
+    def stage(self, final: StoreLocation, token: str) -> StoreLocation:
+        """Nothing to create: a prefix appears with its first object."""
+        return self.staging_path(final, token)
+
+    def discard(self, final: StoreLocation, token: str) -> None:
+        final.store.discard(final.key(token))
+
+    def publish(
+        self, final: StoreLocation, staging: StoreLocation, manifest: Manifest, token: str
+    ) -> None:
+        """Write the manifest (one PUT: the commit), then retire the previous versions
+        (never raises once the manifest is written)."""
+        reach("commit:manifest")
+        final.store.write_bytes(staging.key(MANIFEST_FILE), manifest.dumps().encode())
+        # Committed: a reader now takes this version; the rest only frees space.
+        reach("commit:replaced")
+        final.store.retire(final.path, keep=staging.path)
+
+    def recover(self, final: StoreLocation) -> bool:
+        """Nothing to restore: a crash leaves an incomplete newer version, which
+        :meth:`resolve` skips and the next save retires."""
+        return False
+
+    def resolve(self, final: StoreLocation) -> StoreLocation:
+        """The newest complete version (``final`` itself when there is none, whose
+        :meth:`read_manifest` then says why)."""
+        version = final.store.locate(final.path)
+        if version is None:
+            return final
+        newer = [v.name for v in final.store.versions(final.path) if v.path > version]
+        if newer:
+            log.warning(
+                "%s: loading %s; newer save(s) %s did not finish (no manifest, or objects "
+                "missing) and are ignored; the next save of it deletes them.",
+                final,
+                posixpath.basename(version),
+                ", ".join(newer),
+            )
+        return StoreLocation(final.store, version)
+
+    def removal_waits(self, final: StoreLocation, saving: Any) -> bool:
+        """Always: Lightning removes the checkpoint a new one replaces right after starting
+        it, and the store keeps the only complete checkpoint of a prefix."""
+        return True
+
+    def remove(self, final: StoreLocation) -> None:
+        final.store.remove(final.path)
+
+    def write_file(self, staging: StoreLocation, name: str, data: bytes) -> None:
+        staging.store.write_bytes(staging.key(name), data)
+
+    def sizes(self, location: StoreLocation) -> dict[str, int]:
+        return location.sizes()
+
+    def digest(self, location: StoreLocation, name: str, algorithm: str) -> str:
+        return location.digest(name, algorithm)
+
+    def read_manifest(self, location: StoreLocation) -> Manifest:
+        """Raises: NotACheckpointError: Saying what is there instead."""
+        try:
+            return location.read_manifest()
+        except NotACheckpointError:
+            if location.store.versions(location.path):
+                location.store.require(location.path)  # raises, listing the versions
+            raise
+
+    def check_files(
+        self,
+        location: StoreLocation,
+        manifest: Manifest,
+        *,
+        checksum_files: list[str] | None = None,
+    ) -> list[str]:
+        return location.check_files(manifest, checksum_files=checksum_files)
+
+    def read_bytes(self, location: StoreLocation, name: str) -> bytes:
+        return location.store.read_bytes(location.key(name))
+
+
 class ObjectStores:
     """The plugin's :class:`~lightning_megatron_fsdp.storage.commit.CheckpointStore`:
-    URLs go to the versioned object-store layout (:class:`ObjectStore`), every other path
-    to ``local`` (the exchange-rename commit of
+    URLs go to :class:`StoreCommit` (the versioned layout of :class:`ObjectStore`), every
+    other path to ``local`` (the exchange-rename commit of
     :class:`~lightning_megatron_fsdp.storage.commit.LocalDirectories`).
 
-    Each method routes on its location's type, so a save or load never mixes the two.
+    The backend is chosen once per location (:meth:`location` makes it; :meth:`_of` routes
+    by it), so a save or load never mixes the two.
 
     Args:
         local: The backend of local paths.
@@ -309,6 +406,7 @@ class ObjectStores:
         self.local = local
         self.storage_options = dict(storage_options or {})
         self.group_timeout = group_timeout
+        self.stores = StoreCommit()
 
     def location(self, path: str | os.PathLike[str]) -> Any:
         """A :class:`StoreLocation` for a URL (never a local directory named ``s3:``);
@@ -327,121 +425,55 @@ class ObjectStores:
             return StoreLocation(store, inside)
         return self.local.location(local_path(path))
 
+    def _of(self, location: Any) -> Any:
+        """The commit backend of a location :meth:`location` made."""
+        return self.stores if isinstance(location, StoreLocation) else self.local
+
     def staging_path(self, final: Any, token: str) -> Any:
-        if isinstance(final, StoreLocation):
-            return StoreLocation(final.store, final.key(token))
-        return self.local.staging_path(final, token)
+        return self._of(final).staging_path(final, token)
 
     def check_target(self, final: Any, token: str) -> str:
-        """On a store: refuse a prefix holding objects that are not ours, and pick the
-        next version (rank 0 lists); its name is the save's token.
-
-        Raises:
-            CheckpointSaveError: If the target holds something a save must not replace.
-        """
-        if isinstance(final, StoreLocation):
-            return final.store.new_version(final.path).name
-        return str(self.local.check_target(final, token))
+        return str(self._of(final).check_target(final, token))
 
     def stage(self, final: Any, token: str) -> Any:
-        """On a store nothing: a prefix appears with its first object."""
-        if isinstance(final, StoreLocation):
-            return self.staging_path(final, token)
-        return self.local.stage(final, token)
+        return self._of(final).stage(final, token)
 
     def discard(self, final: Any, token: str) -> None:
-        if isinstance(final, StoreLocation):
-            final.store.discard(final.key(token))
-            return
-        self.local.discard(final, token)
+        self._of(final).discard(final, token)
 
     def publish(self, final: Any, staging: Any, manifest: Manifest, token: str) -> None:
-        """On a store: write the manifest (one PUT: the commit), then retire the previous
-        versions (never raises once the manifest is written)."""
-        if not isinstance(final, StoreLocation):
-            self.local.publish(final, staging, manifest, token)
-            return
-        reach("commit:manifest")
-        final.store.write_bytes(staging.key(MANIFEST_FILE), manifest.dumps().encode())
-        # Committed: a reader now takes this version; the rest only frees space.
-        reach("commit:replaced")
-        final.store.retire(final.path, keep=staging.path)
+        self._of(final).publish(final, staging, manifest, token)
 
     def recover(self, final: Any) -> bool:
-        """On a store there is nothing to restore: a crash leaves an incomplete newer
-        version, which :meth:`resolve` skips and the next save retires."""
-        if isinstance(final, StoreLocation):
-            return False
-        return bool(self.local.recover(final))
+        return bool(self._of(final).recover(final))
 
     def resolve(self, final: Any) -> Any:
-        """On a store: the newest complete version (``final`` itself when there is none,
-        whose :meth:`read_manifest` then says why)."""
-        if not isinstance(final, StoreLocation):
-            return self.local.resolve(final)
-        version = final.store.locate(final.path)
-        if version is None:
-            return final
-        newer = [v.name for v in final.store.versions(final.path) if v.path > version]
-        if newer:
-            log.warning(
-                "%s: loading %s; newer save(s) %s did not finish (no manifest, or objects "
-                "missing) and are ignored; the next save of it deletes them.",
-                final,
-                posixpath.basename(version),
-                ", ".join(newer),
-            )
-        return StoreLocation(final.store, version)
+        return self._of(final).resolve(final)
 
     def removal_waits(self, final: Any, saving: Any) -> bool:
-        """On a store, a removal waits for any save in flight: Lightning removes the
-        checkpoint a new one replaces right after starting it, and the store keeps the
-        only complete checkpoint of a prefix."""
-        if isinstance(final, StoreLocation):
-            return True
-        return bool(self.local.removal_waits(final, saving))
+        return bool(self._of(final).removal_waits(final, saving))
 
     def remove(self, final: Any) -> None:
-        if isinstance(final, StoreLocation):
-            final.store.remove(final.path)
-            return
-        self.local.remove(final)
+        self._of(final).remove(final)
 
     def write_file(self, staging: Any, name: str, data: bytes) -> None:
-        if isinstance(staging, StoreLocation):
-            staging.store.write_bytes(staging.key(name), data)
-            return
-        self.local.write_file(staging, name, data)
+        self._of(staging).write_file(staging, name, data)
 
     def sizes(self, location: Any) -> dict[str, int]:
-        if isinstance(location, StoreLocation):
-            return location.store.sizes(location.path)
-        return dict(self.local.sizes(location))
+        return dict(self._of(location).sizes(location))
 
     def digest(self, location: Any, name: str, algorithm: str) -> str:
-        if isinstance(location, StoreLocation):
-            return location.digest(name, algorithm)
-        return str(self.local.digest(location, name, algorithm))
+        return str(self._of(location).digest(location, name, algorithm))
 
     def read_manifest(self, location: Any) -> Manifest:
-        """Raises: NotACheckpointError: Saying what is there instead."""
-        if not isinstance(location, StoreLocation):
-            return self.local.read_manifest(location)
-        try:
-            return location.read_manifest()
-        except NotACheckpointError:
-            if location.store.versions(location.path):
-                location.store.require(location.path)  # raises, listing the versions
-            raise
+        return self._of(location).read_manifest(location)
 
     def check_files(
         self, location: Any, manifest: Manifest, *, checksum_files: list[str] | None = None
     ) -> list[str]:
-        if isinstance(location, StoreLocation):
-            return location.check_files(manifest, checksum_files=checksum_files)
-        return list(self.local.check_files(location, manifest, checksum_files=checksum_files))
+        return list(
+            self._of(location).check_files(location, manifest, checksum_files=checksum_files)
+        )
 
     def read_bytes(self, location: Any, name: str) -> bytes:
-        if isinstance(location, StoreLocation):
-            return location.read_bytes(name)
-        return bytes(self.local.read_bytes(location, name))
+        return bytes(self._of(location).read_bytes(location, name))

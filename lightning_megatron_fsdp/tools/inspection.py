@@ -57,7 +57,6 @@ __all__ = [
     "CheckpointInfo",
     "TensorInfo",
     "check_directory",
-    "checkpoint_location",
     "inspect_checkpoint",
     "ordered_keys",
     "summarise",
@@ -186,25 +185,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def checkpoint_location(
-    checkpoint_dir: str | os.PathLike[str] | Location,
-    storage_options: Mapping[str, Any] | None = None,
-) -> Location:
-    """The checkpoint ``checkpoint_dir`` names (:func:`~lightning_megatron_fsdp.storage.locate`);
-    for a URL the checkpoint's prefix on its object store (its ``loaded_version()`` picks
-    the version).
-
-    Raises:
-        ImportError: The URL's filesystem is not installed (naming what to install).
-        ValueError: fsspec knows no filesystem for the URL's scheme.
-    """
-    return locate(checkpoint_dir, storage_options)
-
-
 def _open(
     checkpoint_dir: Any, storage_options: Mapping[str, Any] | None
 ) -> tuple[Location, list[str]]:
-    return checkpoint_location(checkpoint_dir, storage_options).loaded_version()
+    return locate(checkpoint_dir, storage_options).loaded_version()
 
 
 def read_checked(path: Any, name: str, manifest: Manifest | None, *, digest: bool = True) -> bytes:
