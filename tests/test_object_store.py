@@ -43,7 +43,8 @@ from lightning_megatron_fsdp.storage.fsspec_storage import (
     ChecksummingFsspecWriter,
     VerifyingFsspecReader,
 )
-from lightning_megatron_fsdp.storage.object_store import ObjectStore, StoreCheckpoint
+from lightning_megatron_fsdp.storage.object_store import ObjectStore
+from lightning_megatron_fsdp.storage.store_location import StoreLocation
 from tests.ci import skip_or_fail
 from tests.harness import run_distributed
 from tests.object_store import SeaweedServer
@@ -100,7 +101,7 @@ class _KillingWriter(ChecksummingFsspecWriter):
     (its shard object still streaming: never completed), or once its objects are
     complete (``after=None``)."""
 
-    def __init__(self, staging: StoreCheckpoint, *, victim: int, after: int | None):
+    def __init__(self, staging: StoreLocation, *, victim: int, after: int | None):
         super().__init__(staging.store, staging.path)
         self.victim, self.after, self.count = victim, after, 0
 
@@ -132,7 +133,7 @@ def _crash(
     step(model, adam, 2)
     dist.barrier()
 
-    def factory(staging: StoreCheckpoint) -> _KillingWriter:
+    def factory(staging: StoreLocation) -> _KillingWriter:
         return _KillingWriter(staging, victim=victim, after=after)
 
     try:

@@ -36,7 +36,8 @@ from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.errors import CheckpointError
 from lightning_megatron_fsdp.storage.format import MANIFEST_FILE
 from lightning_megatron_fsdp.storage.fsspec_storage import ChecksummingFsspecWriter
-from lightning_megatron_fsdp.storage.object_store import ObjectStore, StoreCheckpoint
+from lightning_megatron_fsdp.storage.object_store import ObjectStore
+from lightning_megatron_fsdp.storage.store_location import StoreLocation
 from tests.harness import run_distributed
 from tests.object_store import ACCESS_KEY, SECRET_KEY, SeaweedServer
 from tests.scripts.fault_injection import Fault, arm_commit_fault, die, init_group
@@ -62,7 +63,7 @@ class _DieAfterFirstPart(ChecksummingFsspecWriter):
     """The object-store writer; rank ``victim`` SIGKILLs itself once its shard's record is
     in the stream: the first part uploaded, the upload neither completed nor aborted."""
 
-    def __init__(self, staging: StoreCheckpoint, *, victim: int) -> None:
+    def __init__(self, staging: StoreLocation, *, victim: int) -> None:
         super().__init__(staging.store, staging.path)
         self.victim = victim
 
@@ -87,7 +88,7 @@ def _save_then_crash(rank: int, world_size: int, env: dict[str, str], url: str, 
     else:
         victim = int(kill.removeprefix("upload:"))
 
-        def factory(staging: StoreCheckpoint) -> _DieAfterFirstPart:
+        def factory(staging: StoreLocation) -> _DieAfterFirstPart:
             return _DieAfterFirstPart(staging, victim=victim)
 
         options = {"storage_writer_factory": factory}
@@ -166,7 +167,9 @@ def test_every_commit_step_of_the_object_store_is_killed_here() -> None:
     """Each commit step the object store marks (``reach("...")``) has a scenario above; a
     new step without one fails this test."""
     import lightning_megatron_fsdp.storage.object_store as object_store
+    import lightning_megatron_fsdp.storage.store_location as store_location
 
-    marked = set(re.findall(r'reach\("([^"]+)"\)', inspect.getsource(object_store)))
+    source = inspect.getsource(object_store) + inspect.getsource(store_location)
+    marked = set(re.findall(r'reach\("([^"]+)"\)', source))
     killed = {kill for kill, *_ in SCENARIOS.values() if kill.startswith("commit:")}
     assert marked == killed == {"commit:manifest", "commit:replaced", "commit:retiring"}

@@ -355,7 +355,7 @@ def test_an_output_on_the_bucket_appears_only_when_complete(
     """Parts go out while writing (bounded memory) yet nothing is visible under the name;
     a failure aborts the upload. The filesystem is configured by ``storage_options`` alone
     (no AWS variable set here)."""
-    from lightning_megatron_fsdp.tools.outputs import output_location, write_atomically
+    from lightning_megatron_fsdp.storage import locate
 
     for name in [n for n in os.environ if n.startswith("AWS_")]:
         monkeypatch.delenv(name)
@@ -363,7 +363,7 @@ def test_an_output_on_the_bucket_appears_only_when_complete(
     bucket = seaweed.new_bucket()
     fs = seaweed.filesystem()
     name = f"s3://{bucket}/out/model.safetensors"
-    output = output_location(name, options)
+    output = locate(name, options)
     block = os.urandom(1 << 20)
 
     def write(stream: Any, fail: bool) -> None:
@@ -375,11 +375,11 @@ def test_an_output_on_the_bucket_appears_only_when_complete(
             raise RuntimeError("the export failed here")
 
     with pytest.raises(RuntimeError, match="failed here"):
-        write_atomically(output, lambda s: write(s, True), overwrite=False, who="test")
+        output.write_atomically(lambda s: write(s, True), overwrite=False, who="test")
     assert not fs.exists(name)
     pending = fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
     assert pending == []  # aborted, not left to linger
-    write_atomically(output, lambda s: write(s, False), overwrite=False, who="test")
+    output.write_atomically(lambda s: write(s, False), overwrite=False, who="test")
     assert fs.cat(name) == block * 20
 
     # The tools take the same storage_options, for both sides.

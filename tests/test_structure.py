@@ -647,3 +647,40 @@ def test_every_benchmark_and_example_imports() -> None:
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+# Names that tell one storage backend from another: only storage/ may use them. Everything
+# above works through the ``Location`` that ``storage.locate`` returns (issue 32).
+BACKEND_SWITCHES = {
+    "is_url",
+    "url_protocol",
+    "local_path",
+    "open_store",
+    "ObjectStore",
+    "StoreLocation",
+    "StoreCheckpoint",
+    "StoreObject",
+    "LocalLocation",
+    "VerifyingFsspecReader",
+    "ChecksummingFsspecWriter",
+}
+
+
+def test_no_backend_switch_outside_storage() -> None:
+    """No module outside ``storage/`` asks which backend holds a location: it neither
+    imports nor names a backend's class or URL test."""
+    offenders = []
+    for name, tree in _modules().items():
+        if _unit(name) == "storage":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                used = {a.name for a in node.names}
+            elif isinstance(node, ast.Name):
+                used = {node.id}
+            elif isinstance(node, ast.Attribute):
+                used = {node.attr}
+            else:
+                continue
+            offenders += [f"{name}:{node.lineno}: {n}" for n in sorted(used & BACKEND_SWITCHES)]
+    assert not offenders, offenders

@@ -272,9 +272,10 @@ def test_refusals_name_the_opt_in_which_unpickles_in_full(
 def test_an_export_never_renames_a_swapped_temporary_file(tmp_path: Path) -> None:
     """Whoever can write to the output folder swaps the temporary file for their own while
     the export writes it: the export fails and the output is never their file."""
-    from lightning_megatron_fsdp.tools.outputs import write_atomically
+    from lightning_megatron_fsdp.storage import locate
 
     output = tmp_path / "out.pt"
+    location = locate(output)
 
     def write_and_get_swapped(stream: Any) -> None:
         stream.write(b"ours")
@@ -283,7 +284,7 @@ def test_an_export_never_renames_a_swapped_temporary_file(tmp_path: Path) -> Non
         temporary.write_bytes(b"theirs")  # a new file under the same name
 
     with pytest.raises(FileExistsError, match="was replaced while exporting"):
-        write_atomically(output, write_and_get_swapped, overwrite=False, who="test")
+        location.write_atomically(write_and_get_swapped, overwrite=False, who="test")
     assert not output.exists()
 
     def write(stream: Any) -> None:
@@ -291,7 +292,7 @@ def test_an_export_never_renames_a_swapped_temporary_file(tmp_path: Path) -> Non
         stream.seek(0)
         assert stream.read() == b"ours"  # re-read through the descriptor
 
-    write_atomically(output, write, overwrite=False, who="test")
+    location.write_atomically(write, overwrite=False, who="test")
     assert output.read_bytes() == b"ours"
 
 

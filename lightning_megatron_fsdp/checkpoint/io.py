@@ -56,7 +56,6 @@ from lightning_megatron_fsdp.storage import (
     FilesAndObjects,
     LocalDirectories,
     ObjectStores,
-    StoreCheckpoint,
     VerifyingFileSystemReader,
     is_complete_checkpoint,
     read_manifest,
@@ -508,11 +507,9 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             return
         target = self.store.location(path)
-        remote = isinstance(target, StoreCheckpoint)
-        if self._in_flight is not None and (remote or str(self._in_flight_path) == str(target)):
-            # Let the background save commit first, or it would re-create the directory.
-            # On an object store, wait for any save: Lightning removes the checkpoint a new
-            # one replaces right after starting it, and the store keeps the only complete
-            # checkpoint. Its error stays for wait()/poll(): every rank must see it there.
+        if self._in_flight is not None and self.store.removal_waits(target, self._in_flight_path):
+            # Let the background save commit first where the store says so (a save of
+            # this checkpoint would re-create it; an object store keeps the only complete
+            # checkpoint). Its error stays for wait()/poll(): every rank must see it there.
             concurrent.futures.wait([self._in_flight])
         self.store.remove(target)

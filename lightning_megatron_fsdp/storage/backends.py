@@ -15,11 +15,7 @@ from lightning_megatron_fsdp.storage.filesystem import (
     ChecksummingFileSystemWriter,
     VerifyingFileSystemReader,
 )
-from lightning_megatron_fsdp.storage.fsspec_storage import (
-    ChecksummingFsspecWriter,
-    VerifyingFsspecReader,
-)
-from lightning_megatron_fsdp.storage.object_store import StoreCheckpoint
+from lightning_megatron_fsdp.storage.store_location import StoreLocation
 
 __all__ = ["CheckpointStorage", "FilesAndObjects"]
 
@@ -49,20 +45,16 @@ class CheckpointStorage(Protocol):
 
 
 class FilesAndObjects:
-    """The plugin's storage, the partner of ``object_store.ObjectStores``: an object-store
-    location (:class:`StoreCheckpoint`) through fsspec, any other through the local
+    """The plugin's storage, the partner of ``store_location.ObjectStores``: an object-store
+    location (:class:`StoreLocation`) through fsspec, any other through the local
     filesystem's writer and reader."""
 
     def writer(self, staging: Any, *, checksum: bool, thread_count: int) -> StorageWriter:
-        if isinstance(staging, StoreCheckpoint):
-            return ChecksummingFsspecWriter(
-                staging.store, staging.path, checksum=checksum, thread_count=thread_count
-            )
+        if isinstance(staging, StoreLocation):
+            return staging.writer(checksum=checksum, thread_count=thread_count)
         return ChecksummingFileSystemWriter(staging, checksum=checksum, thread_count=thread_count)
 
     def reader(self, location: Any, *, verify: bool, trust_checkpoint: bool) -> StorageReader:
-        if isinstance(location, StoreCheckpoint):
-            return VerifyingFsspecReader(
-                location.store, location.path, verify=verify, trust_checkpoint=trust_checkpoint
-            )
+        if isinstance(location, StoreLocation):
+            return location.reader(verify=verify, trust_checkpoint=trust_checkpoint)
         return VerifyingFileSystemReader(location, verify=verify, trust_checkpoint=trust_checkpoint)

@@ -163,6 +163,11 @@ class CheckpointStore(Protocol):
         """Repair what a crash in :meth:`publish` left; whether it restored ``final``."""
         ...
 
+    def removal_waits(self, final: Path, saving: Any) -> bool:
+        """Whether removing ``final`` must wait for the save in flight to ``saving`` (a
+        location, or ``None``) to commit first."""
+        ...
+
     def remove(self, final: Path) -> None:
         """Delete the checkpoint at ``final`` so no crash leaves a damaged one there."""
         ...
@@ -563,6 +568,10 @@ class LocalDirectories:
             log.warning("Could not restore %s from a renamed-aside copy: %s", final, err)
         report_interrupted_saves(final.parent, log)
         return restored
+
+    def removal_waits(self, final: Path, saving: Any) -> bool:
+        """Only for a save of ``final`` itself: the commit would re-create it."""
+        return saving is not None and str(saving) == str(final)
 
     def remove(self, final: Path) -> None:
         """Delete a checkpoint directory (renamed to ``.<name>.del-<token>`` first), a

@@ -421,6 +421,20 @@ class VerifyingFsspecReader(VerifyingFileSystemReader):
                 self._manifest = self.store.read_manifest(self.path)
         return self._manifest
 
+    _listing: dict[str, int] | None = None
+
+    @override
+    def _expected_size(self, name: str) -> int | None:
+        """The manifest's size; for another writer's DCP checkpoint (no manifest) the
+        store's listing's, so a missing object is named before any read."""
+        if self._checkpoint_manifest() is not None:
+            return super()._expected_size(name)
+        if self._listing is None:
+            self._listing = self.store.sizes(self.path)
+        if name not in self._listing:
+            raise self._corrupted(name, f"missing; {DCP_METADATA_FILE} stores data there")
+        return self._listing[name]
+
     @override
     def _display(self, name: str) -> str:
         return self.store.url(posixpath.join(self.path, name))

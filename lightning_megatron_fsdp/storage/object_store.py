@@ -19,13 +19,10 @@ import fnmatch
 import inspect
 import json
 import logging
-import os
 import posixpath
 import re
 import uuid
 from collections.abc import Callable, Mapping
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from lightning_megatron_fsdp.errors import (
@@ -39,20 +36,14 @@ from lightning_megatron_fsdp.storage.format import (
     DCP_METADATA_FILE,
     MANIFEST_FILE,
     Manifest,
-    check_digests,
-    checkpoints_in_directory,
     summarise,
 )
 
 __all__ = [
     "DeadlineFileSystem",
     "ObjectStore",
-    "ObjectStores",
-    "StoreCheckpoint",
-    "StoreLocation",
     "StoreVersion",
     "abort_upload",
-    "checkpoints_inside",
     "is_url",
     "local_path",
     "open_store",
@@ -589,7 +580,13 @@ class ObjectStore:
     def manifest_time(self, prefix: str) -> float:
         """When ``prefix``'s manifest was written (the store's clock), in seconds."""
         info = self.fs.info(self.join(prefix, MANIFEST_FILE))
-        value = info.get("LastModified") or info.get("mtime") or info.get("updated") or 0
+        value = (
+            info.get("LastModified")
+            or info.get("mtime")
+            or info.get("updated")
+            or info.get("created")
+            or 0
+        )
         return value.timestamp() if hasattr(value, "timestamp") else float(value)
 
     def latest(self, dirpath: str, pattern: str, *, by: str = "step") -> str | None:
@@ -639,53 +636,6 @@ class ObjectStore:
         return lines
 
 
-@dataclasses.dataclass(frozen=True)
-class StoreLocation:
-    """A place on an object store; ``str()`` is its URL."""
-
-    store: ObjectStore
-    path: str
-    """The key or prefix inside the filesystem (no scheme, no trailing ``/``)."""
-
-    def __str__(self) -> str:
-        return self.store.url(self.path)
-
-    @property
-    def name(self) -> str:
-        return posixpath.basename(self.path)
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreCheckpoint(StoreLocation):
-    """A checkpoint (or one version of it) on an object store: :attr:`path` is its prefix."""
-
-    def file(self, name: str) -> str:
-        return posixpath.join(self.path, name)
-
-    def read_manifest(self) -> Manifest:
-        """See :meth:`ObjectStore.read_manifest`."""
-        return self.store.read_manifest(self.path)
-
-    def read_bytes(self, name: str) -> bytes:
-        return self.store.read_bytes(self.file(name))
-
-    def check_files(
-        self, manifest: Manifest, *, checksum_files: list[str] | None = None
-    ) -> list[str]:
-        """As :func:`~lightning_megatron_fsdp.manifest.check_files`: sizes from one listing,
-        then the digests of ``checksum_files``, each object read once."""
-        problems = self.store.check_files(self.path, manifest)
-        if checksum_files and not problems:
-            problems += check_digests(
-                manifest, checksum_files, self.digest, where="stored", kind="object"
-            )
-        return problems
-
-    def digest(self, name: str, algorithm: str) -> str:
-        """The digest of the object ``name``, streamed."""
-        return self.store.digest(self.file(name), algorithm)
-
-
 def open_store(
     url: str, storage_options: Mapping[str, Any] | None = None, *, deadline: float | None = None
 ) -> tuple[ObjectStore, str]:
@@ -701,177 +651,3 @@ def open_store(
     protocol = url_protocol(url)
     assert protocol is not None
     return ObjectStore(fs, protocol, deadline=deadline), path.rstrip("/")
-
-
-class ObjectStores:
-    """The plugin's :class:`~lightning_megatron_fsdp.storage.commit.CheckpointStore`:
-    URLs go to the versioned object-store layout (:class:`ObjectStore`), every other path
-    to ``local`` (the exchange-rename commit of
-    :class:`~lightning_megatron_fsdp.storage.commit.LocalDirectories`).
-
-    Each method routes on its location's type, so a save or load never mixes the two.
-
-    Args:
-        local: The backend of local paths.
-        storage_options: Options of the fsspec filesystem of a URL (``endpoint_url``,
-            ``key``, ...); the filesystem's own configuration applies without them.
-        group_timeout: The timeout of the collectives of the ranks that save and load
-            (``None``: no group), asked when a URL is opened. Each request to the store
-            then gives up after half of it: a rank whose request fails reaches the next
-            collective before its peers, waiting there since it began, time out, and every
-            rank raises the same error.
-    """
-
-    def __init__(
-        self,
-        local: Any,
-        storage_options: Mapping[str, Any] | None = None,
-        *,
-        group_timeout: Callable[[], timedelta | None] | None = None,
-    ) -> None:
-        self.local = local
-        self.storage_options = dict(storage_options or {})
-        self.group_timeout = group_timeout
-
-    def location(self, path: str | os.PathLike[str]) -> Any:
-        """A :class:`StoreCheckpoint` for a URL (never a local directory named ``s3:``);
-        else the local backend's location (``file://`` stripped).
-
-        Raises:
-            ImportError: The URL's filesystem is not installed (naming what to install).
-            ValueError: fsspec knows no filesystem for the URL's scheme.
-        """
-        if isinstance(path, StoreCheckpoint):
-            return path
-        if is_url(path):
-            timeout = None if self.group_timeout is None else self.group_timeout()
-            deadline = None if timeout is None else timeout.total_seconds() / 2
-            store, inside = open_store(os.fspath(path), self.storage_options, deadline=deadline)
-            return StoreCheckpoint(store, inside)
-        return self.local.location(local_path(path))
-
-    def staging_path(self, final: Any, token: str) -> Any:
-        if isinstance(final, StoreCheckpoint):
-            return StoreCheckpoint(final.store, final.file(token))
-        return self.local.staging_path(final, token)
-
-    def check_target(self, final: Any, token: str) -> str:
-        """On a store: refuse a prefix holding objects that are not ours, and pick the
-        next version (rank 0 lists); its name is the save's token.
-
-        Raises:
-            CheckpointSaveError: If the target holds something a save must not replace.
-        """
-        if isinstance(final, StoreCheckpoint):
-            return final.store.new_version(final.path).name
-        return str(self.local.check_target(final, token))
-
-    def stage(self, final: Any, token: str) -> Any:
-        """On a store nothing: a prefix appears with its first object."""
-        if isinstance(final, StoreCheckpoint):
-            return self.staging_path(final, token)
-        return self.local.stage(final, token)
-
-    def discard(self, final: Any, token: str) -> None:
-        if isinstance(final, StoreCheckpoint):
-            final.store.discard(final.file(token))
-            return
-        self.local.discard(final, token)
-
-    def publish(self, final: Any, staging: Any, manifest: Manifest, token: str) -> None:
-        """On a store: write the manifest (one PUT: the commit), then retire the previous
-        versions (never raises once the manifest is written)."""
-        if not isinstance(final, StoreCheckpoint):
-            self.local.publish(final, staging, manifest, token)
-            return
-        reach("commit:manifest")
-        final.store.write_bytes(staging.file(MANIFEST_FILE), manifest.dumps().encode())
-        # Committed: a reader now takes this version; the rest only frees space.
-        reach("commit:replaced")
-        final.store.retire(final.path, keep=staging.path)
-
-    def recover(self, final: Any) -> bool:
-        """On a store there is nothing to restore: a crash leaves an incomplete newer
-        version, which :meth:`resolve` skips and the next save retires."""
-        if isinstance(final, StoreCheckpoint):
-            return False
-        return bool(self.local.recover(final))
-
-    def resolve(self, final: Any) -> Any:
-        """On a store: the newest complete version (``final`` itself when there is none,
-        whose :meth:`read_manifest` then says why)."""
-        if not isinstance(final, StoreCheckpoint):
-            return self.local.resolve(final)
-        version = final.store.locate(final.path)
-        if version is None:
-            return final
-        newer = [v.name for v in final.store.versions(final.path) if v.path > version]
-        if newer:
-            log.warning(
-                "%s: loading %s; newer save(s) %s did not finish (no manifest, or objects "
-                "missing) and are ignored; the next save of it deletes them.",
-                final,
-                posixpath.basename(version),
-                ", ".join(newer),
-            )
-        return StoreCheckpoint(final.store, version)
-
-    def remove(self, final: Any) -> None:
-        if isinstance(final, StoreCheckpoint):
-            final.store.remove(final.path)
-            return
-        self.local.remove(final)
-
-    def write_file(self, staging: Any, name: str, data: bytes) -> None:
-        if isinstance(staging, StoreCheckpoint):
-            staging.store.write_bytes(staging.file(name), data)
-            return
-        self.local.write_file(staging, name, data)
-
-    def sizes(self, location: Any) -> dict[str, int]:
-        if isinstance(location, StoreCheckpoint):
-            return location.store.sizes(location.path)
-        return dict(self.local.sizes(location))
-
-    def digest(self, location: Any, name: str, algorithm: str) -> str:
-        if isinstance(location, StoreCheckpoint):
-            return location.digest(name, algorithm)
-        return str(self.local.digest(location, name, algorithm))
-
-    def read_manifest(self, location: Any) -> Manifest:
-        """Raises: NotACheckpointError: Saying what is there instead."""
-        if not isinstance(location, StoreCheckpoint):
-            return self.local.read_manifest(location)
-        try:
-            return location.read_manifest()
-        except NotACheckpointError:
-            if location.store.versions(location.path):
-                location.store.require(location.path)  # raises, listing the versions
-            raise
-
-    def check_files(
-        self, location: Any, manifest: Manifest, *, checksum_files: list[str] | None = None
-    ) -> list[str]:
-        if isinstance(location, StoreCheckpoint):
-            return location.check_files(manifest, checksum_files=checksum_files)
-        return list(self.local.check_files(location, manifest, checksum_files=checksum_files))
-
-    def read_bytes(self, location: Any, name: str) -> bytes:
-        if isinstance(location, StoreCheckpoint):
-            return location.read_bytes(name)
-        return bytes(self.local.read_bytes(location, name))
-
-
-def checkpoints_inside(path: Path | StoreCheckpoint) -> list[str]:
-    """Complete checkpoints directly inside ``path`` (by name), if ``path`` is not one.
-
-    A user who points at ``ModelCheckpoint``'s ``dirpath`` instead of one checkpoint in
-    it gets their names in the error.
-    """
-    if isinstance(path, StoreCheckpoint):
-        if path.store.locate(path.path) is not None:
-            return []
-        return path.store.checkpoints_under(path.path)
-    if not path.is_dir() or (path / MANIFEST_FILE).exists():
-        return []
-    return checkpoints_in_directory(path)

@@ -20,11 +20,8 @@ from typing_extensions import override
 from lightning_megatron_fsdp import _lightning
 from lightning_megatron_fsdp.storage import (
     MANIFEST_FILE,
-    is_url,
     latest_complete_checkpoint,
-    matching_checkpoints,
-    open_store,
-    recover_matching,
+    locate,
 )
 
 __all__ = ["resolving_last_launcher"]
@@ -76,15 +73,14 @@ def _with_last_resolved(
     return bound.args, bound.kwargs
 
 
-def _latest_complete_last_checkpoint(trainer: pl.Trainer) -> Path | str | None:
+def _latest_complete_last_checkpoint(trainer: pl.Trainer) -> str | None:
     """The most recently written complete checkpoint Lightning's ``"last"`` could mean.
 
     Candidates are Lightning's: the ``last*`` entries of every ``ModelCheckpoint``
     directory (local, or a URL: the newest complete version of each ``last*`` checkpoint
     there, by when its manifest was written) and the ``OnExceptionCheckpoint`` paths.
     """
-    candidates: list[Path] = []
-    remote: list[tuple[float, str]] = []
+    found: list[tuple[float, str]] = []
     options = getattr(trainer.strategy.checkpoint_io, "storage_options", None)
     for callback in trainer.checkpoint_callbacks:
         if not isinstance(callback, ModelCheckpoint):
@@ -93,26 +89,18 @@ def _latest_complete_last_checkpoint(trainer: pl.Trainer) -> Path | str | None:
         if dirpath is None:
             continue
         pattern = f"{callback.CHECKPOINT_NAME_LAST}*{callback.FILE_EXTENSION}"
-        if is_url(str(dirpath)):
-            store, inside = open_store(str(dirpath), options)
-            found = store.latest(inside, pattern, by="written")
-            version = None if found is None else store.locate(found)
-            if found is not None and version is not None:
-                remote.append((store.manifest_time(version), store.url(found)))
-            continue
-        for restored in recover_matching(dirpath, pattern):
-            rank_zero_warn(f"Restored {restored}, which an interrupted save had renamed aside.")
-        candidates.extend(matching_checkpoints(dirpath, pattern))
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, OnExceptionCheckpoint):
-            candidates.append(Path(callback.ckpt_path))
-    local = latest_complete_checkpoint(candidates, by="written")
-    if not remote:
-        return local
-    written, url = max(remote)
-    if local is not None and (local / MANIFEST_FILE).stat().st_mtime >= written:
-        return local
-    return url
+        latest = locate(dirpath, options).latest(pattern, on_restored=rank_zero_warn)
+        if latest is not None:
+            found.append((latest[0], str(latest[1])))
+    crashed = [
+        Path(callback.ckpt_path)
+        for callback in trainer.callbacks  # type: ignore[attr-defined]
+        if isinstance(callback, OnExceptionCheckpoint)
+    ]
+    newest = latest_complete_checkpoint(crashed, by="written")
+    if newest is not None:
+        found.append(((newest / MANIFEST_FILE).stat().st_mtime, str(newest)))
+    return max(found)[1] if found else None
 
 
 def _checkpoint_dir(callback: ModelCheckpoint, trainer: pl.Trainer) -> _lightning.PATH | None:

@@ -309,7 +309,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from lightning_megatron_fsdp.errors import CheckpointError
-    from lightning_megatron_fsdp.tools.outputs import output_location, output_size
+    from lightning_megatron_fsdp.storage import locate
 
     reading = {
         "dtype": args.dtype,
@@ -341,7 +341,7 @@ def _export(args: argparse.Namespace) -> int:
             raise
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {output} ({_format_bytes(output_size(output_location(output, None)))})")
+    print(f"wrote {output} ({_format_bytes(locate(output).size())})")
     return 0
 
 

@@ -3,7 +3,7 @@ suffix), at any world size, without a process group, a GPU or memory for the who
 :func:`consolidate_checkpoint` checks the checkpoint, then streams one full tensor at a time
 into the output, front to back, so that the output can be a local file (renamed into place
 when complete) or an object on a store (a streaming upload that completes when the file is
-whole, :mod:`~lightning_megatron_fsdp.tools.outputs`); the checkpoint can be on either too.
+whole: the output location's ``write_atomically``); the checkpoint can be on either too.
 The writers and checks here are shared with :mod:`lightning_checkpoint`.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
-import io
 import json
 import math
 import os
@@ -29,11 +28,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    Metadata,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.futures import Future
 
 from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.errors import CheckpointCorruptedError, NotACheckpointError
@@ -41,15 +37,12 @@ from lightning_megatron_fsdp.storage import (
     DCP_METADATA_FILE,
     MANIFEST_FILE,
     MAX_EXAMPLES,
-    FileWindow,
+    Location,
     SeekableStream,
-    StoreCheckpoint,
     VerifyingFileSystemReader,
-    VerifyingFsspecReader,
-    check_tensor_record,
-    checkpoints_inside,
     count,
-    open_regular,
+    locate,
+    raw_bytes,
     summarise,
 )
 from lightning_megatron_fsdp.tools.inspection import (
@@ -57,21 +50,11 @@ from lightning_megatron_fsdp.tools.inspection import (
     OPTIMIZER_PREFIX,
     CheckedCheckpoint,
     check_directory,
-    checkpoint_location,
-    loaded_version,
     ordered_keys,
-)
-from lightning_megatron_fsdp.tools.outputs import (
-    Output,
-    StoreObject,
-    check_output,
-    output_location,
-    write_atomically,
 )
 
 __all__ = [
     "ExportEntry",
-    "StreamingReader",
     "TorchFile",
     "TreePlace",
     "consolidate_checkpoint",
@@ -79,7 +62,6 @@ __all__ = [
     "parse_dtype",
     "refuse_problems",
     "select_entries",
-    "streaming_reader",
     "write_export",
     "write_torch",
 ]
@@ -158,124 +140,6 @@ class ExportEntry:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-class StreamingReader(VerifyingFileSystemReader):
-    """A reader that reuses parsed metadata and reads chunks into place.
-
-    Checksums were compared before (``check_directory``), so it does not verify again; it opens
-    files and bounds records as :class:`VerifyingFileSystemReader` does, and anything it
-    does not read itself goes through that reader.
-
-    ``dcp.load`` still plans every read (which stored chunk lands where); only the byte
-    copy differs. DCP's reader ``torch.load``s each stored chunk into a new tensor and
-    copies it into the target, so a tensor saved whole by one rank costs twice its size.
-    Here each chunk's layout is read with ``torch.load(map_location="meta")`` (no data;
-    torch reports where the storage bytes start), and the bytes are read with
-    ``readinto`` straight into the target's memory. Anything else (a stream transform,
-    a dtype change, a non-contiguous region) goes through DCP's own path unchanged.
-
-    It also returns the metadata it was given instead of re-reading ``.metadata``, which
-    ``dcp.load`` would otherwise unpickle once per tensor.
-    """
-
-    def __init__(self, path: Path, metadata: Metadata, *, trust: bool = False) -> None:
-        super().__init__(str(path), verify=False, trust_checkpoint=trust)
-        self._metadata = metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._metadata
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list[ReadItem]] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
-                item
-            )
-        fallback = []
-        for relative_path, items in per_file.items():
-            try:
-                fd = open_regular(self.path, relative_path, size=self._expected_size(relative_path))
-            except OSError as err:
-                raise self._corrupted(relative_path, str(err)) from err
-            with open(fd, "rb") as stream:
-                fallback += [item for item in items if not self._read_into(stream, item, planner)]
-        if fallback:
-            return super().read_data(dataclasses.replace(plan, items=fallback), planner)
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
-
-    def _read_into(self, stream: IO[bytes], item: ReadItem, planner: LoadPlanner) -> bool:
-        """Read ``item``'s bytes straight into its target; ``False`` if it cannot."""
-        info = self.storage_data[item.storage_index]
-        if item.type != LoadItemType.TENSOR or info.transform_descriptors:
-            return False
-        where = f"{os.path.join(self.path, info.relative_path)}: {self._where(item)}"
-        chunk = self._chunks.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
-        if chunk is None:
-            raise CheckpointCorruptedError(f"{where}: no such chunk in {DCP_METADATA_FILE}")
-        check_tensor_record(
-            io.BufferedReader(FileWindow(stream.fileno(), info.offset, info.length)),
-            math.prod(chunk[0]) * chunk[1].itemsize,
-            source=where,
-        )
-        view = _torch.create_file_view(stream, info.offset, info.length)
-        stored = torch.load(view, map_location="meta", weights_only=True)
-        offset = _torch.checkpoint_offset(stored)
-        source = _torch.narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
-        target = planner.resolve_tensor(item).detach()
-        nbytes = target.numel() * target.element_size()
-        if offset is not None and (
-            offset + source.storage_offset() * source.element_size() + nbytes > info.length
-            or offset < 0
-        ):
-            raise CheckpointCorruptedError(f"{where}: the tensor data lies outside its record")
-        if (
-            offset is None
-            or sys.byteorder != "little"
-            or source.dtype != target.dtype
-            or source.shape != target.shape
-            or not source.is_contiguous()
-            or not target.is_contiguous()
-        ):
-            return False
-        start = info.offset + offset + source.storage_offset() * source.element_size()
-        if nbytes:
-            stream.seek(start)
-            read = stream.readinto(_raw_bytes(target))  # type: ignore[attr-defined]
-            if read != nbytes:
-                raise CheckpointCorruptedError(
-                    f"{os.path.join(self.path, info.relative_path)}: {item.storage_index.fqn!r} "
-                    f"needs bytes [{start}, {start + nbytes}) but the file ends first; the "
-                    "file is truncated."
-                )
-        planner.commit_tensor(item, target)
-        return True
-
-
-class _StoreStreamingReader(VerifyingFsspecReader):
-    """:class:`StreamingReader` for a checkpoint on an object store: the fsspec reader,
-    which reads each tensor record with ranged GETs straight into its target, here without
-    verifying again (the checkpoint was checked before) and with the parsed metadata
-    reused."""
-
-    def __init__(self, location: StoreCheckpoint, metadata: Metadata, *, trust: bool) -> None:
-        super().__init__(location.store, location.path, verify=False, trust_checkpoint=trust)
-        self._metadata = metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._metadata
-
-
-def streaming_reader(
-    location: Path | StoreCheckpoint, metadata: Metadata, *, trust: bool = False
-) -> VerifyingFileSystemReader:
-    """The reader an export reads ``location``'s tensors through, one at a time: a
-    :class:`StreamingReader` on a local directory, ranged GETs on an object store."""
-    if isinstance(location, StoreCheckpoint):
-        return _StoreStreamingReader(location, metadata, trust=trust)
-    return StreamingReader(location, metadata, trust=trust)
-
-
 def parse_dtype(
     dtype: torch.dtype | str | None, who: str = "consolidate_checkpoint"
 ) -> torch.dtype | None:
@@ -291,7 +155,7 @@ def parse_dtype(
     )
 
 
-def _output_format(output: Output) -> str:
+def _output_format(output: Location) -> str:
     suffix = output.suffix.lower()
     if suffix == _SAFETENSORS_SUFFIX:
         return "safetensors"
@@ -304,9 +168,7 @@ def _output_format(output: Output) -> str:
     )
 
 
-def refuse_problems(
-    checked: CheckedCheckpoint, checkpoint: Path | StoreCheckpoint, who: str
-) -> None:
+def refuse_problems(checked: CheckedCheckpoint, checkpoint: Location, who: str) -> None:
     """Raise one error listing every problem :func:`check_directory` found, if any.
 
     Raises:
@@ -315,7 +177,7 @@ def refuse_problems(
     """
     if not checked.problems:
         return
-    inside = checkpoints_inside(checkpoint)
+    inside = checkpoint.checkpoints_inside()
     if inside and checked.manifest is None:  # ModelCheckpoint's dirpath: one line says it
         raise NotACheckpointError(
             f"{who}: {checkpoint} is a directory of checkpoints "
@@ -335,19 +197,12 @@ def refuse_problems(
     )
 
 
-def _file(location: Path | StoreCheckpoint, name: str) -> str:
-    """``name`` inside a checkpoint, as messages show it."""
-    if isinstance(location, StoreCheckpoint):
-        return f"{location}/{name}"
-    return str(location / name)
-
-
 def select_entries(
     checked: CheckedCheckpoint,
     dtype: torch.dtype | None,
     *,
     include_optimizer: bool,
-    path: Path | StoreCheckpoint,
+    path: Location,
     strip_prefix: str | None = None,
     who: str = "consolidate_checkpoint",
 ) -> list[ExportEntry]:
@@ -401,12 +256,12 @@ def select_entries(
         )
     if not any(e.key.startswith(MODEL_PREFIX) for e in entries):
         raise NotACheckpointError(
-            f"{_file(path, DCP_METADATA_FILE)}: no model tensors (keys starting with "
+            f"{path.file(DCP_METADATA_FILE)}: no model tensors (keys starting with "
             f"{MODEL_PREFIX!r}); expected a checkpoint written by MegatronFSDPCheckpointIO."
         )
     if include_optimizer and not any(e.key.startswith(OPTIMIZER_PREFIX) for e in entries):
         raise ValueError(
-            f"{_file(path, DCP_METADATA_FILE)}: no optimizer state (keys starting with "
+            f"{path.file(DCP_METADATA_FILE)}: no optimizer state (keys starting with "
             f"{OPTIMIZER_PREFIX!r}); the checkpoint was saved weights-only. Export without "
             "optimizer state (drop --optimizer)."
         )
@@ -440,7 +295,7 @@ def _quiet_no_dist() -> Iterator[None]:
 def _load_tensor(reader: VerifyingFileSystemReader, entry: ExportEntry) -> torch.Tensor:
     """Read one full tensor, in its saved dtype, from its chunks: the only full copy.
 
-    Every chunk is read straight into place (:class:`StreamingReader`), so this costs
+    Every chunk is read straight into place (``storage.StreamingReader``), so this costs
     the tensor's size and no transient copy.
     """
     assert isinstance(entry.metadata, TensorStorageMetadata)
@@ -460,7 +315,7 @@ def _write_tensor(stream: IO[bytes], tensor: torch.Tensor, dtype: torch.dtype) -
     step = max(1, _WRITE_BLOCK // max(tensor.element_size(), dtype.itemsize))
     crc = 0
     for start in range(0, flat.numel(), step):
-        block = _raw_bytes(flat[start : start + step].to(dtype))
+        block = raw_bytes(flat[start : start + step].to(dtype))
         if stream.write(block) != len(block):
             raise OSError(f"short write to {getattr(stream, 'name', stream)}")
         crc = zlib.crc32(block, crc)
@@ -473,12 +328,6 @@ def load_object(reader: VerifyingFileSystemReader, entry: ExportEntry) -> Any:
     with _quiet_no_dist():
         dcp.load(holder, storage_reader=reader, no_dist=True)
     return holder[entry.key]
-
-
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes in native (little-endian) order, without a copy."""
-    flat = tensor.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
 class SafetensorsFile:
@@ -806,7 +655,7 @@ def consolidate_checkpoint(
     removed on any error. Either side may be a URL (``s3://...``, any fsspec filesystem):
     a checkpoint there is read with ranged GETs (its newest complete version, as a load
     takes it), and an output there is a streaming upload, whose object appears only when
-    the upload completes (see :func:`~lightning_megatron_fsdp.tools.outputs.write_atomically`).
+    the upload completes (``Location.write_atomically``).
 
     The output's keys are the model FQNs, so ``model.load_state_dict(torch.load(path))``
     (or ``safetensors.torch.load_file``) loads it into the unsharded model; see the module
@@ -863,13 +712,13 @@ def consolidate_checkpoint(
             that is malformed, matches no model key, or comes with ``include_optimizer``.
     """
     who = "consolidate_checkpoint"
-    named = checkpoint_location(checkpoint_dir, storage_options)
-    output = output_location(output_path, storage_options)
+    named = locate(checkpoint_dir, storage_options)
+    output = locate(output_path, storage_options)
     out_dtype = parse_dtype(dtype)
-    check_output(output, named, overwrite=overwrite)  # first: a directory has no suffix
+    output.check_output(named, overwrite=overwrite, who=who)  # first: a directory has no suffix
     output_format = _output_format(output)
     _check_strip_prefix(strip_prefix, include_optimizer=include_optimizer)
-    checkpoint, _ = loaded_version(named)
+    checkpoint, _ = named.loaded_version()
     checked = check_directory(checkpoint, checksums=verify_checksums, trust=trust_checkpoint)
     refuse_problems(checked, checkpoint, who)
     entries = select_entries(
@@ -880,7 +729,7 @@ def consolidate_checkpoint(
         strip_prefix=strip_prefix,
     )
     assert checked.metadata is not None  # select_entries checked it
-    reader = streaming_reader(checkpoint, checked.metadata, trust=trust_checkpoint)
+    reader = checkpoint.checked_reader(checked.metadata, trust_checkpoint=trust_checkpoint)
     objects = {e.name: load_object(reader, e) for e in entries if e.dtype is None}
     file: SafetensorsFile | TorchFile
     if output_format == "safetensors":
@@ -896,20 +745,19 @@ def consolidate_checkpoint(
         tree = {e.name: objects.get(e.name) for e in entries}
         file = TorchFile(tree, [(e, (e.name,)) for e in entries if e.dtype is not None])
     write_export(output, file, reader, overwrite=overwrite, who=who)
-    return str(output) if isinstance(output, StoreObject) else output
+    return output.returned()
 
 
 def write_export(
-    output: Output,
+    output: Location,
     file: SafetensorsFile | TorchFile,
-    reader: StreamingReader,
+    reader: VerifyingFileSystemReader,
     *,
     overwrite: bool,
     who: str,
 ) -> None:
     """Stream ``file`` to ``output`` atomically, its tensors read through ``reader``."""
-    write_atomically(
-        output,
+    output.write_atomically(
         lambda stream: file.write(stream, reader),
         overwrite=overwrite,
         who=who,

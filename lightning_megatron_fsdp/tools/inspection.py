@@ -6,13 +6,11 @@ recomputed), before anyone trusts it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import math
 import os
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING, Any
 
 import torch
@@ -29,24 +27,18 @@ from lightning_megatron_fsdp.storage import (
     UPSTREAM_FORMAT_NAME,
     UPSTREAM_NOTE,
     FileWindow,
+    Location,
     Manifest,
-    StoreCheckpoint,
     TensorSpec,
     bytes_digest,
-    check_files,
     check_tensor_record,
     count,
     inflate_record,
     is_tensor_entry,
     is_upstream_checkpoint,
-    is_url,
     load_dcp_metadata,
     load_weights_only,
-    local_path,
-    open_regular,
-    open_store,
-    read_manifest,
-    read_regular,
+    locate,
     summarise,
 )
 
@@ -65,9 +57,7 @@ __all__ = [
     "CheckpointInfo",
     "TensorInfo",
     "check_directory",
-    "checkpoint_location",
     "inspect_checkpoint",
-    "loaded_version",
     "ordered_keys",
     "summarise",
     "verify_checkpoint",
@@ -135,7 +125,7 @@ class CheckpointInfo:
             size (compared without reading it); :func:`verify_checkpoint` checks the rest.
     """
 
-    path: Path
+    path: Location
     tensors: tuple[TensorInfo, ...]
     objects: tuple[str, ...]
     manifest: Manifest | None
@@ -195,61 +185,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def checkpoint_location(
-    checkpoint_dir: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
-) -> Path | StoreCheckpoint:
-    """The checkpoint ``checkpoint_dir`` names: a local directory, or for a URL the
-    checkpoint's prefix on its object store (:func:`loaded_version` picks the version).
-
-    Raises:
-        ImportError: The URL's filesystem is not installed (naming what to install).
-        ValueError: fsspec knows no filesystem for the URL's scheme.
-    """
-    if not is_url(checkpoint_dir):
-        return Path(local_path(checkpoint_dir))
-    store, inside = open_store(os.fspath(checkpoint_dir), storage_options)
-    return StoreCheckpoint(store, inside)
-
-
-def loaded_version(location: Path | StoreCheckpoint) -> tuple[Path | StoreCheckpoint, list[str]]:
-    """What a load of ``location`` reads, and notes on it: a local directory as it is; on
-    an object store the newest complete version of the checkpoint (the one a load takes),
-    with one note per version, complete or not.
-
-    Raises:
-        NotACheckpointError: If nothing on the store has the checkpoint's prefix.
-    """
-    if not isinstance(location, StoreCheckpoint):
-        return location, []
-    store, inside = location.store, location.path
-    versions = store.versions(inside)
-    if not versions and not store.sizes(inside) and not store.fs.isfile(inside):
-        inside_checkpoints = store.checkpoints_under(inside)
-        if inside_checkpoints:  # ModelCheckpoint's dirpath
-            raise NotACheckpointError(
-                f"{location} is a prefix of checkpoints "
-                f"({summarise('pass one of them', inside_checkpoints)}), not a checkpoint."
-            )
-        raise NotACheckpointError(
-            f"{location} does not exist: no object has this prefix. Check the URL."
-        )
-    version = store.locate(inside)
-    notes = [f"version {line}" for line in store.describe(inside)]
-    return StoreCheckpoint(store, inside if version is None else version), notes
-
-
-def _open(checkpoint_dir: Any, storage_options: Mapping[str, Any] | None) -> tuple[Any, list[str]]:
-    return loaded_version(checkpoint_location(checkpoint_dir, storage_options))
-
-
-def _is_dir(path: Any) -> bool:
-    if isinstance(path, StoreCheckpoint):
-        return bool(path.store.sizes(path.path)) or bool(path.store.versions(path.path))
-    return bool(path.is_dir())
-
-
-def _manifest_of(path: Any) -> Manifest:
-    return path.read_manifest() if isinstance(path, StoreCheckpoint) else read_manifest(path)
+def _open(
+    checkpoint_dir: Any, storage_options: Mapping[str, Any] | None
+) -> tuple[Location, list[str]]:
+    return locate(checkpoint_dir, storage_options).loaded_version()
 
 
 def read_checked(path: Any, name: str, manifest: Manifest | None, *, digest: bool = True) -> bytes:
@@ -267,18 +206,7 @@ def read_checked(path: Any, name: str, manifest: Manifest | None, *, digest: boo
         raise CheckpointCorruptedError(
             f"{name}: not listed in {MANIFEST_FILE}; it cannot be checked, so it is not read."
         )
-    size = None if record is None else record.size
-    if isinstance(path, StoreCheckpoint):
-        stored = path.store.sizes(path.path).get(name)
-        if stored is None:
-            raise FileNotFoundError(f"{name}: no such object under {path}")
-        if size is not None and stored != size:
-            raise CheckpointCorruptedError(
-                f"{name}: {stored} bytes stored, {size} in the manifest; it was not read."
-            )
-        data = path.read_bytes(name)
-    else:
-        data = read_regular(path, name, size=size)
+    data = locate(path).read_bytes(name, size=None if record is None else record.size)
     expected = None if record is None or not digest else record.digest()
     if expected is not None and (found := bytes_digest(data, expected[0])) != expected[1]:
         raise CheckpointCorruptedError(
@@ -348,18 +276,6 @@ def _read_meta(
     return {str(key): value for key, value in meta.items() if isinstance(value, plain)}, None
 
 
-def _file_sizes(path: Any) -> dict[str, int]:
-    """Size of every regular file directly inside ``path`` (every object under it)."""
-    if isinstance(path, StoreCheckpoint):
-        return path.store.sizes(path.path)
-    with os.scandir(path) as entries:
-        return {
-            entry.name: entry.stat().st_size
-            for entry in entries
-            if entry.is_file(follow_symlinks=False)
-        }
-
-
 def _storage_problems(
     metadata: Metadata, sizes: Mapping[str, int], listed: set[str] | None
 ) -> list[str]:
@@ -425,7 +341,7 @@ def _record_problems(path: Any, metadata: Metadata, sizes: Mapping[str, int]) ->
             by_file.setdefault(info.relative_path, []).append((index, info, nbytes))
     for name, records in sorted(by_file.items()):
         try:
-            opened = _open_records_file(path, name)
+            opened = path.open_records(name)
         except OSError as err:
             bad.setdefault(name, []).append(str(err))
             continue
@@ -440,28 +356,6 @@ def _record_problems(path: Any, metadata: Metadata, sizes: Mapping[str, int]) ->
         summarise(f"{name}: not plain torch.save zips ({count(len(lines), 'record')})", lines)
         for name, lines in sorted(bad.items())
     ]
-
-
-def _open_records_file(path: Any, name: str) -> contextlib.AbstractContextManager[Any]:
-    """Data file ``name`` of checkpoint ``path``, for :class:`FileWindow`: on an object
-    store a stream whose read-ahead is ``_ZIP_BLOCK`` (only each record's zip headers and
-    directory are read, in small ranged GETs, never its payload); locally a confined
-    descriptor, closed on exit.
-
-    Raises:
-        OSError: If the file cannot be opened.
-    """
-    if isinstance(path, StoreCheckpoint):
-        return path.store.fs.open(path.file(name), "rb", block_size=_ZIP_BLOCK)
-    return _closing_descriptor(open_regular(path, name))
-
-
-@contextlib.contextmanager
-def _closing_descriptor(fd: int) -> Iterator[int]:
-    try:
-        yield fd
-    finally:
-        os.close(fd)
 
 
 def _check_record(window: IO[bytes], index: Any, info: Any, nbytes: int) -> None:
@@ -486,11 +380,6 @@ def _check_record(window: IO[bytes], index: Any, info: Any, nbytes: int) -> None
     except ValueError as err:
         raise CheckpointCorruptedError(f"{source}: cannot be read back ({err})") from err
     check_tensor_record(inflate_record(stream, nbytes, source=source), nbytes, source=source)
-
-
-_ZIP_BLOCK = 64 << 10
-"""Read-ahead of the object a record's zip structure is read from: one GET covers a zip
-directory, another the local header at the record's start."""
 
 
 def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
@@ -651,15 +540,16 @@ def check_directory(
     of the same fields for a caller that only reads it (``metadata_records``: then
     ``torch.distributed.checkpoint`` is not imported).
     """
+    path = locate(path)
     try:
-        manifest: Manifest | None = _manifest_of(path)
+        manifest: Manifest | None = path.read_manifest()
     except NotACheckpointError as err:
-        if not _is_dir(path):
+        if not path.is_dir():
             return CheckedCheckpoint([str(err)])
         manifest, problems = None, [str(err)]
     else:
         problems = []
-    sizes = _file_sizes(path)
+    sizes = path.sizes()
     if manifest is None and not _holds_checkpoint_files(sizes):
         return CheckedCheckpoint(
             problems
@@ -668,10 +558,7 @@ def check_directory(
     if manifest is not None:
         hashed = sorted(manifest.files) if checksums else None
         try:
-            if isinstance(path, StoreCheckpoint):
-                problems += path.check_files(manifest, checksum_files=hashed)
-            else:
-                problems += check_files(path, manifest, checksum_files=hashed)
+            problems += path.check_files(manifest, checksum_files=hashed)
         except OSError as err:
             problems.append(f"cannot read a file: {type(err).__name__}: {err}")
         listed_missing = {name for name in manifest.files if name not in sizes}
@@ -768,9 +655,9 @@ def inspect_checkpoint(
     """
     path, notes = _open(checkpoint_dir, storage_options)
     try:
-        manifest: Manifest | None = _manifest_of(path)
+        manifest: Manifest | None = path.read_manifest()
     except NotACheckpointError as err:
-        if not _is_dir(path) or DCP_METADATA_FILE not in _file_sizes(path):
+        if not path.is_dir() or DCP_METADATA_FILE not in path.sizes():
             raise
         manifest = None
         notes.append(str(err))
@@ -783,10 +670,8 @@ def inspect_checkpoint(
         # megatron-fsdp's own save_checkpoint writes neither file: its format, not damage.
         source_format, notes = UPSTREAM_FORMAT_NAME, [UPSTREAM_NOTE]
     damaged: list[str] = []
-    if isinstance(path, StoreCheckpoint) and manifest is not None:
+    if manifest is not None:
         damaged = path.check_files(manifest)
-    elif manifest is not None:
-        damaged = check_files(path, manifest)
     tensors = []
     objects = []
     for key in ordered_keys(metadata, manifest):

@@ -20,10 +20,11 @@ from lightning_megatron_fsdp.errors import CheckpointCorruptedError, NotACheckpo
 from lightning_megatron_fsdp.storage import (
     DCP_METADATA_FILE,
     META_FILE,
+    Location,
     Manifest,
-    StoreCheckpoint,
     VerifyingFileSystemReader,
     load_weights_only,
+    locate,
 )
 from lightning_megatron_fsdp.tools.export import (
     ExportEntry,
@@ -33,21 +34,12 @@ from lightning_megatron_fsdp.tools.export import (
     parse_dtype,
     refuse_problems,
     select_entries,
-    streaming_reader,
     write_export,
 )
 from lightning_megatron_fsdp.tools.inspection import (
     MODEL_PREFIX,
     check_directory,
-    checkpoint_location,
-    loaded_version,
     read_checked,
-)
-from lightning_megatron_fsdp.tools.outputs import (
-    Output,
-    StoreObject,
-    check_output,
-    output_location,
 )
 
 if TYPE_CHECKING:
@@ -122,9 +114,9 @@ def export_lightning_checkpoint(
             checkpoint, ``optimizer`` on a weights-only checkpoint, or optimizer state
             that does not map onto its parameter groups.
     """
-    output = output_location(output_path, storage_options)
+    output = locate(output_path, storage_options)
     _export(
-        checkpoint_location(checkpoint_dir, storage_options),
+        locate(checkpoint_dir, storage_options),
         output,
         optimizer=optimizer,
         dtype=dtype,
@@ -133,7 +125,7 @@ def export_lightning_checkpoint(
         trust_checkpoint=trust_checkpoint,
         who="export_lightning_checkpoint",
     )
-    return str(output) if isinstance(output, StoreObject) else output
+    return output.returned()
 
 
 def load_lightning_module(
@@ -175,28 +167,20 @@ def load_lightning_module(
         NotACheckpointError | CheckpointCorruptedError: If a directory is not a complete,
             intact checkpoint of ours (see :func:`export_lightning_checkpoint`).
     """
-    location = checkpoint_location(checkpoint, storage_options)
-    missing = (
-        f"load_lightning_module: {location} does not exist; expected a .ckpt file or a "
-        "checkpoint directory written by MegatronFSDPStrategy."
-    )
-    if isinstance(location, StoreCheckpoint):
-        fs = location.store.fs
-        fs.invalidate_cache(location.path)
-        if not fs.exists(location.path):
-            raise FileNotFoundError(missing)
-        if fs.isfile(location.path):
-            with fs.open(location.path, "rb") as stream:
-                return module_class.load_from_checkpoint(stream, **kwargs)
-    elif not location.exists():
-        raise FileNotFoundError(missing)
-    elif not location.is_dir():
-        return module_class.load_from_checkpoint(location, **kwargs)
+    location = locate(checkpoint, storage_options)
+    if not location.exists():
+        raise FileNotFoundError(
+            f"load_lightning_module: {location} does not exist; expected a .ckpt file or a "
+            "checkpoint directory written by MegatronFSDPStrategy."
+        )
+    if location.is_file():
+        with location.open() as stream:
+            return module_class.load_from_checkpoint(stream, **kwargs)
     with tempfile.TemporaryDirectory(prefix="lmf-export-", dir=tmp_dir) as scratch:
         exported = Path(scratch) / "model.ckpt"
         _export(
             location,
-            exported,
+            locate(exported),
             verify_checksums=verify_checksums,
             trust_checkpoint=trust_checkpoint,
             who="load_lightning_module",
@@ -207,15 +191,9 @@ def load_lightning_module(
 # ---------------------------------------------------------------------------------------
 
 
-def _is_file(location: Path | StoreCheckpoint) -> bool:
-    if isinstance(location, StoreCheckpoint):
-        return bool(location.store.fs.isfile(location.path))
-    return location.is_file()
-
-
 def _export(
-    named: Path | StoreCheckpoint,
-    output: Output,
+    named: Location,
+    output: Location,
     *,
     verify_checksums: bool,
     trust_checkpoint: bool,
@@ -231,21 +209,21 @@ def _export(
             "hyper-parameters a Lightning checkpoint needs. Write a .ckpt file, or use "
             "consolidate_checkpoint (lightning-megatron-fsdp consolidate) for bare weights."
         )
-    if _is_file(named):
+    if named.is_file():
         raise NotACheckpointError(
             f"{who}: {named} is a file, expected a checkpoint directory written by "
             "MegatronFSDPStrategy. A single-file Lightning checkpoint needs no export: load "
             "it with Model.load_from_checkpoint(path)."
         )
-    check_output(output, named, overwrite=overwrite, who=who)
-    checkpoint, _ = loaded_version(named)
+    output.check_output(named, overwrite=overwrite, who=who)
+    checkpoint, _ = named.loaded_version()
     checked = check_directory(checkpoint, checksums=verify_checksums, trust=trust_checkpoint)
     refuse_problems(checked, checkpoint, who)
     entries = select_entries(
         checked, out_dtype, include_optimizer=optimizer, path=checkpoint, who=who
     )
     assert checked.metadata is not None and checked.manifest is not None  # checked above
-    reader = streaming_reader(checkpoint, checked.metadata, trust=trust_checkpoint)
+    reader = checkpoint.checked_reader(checked.metadata, trust_checkpoint=trust_checkpoint)
     tree, places = _lightning_tree(
         _read_meta_in_full(checkpoint, who, checked.manifest, trust_checkpoint, verify_checksums),
         entries,
@@ -258,7 +236,7 @@ def _export(
 
 
 def _read_meta_in_full(
-    checkpoint: Path | StoreCheckpoint, who: str, manifest: Manifest, trust: bool, digest: bool
+    checkpoint: Location, who: str, manifest: Manifest, trust: bool, digest: bool
 ) -> dict[str, Any]:
     """Every entry of ``meta.pt`` (weights-only unless ``trust``), read only after its size
     and checksum match the manifest.

@@ -31,7 +31,7 @@ from lightning_megatron_fsdp.megatron import (
     chunk_metadata_by_fqn,
     ensure_optimizer_state,
 )
-from lightning_megatron_fsdp.storage import OPTIMIZER_PREFIX, is_url, listed, local_path
+from lightning_megatron_fsdp.storage import OPTIMIZER_PREFIX, Location, listed, locate
 from lightning_megatron_fsdp.weights.weight_sources import (
     SourceError,
     SourceTensorSpec,
@@ -273,11 +273,11 @@ def load_full_weights(
                 f"got {type(optimizer).__name__}."
             )
     comm = Ranks.of(process_group)
-    path: Path | str = (
-        os.fspath(source)
-        if is_url(source)
-        else Path(os.path.abspath(local_path(os.fspath(source))))
-    )
+    try:
+        location: Location | None = locate(source, storage_options).absolute()
+        path: Path | str = location.returned()
+    except (ImportError, ValueError) as err:  # agreed on below, like any unreadable source
+        location, path, not_located = None, os.fspath(source), SourceError(str(err))
 
     # Every rank, whatever it finds below: the step may run collective optimizer hooks.
     for optimizer in optimizers:
@@ -288,7 +288,9 @@ def load_full_weights(
     reader: WeightSource | None = None
     plan: WeightsPlan | None = None
     try:
-        reader = open_source(path, weights_only, storage_options)
+        if location is None:
+            raise not_located
+        reader = open_source(location, weights_only)
         plan = _plan(model, optimizers, reader, options)
         problems = plan.problems
     except SourceError as err:

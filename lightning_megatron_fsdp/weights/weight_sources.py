@@ -13,12 +13,10 @@ newest complete version, each rank fetching the records that hold its rows.
 from __future__ import annotations
 
 import abc
-import contextlib
 import dataclasses
 import json
 import math
 import os
-import posixpath
 import struct
 import sys
 import zipfile
@@ -41,17 +39,11 @@ from lightning_megatron_fsdp.storage import (
     MANIFEST_FILE,
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
-    ObjectStore,
-    StoreCheckpoint,
+    Location,
     VerifyingFileSystemReader,
-    VerifyingFsspecReader,
-    check_files,
-    checkpoints_inside,
     internal_keys,
     is_upstream_checkpoint,
-    is_url,
-    open_store,
-    read_manifest,
+    locate,
 )
 
 __all__ = [
@@ -514,9 +506,12 @@ class _DcpSource(WeightSource):
 
     kind = "dcp"
 
-    def __init__(self, path: Path | str, weights_only: bool = True) -> None:
-        super().__init__(path)
+    def __init__(self, location: Location, weights_only: bool = True) -> None:
+        super().__init__(str(location))
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.location = location
+        path = self.path
 
         self._trust = not weights_only
         self._check_complete()
@@ -563,11 +558,10 @@ class _DcpSource(WeightSource):
         Raises:
             SourceError: Naming what is wrong.
         """
-        assert isinstance(self.path, Path)
-        if not (self.path / MANIFEST_FILE).exists():
+        if MANIFEST_FILE not in self.location.sizes():
             return
         try:
-            damaged = check_files(self.path, read_manifest(self.path))
+            damaged = self.location.check_files(self.location.read_manifest())
         except (NotACheckpointError, OSError) as err:
             raise SourceError(str(err)) from err
         if damaged:
@@ -577,9 +571,9 @@ class _DcpSource(WeightSource):
             )
 
     def _reader(self) -> VerifyingFileSystemReader:
-        """The reader of every load from this directory: nothing from it runs, files are
+        """The reader of every load from this checkpoint: nothing from it runs, files are
         opened confined to it, records are checked against their CRC32C where recorded."""
-        return VerifyingFileSystemReader(self.path, trust_checkpoint=self._trust)
+        return self.location.reader(verify=True, trust_checkpoint=self._trust)
 
     def spec(self, key: str) -> SourceTensorSpec:
         spec = self._specs.get(key)
@@ -649,28 +643,22 @@ _HEADER_LIMIT = 100 << 20
 
 
 class _ObjectRanges:
-    """Ranged reads of one object on a store.
+    """Ranged reads of one file, in pieces of at most ``_RANGE`` bytes."""
 
-    Args:
-        fs: The fsspec filesystem.
-        path: The object's path in it.
-        url: The object's URL, for messages.
-    """
-
-    def __init__(self, fs: Any, path: str, url: str) -> None:
-        self.fs, self.path, self.url = fs, path, url
+    def __init__(self, location: Location) -> None:
+        self.location, self.url = location, str(location)
 
     def read(self, start: int, stop: int) -> bytearray:
         """Bytes ``[start, stop)``.
 
         Raises:
-            SourceError: If the object ends first.
+            SourceError: If the file ends first.
         """
         out = bytearray(stop - start)
         done = 0
         while done < len(out):
             want = min(_RANGE, len(out) - done)
-            data = self.fs.cat_file(self.path, start=start + done, end=start + done + want)
+            data = self.location.read_range(start + done, start + done + want)
             if not data:
                 raise SourceError(
                     f"{self.url} ends at byte {start + done}; bytes up to {stop} were "
@@ -696,14 +684,13 @@ class _StoreTorchSource(_TorchSource):
     the file; a read then fetches exactly the bytes the asked-for rows span.
     """
 
-    def __init__(self, url: str, fs: Any, path: str, weights_only: bool) -> None:
-        self._object = _ObjectRanges(fs, path, url)
-        super().__init__(url, weights_only)
+    def __init__(self, location: Location, weights_only: bool) -> None:
+        self._object = _ObjectRanges(location)
+        super().__init__(str(location), weights_only)
 
     def _load(self, weights_only: bool) -> Any:
-        fs, path = self._object.fs, self._object.path
         try:
-            with fs.open(path, "rb", block_size=1 << 20) as stream:
+            with self._object.location.open(block_size=1 << 20) as stream:
                 if not zipfile.is_zipfile(stream):
                     raise SourceError(
                         f"{self.path}: not a zip archive: a file written with the legacy "
@@ -770,11 +757,12 @@ class _StoreSafetensorsSource(_SafetensorsBase):
     contiguous). The safetensors package is not needed.
     """
 
-    def __init__(self, url: str, fs: Any, path: str) -> None:
+    def __init__(self, location: Location) -> None:
+        url = str(location)
         super().__init__(url)
-        self._object = _ObjectRanges(fs, path, url)
+        self._object = _ObjectRanges(location)
         try:
-            size = int(fs.size(path))
+            size = location.size()
         except FileNotFoundError as err:
             raise SourceError(f"{url} does not exist.") from err
         if size < 8:
@@ -834,119 +822,16 @@ class _StoreSafetensorsSource(_SafetensorsBase):
         return _tensor_from(data, spec.dtype, spec.shape)
 
 
-class _StoreDcpReader(VerifyingFsspecReader):
-    """The verifying fsspec reader, which also reads a DCP checkpoint of another writer
-    (no manifest): each file's size then comes from the store's listing."""
-
-    _listing: dict[str, int] | None = None
-
-    def _expected_size(self, name: str) -> int | None:
-        if self._checkpoint_manifest() is not None:
-            return super()._expected_size(name)
-        if self._listing is None:
-            self._listing = self.store.sizes(self.path)
-        if name not in self._listing:
-            raise self._corrupted(name, f"missing; {DCP_METADATA_FILE} stores data there")
-        return self._listing[name]
-
-
-class _StoreDcpSource(_DcpSource):
-    """A DCP checkpoint on an object store: one version of ours (complete: its manifest
-    and every object's size checked when it was picked), or a prefix holding another
-    writer's DCP files. Each rank's ``dcp.load`` fetches the records its rows lie in.
-    """
-
-    def __init__(self, url: str, store: ObjectStore, location: str, weights_only: bool) -> None:
-        self._store, self._location = store, location
-        super().__init__(url, weights_only)
-
-    def _check_complete(self) -> None:
-        """Checked when the version was picked (:func:`_open_url`)."""
-
-    def _reader(self) -> VerifyingFileSystemReader:
-        return _StoreDcpReader(self._store, self._location, trust_checkpoint=self._trust)
-
-
-def _open_url(
-    url: str, weights_only: bool, storage_options: Mapping[str, Any] | None
-) -> WeightSource:
-    """Open the object or checkpoint ``url`` names.
-
-    Raises:
-        SourceError: If its filesystem is not installed (naming what to install), it does
-            not exist, or it is no supported format.
-    """
-    try:
-        store, inside = open_store(url, storage_options)
-    except (ImportError, ValueError) as err:
-        raise SourceError(str(err)) from err
-    fs = store.fs
-    try:
-        with contextlib.suppress(Exception):  # another process may have written since
-            fs.invalidate_cache(inside)
-        if fs.isfile(inside):
-            suffix = posixpath.splitext(inside)[1]
-            if suffix == _SAFETENSORS_SUFFIX:
-                return _StoreSafetensorsSource(url, fs, inside)
-            if suffix in _TORCH_SUFFIXES:
-                return _StoreTorchSource(url, fs, inside, weights_only)
-            raise SourceError(
-                f"{url}: unsupported suffix {suffix!r}. Expected a torch.save file "
-                f"({', '.join(_TORCH_SUFFIXES)}), {_SAFETENSORS_SUFFIX}, or a DCP checkpoint."
-            )
-        location = store.locate(inside)  # the newest complete version of ours
-        if location is None:
-            location = _foreign_or_raise(url, store, inside)
-        return _StoreDcpSource(url, store, location, weights_only)
-    except SourceError:
-        raise
-    except (OSError, CheckpointError) as err:
-        raise SourceError(f"{url}: {type(err).__name__}: {err}") from err
-
-
-def _foreign_or_raise(url: str, store: ObjectStore, inside: str) -> str:
-    """``inside`` if it holds another writer's DCP files (no manifest, no versions).
-
-    Raises:
-        SourceError: Saying what is there instead: saves of ours that did not finish, a
-            damaged copy, a prefix of checkpoints, or nothing.
-    """
-    sizes = store.sizes(inside)
-    versions = store.versions(inside)
-    if DCP_METADATA_FILE in sizes and MANIFEST_FILE not in sizes and not versions:
-        return inside
-    if MANIFEST_FILE in sizes:
-        try:
-            damaged = store.check_files(inside, store.read_manifest(inside))
-        except NotACheckpointError as err:
-            raise SourceError(str(err)) from err
-        raise SourceError(
-            f"{url} is an incomplete or damaged checkpoint: {'; '.join(damaged)}. Use "
-            "another checkpoint."
-        )
-    if versions:
-        try:
-            store.require(inside)
-        except NotACheckpointError as err:
-            raise SourceError(str(err)) from err
-    inside_checkpoints = checkpoints_inside(StoreCheckpoint(store, inside))
-    if inside_checkpoints:
-        raise SourceError(
-            f"{url} is a prefix of checkpoints {inside_checkpoints[:5]}, not one: pass one of "
-            f"them, e.g. {url.rstrip('/')}/{inside_checkpoints[-1]}."
-        )
-    if sizes or store.children(inside):
-        raise SourceError(
-            f"{url} holds no {DCP_METADATA_FILE}: not a DCP checkpoint. Expected a DCP "
-            "checkpoint, or a .pt/.pth/.bin/.ckpt/.safetensors object."
-        )
-    raise SourceError(f"{url} does not exist: no object has this name or prefix. Check the URL.")
-
-
 def open_source(
-    path: Path | str, weights_only: bool, storage_options: Mapping[str, Any] | None = None
+    path: Path | str | Location,
+    weights_only: bool,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> WeightSource:
-    """Open ``path`` (a local path, or a URL: see :func:`_open_url`) by what it is.
+    """Open ``path`` (a local path, or a URL with ``storage_options``) by what it is.
+
+    A file on a path the OS opens is memory-mapped; elsewhere (an object store) nothing is
+    downloaded whole: each rank fetches the byte ranges of its rows. A DCP checkpoint of
+    ours is read from the version a load takes (its newest complete one).
 
     Args:
         path: The source.
@@ -954,32 +839,57 @@ def open_source(
         storage_options: Options of a URL's fsspec filesystem.
 
     Raises:
-        SourceError: If it does not exist or is no supported format.
+        SourceError: If it does not exist or is no supported format, or a URL's
+            filesystem is not installed (naming what to install).
     """
-    if is_url(path):
-        return _open_url(os.fspath(path), weights_only, storage_options)
-    path = Path(path)
-    if path.is_dir():
-        if not (path / DCP_METADATA_FILE).is_file():
-            inside = checkpoints_inside(path)
-            hint = (
-                f"It holds checkpoint directories {inside[:5]}: pass one of them, e.g. "
-                f"{path / inside[-1]}."
-                if inside
-                else "Expected a DCP checkpoint directory, or a .pt/.pth/.bin/.ckpt/"
-                ".safetensors file."
-            )
+    try:
+        location = locate(path, storage_options)
+    except (ImportError, ValueError) as err:
+        raise SourceError(str(err)) from err
+    try:
+        return _open(location, weights_only)
+    except SourceError:
+        raise
+    except NotACheckpointError as err:
+        raise SourceError(str(err)) from err
+    except (OSError, CheckpointError) as err:
+        raise SourceError(f"{location}: {type(err).__name__}: {err}") from err
+
+
+def _open(location: Location, weights_only: bool) -> WeightSource:
+    """:func:`open_source` of a located ``path``."""
+    mapped = isinstance(location, os.PathLike)  # a path the OS can memory-map
+    if location.is_file():
+        if location.suffix == _SAFETENSORS_SUFFIX:
+            if mapped:
+                return _SafetensorsSource(Path(location))
+            return _StoreSafetensorsSource(location)
+        if location.suffix in _TORCH_SUFFIXES:
+            if mapped:
+                return _TorchSource(Path(location), weights_only)
+            return _StoreTorchSource(location, weights_only)
+        raise SourceError(
+            f"{location}: unsupported suffix {location.suffix!r}. Expected a torch.save file "
+            f"({', '.join(_TORCH_SUFFIXES)}), {_SAFETENSORS_SUFFIX}, or a DCP checkpoint "
+            "directory."
+        )
+    if not location.is_dir():
+        raise SourceError(f"{location} does not exist (or is not a regular file or directory).")
+    version, notes = location.loaded_version()
+    if DCP_METADATA_FILE not in version.sizes():
+        if notes:
             raise SourceError(
-                f"{path} is a directory without {DCP_METADATA_FILE}: not a DCP checkpoint. " + hint
+                f"{location} holds no complete checkpoint ({'; '.join(notes)}). Use another "
+                "checkpoint."
             )
-        return _DcpSource(path, weights_only)
-    if not path.is_file():
-        raise SourceError(f"{path} does not exist (or is not a regular file or directory).")
-    if path.suffix == _SAFETENSORS_SUFFIX:
-        return _SafetensorsSource(path)
-    if path.suffix in _TORCH_SUFFIXES:
-        return _TorchSource(path, weights_only)
-    raise SourceError(
-        f"{path}: unsupported suffix {path.suffix!r}. Expected a torch.save file "
-        f"({', '.join(_TORCH_SUFFIXES)}), {_SAFETENSORS_SUFFIX}, or a DCP checkpoint directory."
-    )
+        inside = location.checkpoints_inside()
+        hint = (
+            f"It holds checkpoint directories {inside[:5]}: pass one of them, e.g. "
+            f"{location.file(inside[-1])}."
+            if inside
+            else "Expected a DCP checkpoint directory, or a .pt/.pth/.bin/.ckpt/.safetensors file."
+        )
+        raise SourceError(
+            f"{location} is a directory without {DCP_METADATA_FILE}: not a DCP checkpoint. " + hint
+        )
+    return _DcpSource(version, weights_only)

@@ -1,0 +1,409 @@
+"""Where a checkpoint (or an export) lives, resolved once: a path or URL becomes a
+:class:`Location`, and everything above ``storage/`` works through its methods only.
+
+A tool, a weight reader or the plugin never asks which backend holds a checkpoint: it
+reads the manifest, lists and reads files, opens a DCP reader, writes an output, all
+through the location :func:`locate` gave. Two backends implement it: :class:`LocalLocation`
+(a local or shared POSIX directory or file) and
+:class:`~lightning_megatron_fsdp.storage.store_location.StoreLocation` (any fsspec
+filesystem: ``s3://``, ``gs://``, ``memory://``, ...). A URL is never taken for a local
+directory named ``s3:``; a ``file://`` URL is a local path.
+
+Rejected: a ``Path | StoreCheckpoint`` union with an ``isinstance`` at each use (it was
+written forty times across the tools, the weight readers and the launcher, each a place a
+third backend had to be added); an fsspec ``LocalFileSystem`` for local paths (it loses
+the confined, descriptor-based reads that refuse links and FIFOs, and ``preadv`` into
+tensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Protocol
+
+from lightning_megatron_fsdp.storage.checksums import file_digest
+from lightning_megatron_fsdp.storage.commit import (
+    latest_complete_checkpoint,
+    matching_checkpoints,
+    recover_matching,
+)
+from lightning_megatron_fsdp.storage.confined_files import (
+    create_exclusive,
+    open_regular,
+    read_regular,
+)
+from lightning_megatron_fsdp.storage.format import (
+    MANIFEST_FILE,
+    Manifest,
+    check_files,
+    checkpoints_in_directory,
+    read_manifest,
+)
+from lightning_megatron_fsdp.storage.object_store import is_url, local_path, open_store
+from lightning_megatron_fsdp.storage.store_location import StoreLocation
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from lightning_megatron_fsdp.storage.filesystem import VerifyingFileSystemReader
+
+__all__ = ["LocalLocation", "Location", "locate"]
+
+log = logging.getLogger(__name__)
+
+
+class Location(Protocol):
+    """A checkpoint, a file or a directory on one backend; ``str()`` is how a user writes it.
+
+    A checkpoint's files are plain names directly inside it; every read is confined to it
+    (no link, FIFO or device is followed) and nothing raises for a missing file but
+    :class:`FileNotFoundError`.
+    """
+
+    @property
+    def name(self) -> str:
+        """The last component of the location."""
+        ...
+
+    @property
+    def suffix(self) -> str:
+        """The file suffix of :attr:`name` (``".safetensors"``), or ``""``."""
+        ...
+
+    def file(self, name: str) -> str:
+        """``name`` inside this location, as messages show it."""
+        ...
+
+    def exists(self) -> bool:
+        """Whether anything is there (a fresh look: another process may have written)."""
+        ...
+
+    def is_file(self) -> bool:
+        """Whether it is one file (object)."""
+        ...
+
+    def is_dir(self) -> bool:
+        """Whether it holds files (a directory; on a store a prefix with objects)."""
+        ...
+
+    def size(self) -> int:
+        """The size of the file in bytes."""
+        ...
+
+    def open(self, *, block_size: int | None = None) -> IO[bytes]:
+        """The file, for reading (closed by the caller); ``block_size``: read-ahead, where
+        the backend has one."""
+        ...
+
+    def read_range(self, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` of the file; fewer where it ends first."""
+        ...
+
+    def sizes(self) -> dict[str, int]:
+        """Every regular file directly inside, by name, with its size."""
+        ...
+
+    def read_manifest(self) -> Manifest:
+        """The checkpoint's manifest.
+
+        Raises:
+            NotACheckpointError: None there, or it does not parse; the message says what
+                is there instead.
+        """
+        ...
+
+    def read_bytes(self, name: str, *, size: int | None = None) -> bytes:
+        """The whole file ``name``, which must have ``size`` bytes when it is given.
+
+        Raises:
+            FileNotFoundError: If it is missing.
+            OSError: If it is no regular file or has another size.
+        """
+        ...
+
+    def open_records(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        """File ``name`` for :class:`~lightning_megatron_fsdp.storage.confined_files.FileWindow`
+        reads of a few bytes each (a descriptor, or a stream with a small read-ahead)."""
+        ...
+
+    def digest(self, name: str, algorithm: str) -> str:
+        """The digest of file ``name``, streamed."""
+        ...
+
+    def check_files(
+        self, manifest: Manifest, *, checksum_files: list[str] | None = None
+    ) -> list[str]:
+        """One line per file ``manifest`` lists that is missing, has another size or (for
+        ``checksum_files``) another digest."""
+        ...
+
+    def loaded_version(self) -> tuple[Location, list[str]]:
+        """What a load of this checkpoint reads, and one note per saved version of it.
+
+        Raises:
+            NotACheckpointError: If nothing is there.
+        """
+        ...
+
+    def checkpoints_inside(self) -> list[str]:
+        """Complete checkpoints directly inside, by name, if this is not one itself
+        (``ModelCheckpoint``'s ``dirpath``)."""
+        ...
+
+    def latest(
+        self, pattern: str, *, on_restored: Callable[[str], Any] | None = None
+    ) -> tuple[float, Location] | None:
+        """The most recently written complete checkpoint directly inside whose name
+        matches the ``fnmatch`` ``pattern``, with when its manifest was written (seconds);
+        ``None`` if there is none. A checkpoint a crash left renamed aside is restored
+        first, and ``on_restored`` (default: a logged warning) told so."""
+        ...
+
+    def reader(self, *, verify: bool, trust_checkpoint: bool) -> VerifyingFileSystemReader:
+        """The DCP reader of this checkpoint."""
+        ...
+
+    def checked_reader(
+        self, metadata: Metadata, *, trust_checkpoint: bool
+    ) -> VerifyingFileSystemReader:
+        """The DCP reader of a checkpoint already checked: ``metadata`` (parsed) reused,
+        nothing verified again, records read straight into their targets."""
+        ...
+
+    def absolute(self) -> Location:
+        """The same location, independent of the working directory."""
+        ...
+
+    def returned(self) -> Any:
+        """What a public function returns for this output: a ``Path``, or the URL."""
+        ...
+
+    def check_output(self, checkpoint: Location, *, overwrite: bool, who: str) -> None:
+        """Refuse this location as the output of an export of ``checkpoint``, before
+        anything is read or written, if it must not be written.
+
+        Raises:
+            IsADirectoryError: If it is a directory (on a store: a prefix with objects).
+            FileExistsError: If it exists and ``overwrite`` is false.
+            FileNotFoundError: If a local output's directory does not exist.
+            ValueError: If it lies inside ``checkpoint`` (or names a bucket, not an object).
+        """
+        ...
+
+    def write_atomically(
+        self,
+        write: Callable[[IO[bytes]], None],
+        *,
+        overwrite: bool,
+        who: str,
+        size: int | None = None,
+    ) -> None:
+        """Write the file with ``write`` (front to back, never seeking) so that no reader
+        sees half of it: nothing appears if ``write`` raises.
+
+        Raises:
+            FileExistsError: If the file appeared meanwhile and ``overwrite`` is false.
+        """
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalLocation:
+    """A :class:`Location` on the local (or a shared POSIX) filesystem."""
+
+    path: Path
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def suffix(self) -> str:
+        return self.path.suffix
+
+    def file(self, name: str) -> str:
+        return str(self.path / name)
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def is_file(self) -> bool:
+        return self.path.is_file()
+
+    def is_dir(self) -> bool:
+        return self.path.is_dir()
+
+    def size(self) -> int:
+        return self.path.stat().st_size
+
+    def open(self, *, block_size: int | None = None) -> IO[bytes]:
+        return open(self.path, "rb")
+
+    def read_range(self, start: int, stop: int) -> bytes:
+        with open(self.path, "rb") as file:
+            return os.pread(file.fileno(), stop - start, start)
+
+    def sizes(self) -> dict[str, int]:
+        with os.scandir(self.path) as entries:
+            return {
+                entry.name: entry.stat().st_size
+                for entry in entries
+                if entry.is_file(follow_symlinks=False)
+            }
+
+    def read_manifest(self) -> Manifest:
+        return read_manifest(self.path)
+
+    def read_bytes(self, name: str, *, size: int | None = None) -> bytes:
+        return read_regular(self.path, name, size=size)
+
+    @contextlib.contextmanager
+    def open_records(self, name: str) -> Iterator[int]:
+        fd = open_regular(self.path, name)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def digest(self, name: str, algorithm: str) -> str:
+        return file_digest(self.path / name, algorithm)
+
+    def check_files(
+        self, manifest: Manifest, *, checksum_files: list[str] | None = None
+    ) -> list[str]:
+        return check_files(self.path, manifest, checksum_files=checksum_files)
+
+    def loaded_version(self) -> tuple[LocalLocation, list[str]]:
+        """This directory as it is: a local checkpoint has one version."""
+        return self, []
+
+    def checkpoints_inside(self) -> list[str]:
+        if not self.path.is_dir() or (self.path / MANIFEST_FILE).exists():
+            return []
+        return checkpoints_in_directory(self.path)
+
+    def latest(
+        self, pattern: str, *, on_restored: Callable[[str], Any] | None = None
+    ) -> tuple[float, Location] | None:
+        for restored in recover_matching(self.path, pattern):
+            (on_restored or log.warning)(
+                f"Restored {restored}, which an interrupted save had renamed aside."
+            )
+        newest = latest_complete_checkpoint(matching_checkpoints(self.path, pattern), by="written")
+        if newest is None:
+            return None
+        return (newest / MANIFEST_FILE).stat().st_mtime, LocalLocation(newest)
+
+    def reader(self, *, verify: bool, trust_checkpoint: bool) -> VerifyingFileSystemReader:
+        from lightning_megatron_fsdp.storage.filesystem import VerifyingFileSystemReader
+
+        return VerifyingFileSystemReader(
+            self.path, verify=verify, trust_checkpoint=trust_checkpoint
+        )
+
+    def checked_reader(
+        self, metadata: Metadata, *, trust_checkpoint: bool
+    ) -> VerifyingFileSystemReader:
+        from lightning_megatron_fsdp.storage.streaming_reader import StreamingReader
+
+        return StreamingReader(self.path, metadata, trust=trust_checkpoint)
+
+    def absolute(self) -> LocalLocation:
+        return LocalLocation(Path(os.path.abspath(self.path)))
+
+    def returned(self) -> Path:
+        return self.path
+
+    def check_output(self, checkpoint: Location, *, overwrite: bool, who: str) -> None:
+        output = self.path
+        if output.is_dir():
+            raise IsADirectoryError(f"{who}: output {output} is a directory; expected a file path.")
+        if output.exists() and not overwrite:
+            raise FileExistsError(
+                f"{who}: output {output} already exists; nothing was written. "
+                "Pass overwrite=True (--overwrite) to replace it, or choose another path."
+            )
+        if not output.parent.is_dir():
+            raise FileNotFoundError(
+                f"{who}: the output's directory {output.parent} does not exist; create it first."
+            )
+        if (
+            isinstance(checkpoint, LocalLocation)
+            and checkpoint.path.is_dir()
+            and output.parent.resolve() == checkpoint.path.resolve()
+        ):
+            raise ValueError(
+                f"{who}: output {output} lies inside the checkpoint directory; a new file "
+                "there would make the checkpoint fail verification. Write it elsewhere."
+            )
+
+    def write_atomically(
+        self,
+        write: Callable[[IO[bytes]], None],
+        *,
+        overwrite: bool,
+        who: str,
+        size: int | None = None,
+    ) -> None:
+        """A new hidden file next to the output (created with ``O_EXCL | O_NOFOLLOW`` and
+        only ever used through the descriptor that created it), fsynced and renamed into
+        place; before the rename the name must still be that file (someone who can write to
+        the folder could otherwise swap in their own). It is removed on any error."""
+        output = self.path
+        temporary = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:12]}"
+        try:
+            with open(create_exclusive(temporary), "w+b") as stream:
+                write(stream)
+                stream.flush()
+                os.fsync(stream.fileno())
+                mine, now = os.fstat(stream.fileno()), os.stat(temporary, follow_symlinks=False)
+                if (mine.st_dev, mine.st_ino) != (now.st_dev, now.st_ino):
+                    raise FileExistsError(
+                        f"{who}: the temporary file {temporary} was replaced while exporting "
+                        "(another process writes to the output folder); nothing was written. "
+                        "Export into a folder only you can write to."
+                    )
+            if output.exists() and not overwrite:
+                raise FileExistsError(
+                    f"{who}: output {output} appeared while exporting; nothing "
+                    "was written. Pass overwrite=True (--overwrite) to replace it."
+                )
+            os.replace(temporary, output)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                temporary.unlink()
+
+
+def locate(
+    path: str | os.PathLike[str] | Location,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    deadline: float | None = None,
+) -> Location:
+    """The :class:`Location` ``path`` names: a URL's on its fsspec filesystem (with
+    ``storage_options``; ``deadline``: seconds each request may take, see
+    :class:`~lightning_megatron_fsdp.storage.object_store.ObjectStore`), any other path a
+    local one (``file://`` stripped, not made absolute). A location is returned as it is.
+
+    Raises:
+        ImportError: The URL's filesystem is not installed (naming what to install).
+        ValueError: fsspec knows no filesystem for the URL's scheme.
+    """
+    if isinstance(path, (LocalLocation, StoreLocation)):
+        return path
+    if is_url(path):
+        store, inside = open_store(os.fspath(path), storage_options, deadline=deadline)
+        return StoreLocation(store, inside)
+    return LocalLocation(Path(local_path(os.fspath(path))))
