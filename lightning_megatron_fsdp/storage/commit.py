@@ -19,7 +19,6 @@ import functools
 import logging
 import os
 import shutil
-import sys
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -31,7 +30,7 @@ from lightning_megatron_fsdp.errors import (
     NotACheckpointError,
 )
 from lightning_megatron_fsdp.storage.checksums import file_digest
-from lightning_megatron_fsdp.storage.confined_files import read_regular
+from lightning_megatron_fsdp.storage.confined_files import linux_call, read_regular
 from lightning_megatron_fsdp.storage.format import (
     ASIDE,
     DELETING,
@@ -396,22 +395,10 @@ _EXCHANGE_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOT
 
 @functools.cache
 def _renameat2() -> Any:
-    """libc's ``renameat2``, or ``None`` where there is none (not Linux, old glibc, musl)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_uint,
-    ]
-    function.restype = ctypes.c_int
-    return function
+    """libc's ``renameat2``, or ``None`` where there is none."""
+    return linux_call(
+        "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    )
 
 
 def _exchange(a: Path, b: Path, *, use_exchange: bool = True) -> bool:

@@ -14,10 +14,12 @@ files covers them. See docs/DESIGN.md, "Untrusted checkpoints".
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import io
 import os
 import stat
+import sys
 from typing import Any
 
 __all__ = [
@@ -249,3 +251,17 @@ class FileWindow(SeekableStream):
             n = int(self._source.readinto(view[:count]))
         self._position += n
         return n
+
+
+def linux_call(name: str, argtypes: list[Any]) -> Any:
+    """libc's function ``name`` (a Linux file call :mod:`os` lacks), returning a C ``int``
+    and setting ``errno``; ``None`` where there is none (not Linux, old glibc, musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function

@@ -55,6 +55,7 @@ from lightning_megatron_fsdp.storage.checksums import (
     file_digest,
 )
 from lightning_megatron_fsdp.storage.confined_files import (
+    linux_call,
     open_regular,
     read_regular,
     regular_size,
@@ -91,24 +92,12 @@ to disk, so the final ``fsync`` finds most of the file already there instead of 
 the whole write then (the CPU's checksums and copies overlap the disk's writes)."""
 
 
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """Linux's ``sync_file_range`` (not in :mod:`os`), or ``None`` where there is none.
-
-    Only a hint to begin writeback: durability still comes from the ``fsync`` after the
-    last write, so a platform without it, or a call that fails, changes no guarantee.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return cast(Callable[[int, int, int, int], int], function)
-
-
-_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE: Callable[[int, int, int, int], int] | None = linux_call(
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+)
+"""Linux's ``sync_file_range``: only a hint to begin writeback; durability still comes from
+the ``fsync`` after the last write, so a platform without it, or a call that fails, changes
+no guarantee."""
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages, do not wait
 
 
