@@ -35,6 +35,7 @@ from lightning_megatron_fsdp.agreement import (
 )
 from lightning_megatron_fsdp.checkpoint.copies import fill, stage
 from lightning_megatron_fsdp.checkpoint.metadata_slices import MetadataSlices, SlicedLoadPlanner
+from lightning_megatron_fsdp.checkpoint.replicated_reads import plan_replicated_reads
 from lightning_megatron_fsdp.errors import (
     CheckpointCorruptedError,
     CheckpointError,
@@ -286,7 +287,16 @@ def read_checkpoint(
         targets = {k: state[k] for k in ("state_dict", "optimizer_states") if k in state}
         # Tied entries are one object in both: stage copies them once, fill copies twice.
         into = stage(targets) if options.atomic_load else targets
-        view = dcp_view(into)  # rank-local; the targets carry every chunk (_load_targets)
+        keys = None if opened.slices is None else set(opened.slices.keys)
+        try:  # each replicated record read by one replica (checkpoint.replicated_reads)
+            replicated = plan_replicated_reads(into, keys, ranks)
+        except PeerLostError as err:
+            raise CheckpointError(
+                f"Loading checkpoint {final} failed before any tensor was read: {err}. The "
+                "targets are unchanged."
+            ) from err
+        # Rank-local; the targets carry every chunk (_load_targets).
+        view = dcp_view(replicated.state)
         try:
             dcp.load(
                 view,
@@ -301,6 +311,14 @@ def read_checkpoint(
         except (CheckpointException, Exception) as err:
             raise _load_failure(final, err, reader, ranks, options.atomic_load) from err
         keep_loaded_values(into, view)
+        try:
+            replicated.share(f"Loading checkpoint {final}")
+        except PeerLostError as err:
+            kept = "unchanged" if options.atomic_load else "partly loaded; load again"
+            raise CheckpointError(
+                f"Loading checkpoint {final} failed sending replicated tensors to their "
+                f"replicas: {err}. The targets are {kept}."
+            ) from err
         if options.atomic_load:
             with torch.no_grad():
                 fill(targets, into)

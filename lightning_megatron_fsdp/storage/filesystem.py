@@ -480,6 +480,10 @@ class ReadProgress:
     also: int = 0
     """Records after :attr:`current` read in the same request, whose targets may hold
     unchecked bytes too."""
+    bytes_read: int = 0
+    """Bytes of records read from storage and checked (tensor and byte records)."""
+    tensor_bytes_read: int = 0
+    """Of those, bytes of tensor records."""
 
     def describe(self) -> str:
         """E.g. ``"wrote 7 of 24 records (last 'w'); 'v' failed, its target may hold
@@ -835,6 +839,9 @@ class VerifyingFileSystemReader(FileSystemReader):
                 raise self._truncated(name, item)
             finish(crcs[index])
             progress.written += 1
+            progress.bytes_read += info.length
+            if item.type == LoadItemType.TENSOR:
+                progress.tensor_bytes_read += info.length
             progress.last = item.dest_index.fqn
         progress.current, progress.also = None, 0
 

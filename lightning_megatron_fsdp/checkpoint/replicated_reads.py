@@ -1,0 +1,301 @@
+"""Replicated records read from storage once per load, then sent to the replicas.
+
+DCP reads every rank's chunks independently: a tensor replicated across ranks (HSDP's
+replica dimension, ``NO_SHARD``, a plain tensor such as Adam's ``step``, which every rank
+holds whole) is fetched once per replica, so 64 replicas pull 64 times the checkpoint from
+the bucket. Here each replicated target is read by one rank of its replica group (a
+group's targets, in state-dict order, cut into one run of about equal bytes per rank, so
+each rank reads adjacent records), and after the read each reader broadcasts what it read
+to its group::
+
+    HSDP (2, 1), tensors a b c d                 after dcp.load: broadcasts
+               reads        receives             rank 0 -> rank 1: a b
+    rank 0     a b          c d                  rank 1 -> rank 0: c d
+    rank 1     c d          a b
+
+A replica group is the process group of a DTensor's largest ``Replicate`` mesh dimension
+(its other replicate dimensions, if any, keep reading), and the load's group for plain
+tensors. Every rank of a group must hold the same targets for it, of the same chunks and
+dtypes: one all-gather over the load's ranks of each rank's digest per group checks that
+before reading, and a group whose ranks disagree (a rank without some optimizer state, say)
+reads as before, on every rank.
+Every record read is still checked against its CRC32C by its reader; the broadcasts
+carry what a check passed.
+
+Alternatives rejected: a load planner that drops duplicate read items in its global plan
+sees only the items, not the process groups that can carry them, and would need a group
+per set of ranks (creating one is a collective of the whole world); reading every record
+on one rank and scattering serialises the reads of a group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_megatron_fsdp import _torch
+from lightning_megatron_fsdp.agreement import LOST_PEER_HINT, PeerLostError, Ranks, describe
+from lightning_megatron_fsdp.megatron import CHUNK_ATTR
+
+__all__ = ["ReplicatedReads", "plan_replicated_reads"]
+
+log = logging.getLogger(__name__)
+
+#: Bytes one broadcast carries at most.
+_BUCKET_BYTES = 256 * 1024 * 1024
+
+
+@dataclasses.dataclass
+class _Target:
+    """One replicated target and the rank of its group that reads it."""
+
+    key: str
+    """DCP's flat key (``state_dict.w``, ``optimizer_states.0.state.w.exp_avg``)."""
+    tensor: Tensor
+    """Where the values go: the local shard of a DTensor, a plain tensor itself."""
+    source: int = 0
+    """The index, in its group, of the rank that reads it."""
+
+
+@dataclasses.dataclass
+class _Group:
+    """The replicated targets this rank shares with the ranks of one process group, and
+    what its ranks compare (key, chunk, dtype, elements per target)."""
+
+    group: dist.ProcessGroup
+    ranks: tuple[int, ...]
+    targets: list[_Target] = dataclasses.field(default_factory=list)
+    descriptor: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class ReplicatedReads:
+    """Which replicated targets this rank reads, and the broadcasts that complete a load.
+
+    Attributes:
+        state: The load targets without the replicated ones other ranks read (containers
+            copied where something was dropped; tensors shared): what to hand DCP.
+        groups: The replica groups whose reads are shared, in an order every rank shares.
+    """
+
+    state: dict[str, Any]
+    groups: list[_Group]
+
+    def share(self, where: str) -> None:
+        """After a successful read on every rank: each reader's targets broadcast to its
+        replica group, in buckets. Collective over every group of :attr:`groups`.
+
+        Raises:
+            PeerLostError: A broadcast failed (within the group's timeout).
+        """
+        me = dist.get_rank() if self.groups else 0
+        for replicas in self.groups:
+            device = _bucket_device(replicas.group)
+            for index, source in enumerate(replicas.ranks):
+                mine = [t for t in replicas.targets if t.source == index and t.tensor.numel()]
+                for bucket in _buckets(mine):
+                    _broadcast(where, replicas, index, bucket, device, sending=source == me)
+
+
+def plan_replicated_reads(
+    state: dict[str, Any], keys: set[str] | None, ranks: Ranks
+) -> ReplicatedReads:
+    """Share the reading of ``state``'s replicated targets among their replicas.
+
+    Args:
+        state: The load targets (``{"state_dict": ..., "optimizer_states": [...]}``).
+        keys: The checkpoint's flat keys; a target missing from it (a partial load) stays
+            unread on every rank. ``None``: unknown, every rank reads everything.
+        ranks: The load's ranks; plain tensors are replicated across them.
+
+    Returns:
+        The targets to read and the broadcasts that complete them. One all-gather over
+        ``ranks`` (none for a single rank or unknown ``keys``).
+
+    Raises:
+        PeerLostError: The all-gather failed (within the group's timeout).
+    """
+    if keys is None or ranks.group is None or ranks.world_size == 1:
+        return ReplicatedReads(state, [])
+    load_ranks = tuple(dist.get_process_group_ranks(ranks.group))
+    groups: dict[tuple[int, ...], _Group] = {}
+    try:
+        for key, value in _tensors(state, ""):
+            if key not in keys:
+                continue
+            found = _replica_group(value, ranks.group, load_ranks)
+            if found is None:
+                continue
+            group, members, tensor, chunk = found
+            replicas = groups.setdefault(members, _Group(group, members))
+            replicas.targets.append(_Target(key, tensor))
+            replicas.descriptor.append((key, chunk, str(tensor.dtype), tensor.numel()))
+    except Exception as err:  # this rank reads all its targets; its groups' peers too
+        log.warning("Every rank reads the replicated tensors it loads: %s", describe(err))
+        groups = {}
+    digests = {m: _digest(g.descriptor) for m, g in groups.items()}
+    try:
+        every = ranks.all_gather(digests)
+    except PeerLostError as err:
+        raise PeerLostError(f"planning the reads of replicated tensors: {err}") from err
+    position = {rank: i for i, rank in enumerate(load_ranks)}
+    agreed = [
+        replicas
+        for members, replicas in sorted(groups.items())
+        if all(every[position[r]].get(members) == digests[members] for r in members)
+    ]
+    me = dist.get_rank()
+    dropped: set[str] = set()
+    for replicas in agreed:
+        _spread(replicas)
+        index = replicas.ranks.index(me)
+        dropped.update(t.key for t in replicas.targets if t.source != index)
+    return ReplicatedReads(_without(state, "", dropped), agreed)
+
+
+def _tensors(value: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """The tensors (DTensors too) held in mappings of ``value``, by DCP's flat key."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            flat = f"{path}.{key}" if path else str(key)
+            if isinstance(item, Tensor):
+                yield flat, item
+            else:
+                yield from _tensors(item, flat)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if not isinstance(item, Tensor):  # a tensor in a list stays read by every rank
+                yield from _tensors(item, f"{path}.{index}" if path else str(index))
+
+
+def _replica_group(
+    value: Tensor, load_group: dist.ProcessGroup, load_ranks: tuple[int, ...]
+) -> tuple[dist.ProcessGroup, tuple[int, ...], Tensor, Any] | None:
+    """The group whose ranks hold ``value``'s rows too, its ranks, the tensor to fill and
+    its chunk; ``None`` for a tensor this rank alone holds."""
+    if isinstance(value, DTensor):
+        mesh = value.device_mesh
+        dims = [d for d, p in enumerate(value.placements) if p.is_replicate() and mesh.size(d) > 1]
+        local = _torch.local_tensor(value)
+        chunk = getattr(local, CHUNK_ATTR, None)
+        if not dims or chunk is None or local.is_meta:
+            return None
+        dim = max(dims, key=mesh.size)
+        group = mesh.get_group(dim)
+        members = tuple(dist.get_process_group_ranks(group))
+        if not set(members) <= set(load_ranks):
+            return None
+        return group, members, local, (tuple(chunk.offsets), tuple(chunk.sizes))
+    if value.is_meta:
+        return None
+    return load_group, load_ranks, value, tuple(value.shape)
+
+
+def _digest(descriptor: list[tuple[Any, ...]]) -> str:
+    return hashlib.sha256(repr(descriptor).encode()).hexdigest()
+
+
+def _spread(replicas: _Group) -> None:
+    """Each target's reader: the targets, in state-dict order (the order a save writes
+    them), cut into one run per rank of about equal bytes, so each rank reads adjacent
+    records (one ranged request each where the store batches them); the same on every
+    rank of the group."""
+    total = sum(_nbytes(t.tensor) for t in replicas.targets)
+    count = len(replicas.ranks)
+    before = 0
+    for target in replicas.targets:
+        nbytes = _nbytes(target.tensor)
+        middle = before + nbytes // 2
+        target.source = min(count - 1, middle * count // total) if total else 0
+        before += nbytes
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _without(value: Any, path: str, dropped: set[str]) -> Any:
+    """``value``'s containers copied, without the tensors at ``dropped`` keys."""
+    if isinstance(value, Mapping):
+        kept = {}
+        for key, item in value.items():
+            flat = f"{path}.{key}" if path else str(key)
+            if flat in dropped:
+                continue
+            kept[key] = item if isinstance(item, Tensor) else _without(item, flat, dropped)
+        return kept
+    if isinstance(value, list):
+        return [
+            _without(item, f"{path}.{index}" if path else str(index), dropped)
+            for index, item in enumerate(value)
+        ]
+    return value
+
+
+def _bucket_device(group: dist.ProcessGroup) -> torch.device:
+    """CUDA where the group has an NCCL backend (GPU targets travel by NCCL); CPU
+    otherwise (gloo)."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _buckets(targets: list[_Target]) -> Iterator[list[_Target]]:
+    """``targets`` in runs of at most :data:`_BUCKET_BYTES` (a larger target alone)."""
+    bucket: list[_Target] = []
+    size = 0
+    for target in targets:
+        nbytes = _nbytes(target.tensor)
+        if bucket and size + nbytes > _BUCKET_BYTES:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(target)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _as_bytes(tensor: Tensor) -> Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _broadcast(
+    where: str,
+    replicas: _Group,
+    source: int,
+    bucket: list[_Target],
+    device: torch.device,
+    *,
+    sending: bool,
+) -> None:
+    """One bucket from the group's rank ``source`` into the others' targets."""
+    total = sum(_nbytes(t.tensor) for t in bucket)
+    if sending:
+        data = torch.cat([_as_bytes(t.tensor).to(device) for t in bucket])
+    else:
+        data = torch.empty(total, dtype=torch.uint8, device=device)
+    try:
+        dist.broadcast(data, group=replicas.group, group_src=source)
+    except RuntimeError as err:  # gloo/NCCL errors and timeouts
+        raise PeerLostError(f"{where}: {LOST_PEER_HINT}: {describe(err)}") from err
+    if sending:
+        return
+    offset = 0
+    with torch.no_grad():
+        for target in bucket:
+            nbytes = _nbytes(target.tensor)
+            received = data[offset : offset + nbytes]
+            if offset % target.tensor.element_size():  # a dtype view needs aligned bytes
+                received = received.clone()
+            received = received.view(target.tensor.dtype)
+            target.tensor.copy_(received.view(target.tensor.shape))
+            offset += nbytes
