@@ -265,8 +265,10 @@ class Ranks:
         lost_peer_error: type[Exception],
         precedence: Sequence[type[Exception]] = (),
         advice: str | Mapping[type[Exception], str] = "",
-    ) -> None:
-        """Return if no rank found a problem; else raise the same error on every rank.
+        attached: Any = None,
+    ) -> list[Any]:
+        """Return every rank's ``attached`` if no rank found a problem; else raise the same
+        error on every rank.
 
         Args:
             problems: What this rank found (empty: its part succeeded).
@@ -279,13 +281,17 @@ class Ranks:
                 listed comes after those listed).
             advice: What to do (and what state the failure leaves), appended last; or one
                 text per error class raised (a class without one gets none).
+            attached: Data for the step that follows, carried by the same all-gather.
+
+        Returns:
+            Every rank's ``attached``, by rank.
 
         Raises:
             Exception: The chosen class, on every rank, when any rank found a problem or
                 the collective itself failed (then naming this rank's own problems).
         """
         try:
-            gathered = self.all_gather(list(problems))
+            gathered = self.all_gather((list(problems), attached))
         except PeerLostError as err:
             own = "; ".join(p.text for p in problems)
             then = _advice_for(advice, lost_peer_error)
@@ -296,11 +302,11 @@ class Ranks:
                 + (f" {then}" if then else "")
             ) from err
         ranks_by_problem: dict[Problem, list[int]] = {}
-        for rank, rank_problems in enumerate(gathered):
+        for rank, (rank_problems, _) in enumerate(gathered):
             for problem in rank_problems:
                 ranks_by_problem.setdefault(problem, []).append(rank)
         if not ranks_by_problem:
-            return
+            return [attachment for _, attachment in gathered]
         # Most fundamental class first; within a class, in the order rank 0, 1, ... reported
         # them (the same on every rank, and each rank's own order is meaningful: missing
         # keys before unexpected ones before shapes).

@@ -131,7 +131,9 @@ def _plan_and_share(rank: int, world_size: int, extra: bool) -> dict[str, Any]:
         tensors["c"] = torch.zeros(2)
     state = {"state_dict": tensors, "optimizer_states": [{"param_groups": [{"lr": 0.1}]}]}
     keys = {"state_dict.a", "state_dict.b", "state_dict.c"}
-    planned = plan_replicated_reads(state, keys, Ranks.of())
+    ranks = Ranks.of()
+    plan = plan_replicated_reads(state, keys, ranks)
+    planned = plan.settle(ranks.all_gather(plan.digests))
     kept = sorted(planned.state["state_dict"])
     planned.share("test")
     return {
@@ -144,10 +146,10 @@ def _plan_and_share(rank: int, world_size: int, extra: bool) -> dict[str, Any]:
 
 def test_a_group_whose_ranks_hold_other_targets_reads_as_before() -> None:
     agreed = run_distributed(_plan_and_share, 2, False, timeout=TIMEOUT)
-    # Each rank reads one of the two equal-sized tensors and receives the other.
-    assert [r["kept"] for r in agreed] == [["a"], ["b"]]
+    # Plain tensors every rank holds whole: rank 0 reads both, rank 1 receives them.
+    assert [r["kept"] for r in agreed] == [["a", "b"], []]
     assert all(r["groups"] == 1 for r in agreed)
-    assert [r["values"] for r in agreed] == [{"a": 0.0, "b": 1.0}] * 2
+    assert [r["values"] for r in agreed] == [{"a": 0.0, "b": 0.0}] * 2
     assert all(r["param_groups"] == [{"lr": 0.1}] for r in agreed)
     disagreed = run_distributed(_plan_and_share, 2, True, timeout=TIMEOUT)
     assert [r["kept"] for r in disagreed] == [["a", "b", "c"], ["a", "b"]]

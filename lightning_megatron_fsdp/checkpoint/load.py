@@ -273,7 +273,19 @@ def read_checkpoint(
                 reader,
                 options,
             )
-    _agree_before_reading(ranks, final, problems)
+    # Staged before the agreement round, which carries the replica groups' digests.
+    targets: dict[str, Any] = {}
+    into: dict[str, Any] = {}
+    keys = None if opened.slices is None else set(opened.slices.keys)
+    if not problems and state is not None and not callable(state):
+        targets = {k: state[k] for k in ("state_dict", "optimizer_states") if k in state}
+        # Tied entries are one object in both: stage copies them once, fill copies twice.
+        try:
+            into = stage(targets) if options.atomic_load else targets
+        except Exception as err:  # memory for the copies, say: agreed on like the rest
+            problems.append(Problem(CheckpointError, f"staging the targets: {describe(err)}"))
+    shared = plan_replicated_reads(into, keys, ranks)  # rank-local
+    every = _agree_before_reading(ranks, final, problems, shared.digests)
     manifest = opened.manifest
     assert manifest is not None and reader is not None and not callable(state)
     if (saved := manifest.world_size) != ranks.world_size:
@@ -284,17 +296,8 @@ def read_checkpoint(
         reader.expect(manifest, verify=options.verify_checksums)
     loaded: dict[str, Any] = {}
     if state is not None:
-        targets = {k: state[k] for k in ("state_dict", "optimizer_states") if k in state}
-        # Tied entries are one object in both: stage copies them once, fill copies twice.
-        into = stage(targets) if options.atomic_load else targets
-        keys = None if opened.slices is None else set(opened.slices.keys)
-        try:  # each replicated record read by one replica (checkpoint.replicated_reads)
-            replicated = plan_replicated_reads(into, keys, ranks)
-        except PeerLostError as err:
-            raise CheckpointError(
-                f"Loading checkpoint {final} failed before any tensor was read: {err}. The "
-                "targets are unchanged."
-            ) from err
+        # Each replicated record read by one replica (checkpoint.replicated_reads).
+        replicated = shared.settle(every)
         # Rank-local; the targets carry every chunk (_load_targets).
         view = dcp_view(replicated.state)
         try:
@@ -487,8 +490,11 @@ def _fingerprint_problems(
     return problems
 
 
-def _agree_before_reading(comm: Ranks, final: Any, problems: list[Problem]) -> None:
-    """Raise, identically on every rank, the problems all ranks found; else return.
+def _agree_before_reading(
+    comm: Ranks, final: Any, problems: list[Problem], digests: Any
+) -> list[Any]:
+    """Raise, identically on every rank, the problems all ranks found; else return every
+    rank's replica ``digests`` (carried by the same round).
 
     Through the one agreement helper (:meth:`~lightning_megatron_fsdp.agreement.Ranks.agree`):
     a summary line first, then every problem with the ranks that saw it where not all did,
@@ -498,18 +504,20 @@ def _agree_before_reading(comm: Ranks, final: Any, problems: list[Problem]) -> N
         comm: The ranks of the load.
         final: The checkpoint.
         problems: This rank's problems, each carrying the class it raises.
+        digests: This rank's replica groups' digests (``ReplicaPlan.digests``).
 
     Raises:
         TypeError | NotACheckpointError | CheckpointCorruptedError | CheckpointMismatchError
         | CheckpointError: The most fundamental class of the problems found;
             ``CheckpointError`` also when the ranks could not agree (a lost peer).
     """
-    comm.agree(
+    return comm.agree(
         problems,
         heading=f"Cannot load checkpoint {final}",
         precedence=_LOAD_PRECEDENCE,
         advice={cls: text.format(final=final) for cls, text in _LOAD_ADVICE.items()},
         lost_peer_error=CheckpointError,
+        attached=digests,
     )
 
 

@@ -16,7 +16,7 @@ to its group::
 A replica group is the process group of a DTensor's largest ``Replicate`` mesh dimension
 (its other replicate dimensions, if any, keep reading), and the load's group for plain
 tensors. Every rank of a group must hold the same targets for it, of the same chunks and
-dtypes: one all-gather over the load's ranks of each rank's digest per group checks that
+dtypes: each rank's digest per group, carried by the load's agreement round, checks that
 before reading, and a group whose ranks disagree (a rank without some optimizer state, say)
 reads as before, on every rank.
 Every record read is still checked against its CRC32C by its reader; the broadcasts
@@ -45,7 +45,7 @@ from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.agreement import LOST_PEER_HINT, PeerLostError, Ranks, describe
 from lightning_megatron_fsdp.megatron import CHUNK_ATTR
 
-__all__ = ["ReplicatedReads", "plan_replicated_reads"]
+__all__ = ["ReplicaPlan", "ReplicatedReads", "plan_replicated_reads"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,9 @@ class _Target:
     """Where the values go: the local shard of a DTensor, a plain tensor itself."""
     source: int = 0
     """The index, in its group, of the rank that reads it."""
+    whole: bool = False
+    """A plain tensor every rank holds whole (Adam's ``step``, a buffer): small, so the
+    group's first rank reads them all and one broadcast per bucket carries them."""
 
 
 @dataclasses.dataclass
@@ -107,8 +110,9 @@ class ReplicatedReads:
 
 def plan_replicated_reads(
     state: dict[str, Any], keys: set[str] | None, ranks: Ranks
-) -> ReplicatedReads:
-    """Share the reading of ``state``'s replicated targets among their replicas.
+) -> ReplicaPlan:
+    """This rank's replica groups of ``state``'s replicated targets, before the ranks
+    compare them (rank-local).
 
     Args:
         state: The load targets (``{"state_dict": ..., "optimizer_states": [...]}``).
@@ -117,14 +121,11 @@ def plan_replicated_reads(
         ranks: The load's ranks; plain tensors are replicated across them.
 
     Returns:
-        The targets to read and the broadcasts that complete them. One all-gather over
-        ``ranks`` (none for a single rank or unknown ``keys``).
-
-    Raises:
-        PeerLostError: The all-gather failed (within the group's timeout).
+        The groups and their digests: the digests travel in the load's agreement round
+        (:meth:`ReplicaPlan.settle` takes every rank's).
     """
     if keys is None or ranks.group is None or ranks.world_size == 1:
-        return ReplicatedReads(state, [])
+        return ReplicaPlan(state, {}, ())
     load_ranks = tuple(dist.get_process_group_ranks(ranks.group))
     groups: dict[tuple[int, ...], _Group] = {}
     try:
@@ -136,29 +137,57 @@ def plan_replicated_reads(
                 continue
             group, members, tensor, chunk = found
             replicas = groups.setdefault(members, _Group(group, members))
-            replicas.targets.append(_Target(key, tensor))
+            replicas.targets.append(_Target(key, tensor, whole=not isinstance(value, DTensor)))
             replicas.descriptor.append((key, chunk, str(tensor.dtype), tensor.numel()))
     except Exception as err:  # this rank reads all its targets; its groups' peers too
         log.warning("Every rank reads the replicated tensors it loads: %s", describe(err))
         groups = {}
-    digests = {m: _digest(g.descriptor) for m, g in groups.items()}
-    try:
-        every = ranks.all_gather(digests)
-    except PeerLostError as err:
-        raise PeerLostError(f"planning the reads of replicated tensors: {err}") from err
-    position = {rank: i for i, rank in enumerate(load_ranks)}
-    agreed = [
-        replicas
-        for members, replicas in sorted(groups.items())
-        if all(every[position[r]].get(members) == digests[members] for r in members)
-    ]
-    me = dist.get_rank()
-    dropped: set[str] = set()
-    for replicas in agreed:
-        _spread(replicas)
-        index = replicas.ranks.index(me)
-        dropped.update(t.key for t in replicas.targets if t.source != index)
-    return ReplicatedReads(_without(state, "", dropped), agreed)
+    return ReplicaPlan(state, groups, load_ranks)
+
+
+@dataclasses.dataclass
+class ReplicaPlan:
+    """This rank's replica groups and their digests, before the ranks compare them.
+
+    Attributes:
+        state: The load targets.
+        groups: This rank's groups, by their ranks.
+        load_ranks: The load's ranks, in group order (empty: nothing shared).
+    """
+
+    state: dict[str, Any]
+    groups: dict[tuple[int, ...], _Group]
+    load_ranks: tuple[int, ...]
+
+    @property
+    def digests(self) -> dict[tuple[int, ...], str]:
+        """What the ranks of each group must agree on: its targets' keys, chunks, dtypes
+        and sizes, digested."""
+        return {members: _digest(g.descriptor) for members, g in self.groups.items()}
+
+    def settle(self, every: list[Any]) -> ReplicatedReads:
+        """The reads shared in the groups whose ranks all sent this rank's digest.
+
+        Args:
+            every: Every load rank's :attr:`digests`, by its index in the load's group
+                (``None`` for a rank that sent none).
+        """
+        if not self.load_ranks:
+            return ReplicatedReads(self.state, [])
+        digests = self.digests
+        position = {rank: i for i, rank in enumerate(self.load_ranks)}
+        agreed = [
+            replicas
+            for members, replicas in sorted(self.groups.items())
+            if all((every[position[r]] or {}).get(members) == digests[members] for r in members)
+        ]
+        me = dist.get_rank()
+        dropped: set[str] = set()
+        for replicas in agreed:
+            _spread(replicas)
+            index = replicas.ranks.index(me)
+            dropped.update(t.key for t in replicas.targets if t.source != index)
+        return ReplicatedReads(_without(self.state, "", dropped), agreed)
 
 
 def _tensors(value: Any, path: str) -> Iterator[tuple[str, Any]]:
@@ -207,11 +236,13 @@ def _spread(replicas: _Group) -> None:
     """Each target's reader: the targets, in state-dict order (the order a save writes
     them), cut into one run per rank of about equal bytes, so each rank reads adjacent
     records (one ranged request each where the store batches them); the same on every
-    rank of the group."""
-    total = sum(_nbytes(t.tensor) for t in replicas.targets)
+    rank of the group. Plain tensors held whole go to the first rank: spread, each would
+    cost a broadcast of the whole group for a few bytes."""
+    spread = [t for t in replicas.targets if not t.whole]
+    total = sum(_nbytes(t.tensor) for t in spread)
     count = len(replicas.ranks)
     before = 0
-    for target in replicas.targets:
+    for target in spread:
         nbytes = _nbytes(target.tensor)
         middle = before + nbytes // 2
         target.source = min(count - 1, middle * count // total) if total else 0
