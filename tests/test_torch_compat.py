@@ -143,6 +143,14 @@ def test_narrow_tensor_by_index() -> None:
     )
 
 
+def test_local_chunks() -> None:
+    tensor = torch.zeros(3, 4)
+    (chunk,) = _torch.local_chunks(tensor)
+    assert (tuple(chunk.offsets), tuple(chunk.sizes)) == ((0, 0), (3, 4)), _broken(
+        "local_chunks", "torch.distributed.checkpoint.planner_helpers._create_chunk_list changed"
+    )
+
+
 def test_obj_state_and_backward_hooks() -> None:
     plain = torch.zeros(2)
     assert not _torch.obj_state(plain), _broken("obj_state", "torch._utils._get_obj_state")
@@ -407,6 +415,7 @@ def test_this_module_covers_every_private_name_of_the_adapter() -> None:
         "_buffers",
         "_num_samples",
         "_get_fqns",
+        "_create_chunk_list",
         "torch.distributed._shard._utils",
         "_utils",
         "_get_obj_state",
