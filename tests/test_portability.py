@@ -429,7 +429,7 @@ def test_bad_sources_raise_the_same_clear_error_on_every_rank(tmp_path: Path) ->
     assert "holds no optimizer state" in errors["no_optimizer_state"]
     assert "param groups hold [12] parameters, the live optimizer's [14]" in errors["positional"]
     assert errors["garbage"].startswith("CheckpointError")
-    assert "torch.load(mmap=True, weights_only=True) failed" in errors["garbage"]
+    assert "garbage.pt: not a zip archive" in errors["garbage"]
     assert "ours is an incomplete or damaged checkpoint: __1_0.distcp:" in errors["damaged"]
     assert errors["unchanged"] == "True"
 

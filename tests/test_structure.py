@@ -666,14 +666,34 @@ BACKEND_SWITCHES = {
 }
 
 
+def _is_path_test(node: ast.AST) -> bool:
+    """``isinstance(x, os.PathLike)`` (or ``PathLike``) alone: whether a location is a
+    local file the OS opens. A union with ``str`` checks a user's argument, not a backend."""
+    if not (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "isinstance"
+        and len(node.args) == 2
+    ):
+        return False
+    kind = node.args[1]
+    return (isinstance(kind, ast.Attribute) and kind.attr == "PathLike") or (
+        isinstance(kind, ast.Name) and kind.id == "PathLike"
+    )
+
+
 def test_no_backend_switch_outside_storage() -> None:
     """No module outside ``storage/`` asks which backend holds a location: it neither
-    imports nor names a backend's class or URL test."""
+    imports nor names a backend's class or URL test, nor asks whether a location is a
+    local path (``isinstance(location, os.PathLike)``)."""
     offenders = []
     for name, tree in _modules().items():
         if _unit(name) == "storage":
             continue
         for node in ast.walk(tree):
+            if _is_path_test(node):
+                offenders.append(f"{name}:{node.lineno}: isinstance(..., os.PathLike)")
+                continue
             if isinstance(node, ast.ImportFrom):
                 used = {a.name for a in node.names}
             elif isinstance(node, ast.Name):

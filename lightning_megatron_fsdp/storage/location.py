@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import mmap
 import os
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -53,9 +54,29 @@ if TYPE_CHECKING:
 
     from lightning_megatron_fsdp.storage.filesystem import VerifyingFileSystemReader
 
-__all__ = ["LocalLocation", "Location", "locate"]
+__all__ = ["ByteRanges", "LocalLocation", "Location", "MappedFile", "locate"]
 
 log = logging.getLogger(__name__)
+
+
+class ByteRanges(Protocol):
+    """Random access to the bytes of one file: what a weight reader needs to read a header,
+    then only the rows each rank owns."""
+
+    size: int
+    """The file's size in bytes, when it was opened."""
+
+    def read(self, start: int, stop: int) -> memoryview | bytearray:
+        """Bytes ``[start, stop)``, writable (a view of a private mapping, or a buffer).
+
+        Raises:
+            OSError: If the file ends before ``stop``.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the file; views read before stay valid."""
+        ...
 
 
 class Location(Protocol):
@@ -103,6 +124,10 @@ class Location(Protocol):
 
     def read_range(self, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` of the file; fewer where it ends first."""
+        ...
+
+    def ranges(self) -> ByteRanges:
+        """The file, for reads of byte ranges (closed by the caller)."""
         ...
 
     def sizes(self) -> dict[str, int]:
@@ -213,6 +238,31 @@ class Location(Protocol):
         ...
 
 
+class MappedFile:
+    """:class:`ByteRanges` of a local file, memory-mapped copy-on-write: a read is a view
+    (no copy, nothing read the caller does not touch) that torch can wrap without a warning
+    about read-only memory; writes to it never reach the file."""
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as file:
+            self.size = os.fstat(file.fileno()).st_size
+            self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) if self.size else None
+        self._path = path
+
+    def read(self, start: int, stop: int) -> memoryview | bytearray:
+        if stop > self.size:
+            raise OSError(
+                f"{self._path} ends at byte {self.size}; bytes up to {stop} were expected."
+            )
+        if self._map is None or stop <= start:
+            return bytearray(0)
+        return memoryview(self._map)[start:stop]
+
+    def close(self) -> None:
+        # Dropped, not closed: tensors made from earlier views keep the mapping alive.
+        self._map = None
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalLocation:
     """A :class:`Location` on the local (or a shared POSIX) filesystem."""
@@ -254,6 +304,9 @@ class LocalLocation:
     def read_range(self, start: int, stop: int) -> bytes:
         with open(self.path, "rb") as file:
             return os.pread(file.fileno(), stop - start, start)
+
+    def ranges(self) -> MappedFile:
+        return MappedFile(self.path)
 
     def sizes(self) -> dict[str, int]:
         with os.scandir(self.path) as entries:

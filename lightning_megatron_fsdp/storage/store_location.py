@@ -33,7 +33,7 @@ from lightning_megatron_fsdp.storage.object_store import (
     open_store,
 )
 
-__all__ = ["ObjectStores", "StoreCommit", "StoreLocation"]
+__all__ = ["ObjectStores", "RangedObject", "StoreCommit", "StoreLocation"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,38 @@ _PART = 8 << 20
 _MAX_PARTS = 9_000
 """Parts an upload may use: S3 allows 10,000 per object, the rest is slack for writes that
 overshoot a part. A known output size raises the part size to fit."""
+
+
+_RANGE = 32 << 20
+"""Largest ranged GET of :class:`RangedObject`: a larger read goes in pieces, so a read
+holds at most this much beyond the bytes it returns."""
+
+
+class RangedObject:
+    """:class:`~lightning_megatron_fsdp.storage.location.ByteRanges` of one object: each
+    read is ranged GETs of at most :data:`_RANGE` bytes; nothing is downloaded whole."""
+
+    def __init__(self, location: StoreLocation) -> None:
+        self.location = location
+        self.size = location.size()
+
+    def read(self, start: int, stop: int) -> bytearray:
+        out = bytearray(max(stop - start, 0))
+        done = 0
+        while done < len(out):
+            want = min(_RANGE, len(out) - done)
+            data = self.location.read_range(start + done, start + done + want)
+            if not data:
+                raise OSError(
+                    f"{self.location} ends at byte {start + done}; bytes up to {stop} were "
+                    "expected (a truncated upload?)."
+                )
+            out[done : done + len(data)] = data
+            done += len(data)
+        return out
+
+    def close(self) -> None:
+        """Nothing is held open between reads."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +136,9 @@ class StoreLocation:
 
     def read_range(self, start: int, stop: int) -> bytes:
         return bytes(self.store.fs.cat_file(self.path, start=start, end=stop))
+
+    def ranges(self) -> RangedObject:
+        return RangedObject(self)
 
     def sizes(self) -> dict[str, int]:
         return self.store.sizes(self.path)

@@ -3,11 +3,13 @@ directories: ours, FSDP2's, megatron-fsdp's), on a local disk or on an object st
 behind one small interface, :class:`WeightSource`, that reads each rank's planned rows into
 its targets; the ranks agree on problems so a bad source raises the same error on every rank.
 
-On an object store nothing is downloaded whole: a file's layout comes from its header
+One reader per format, whatever holds the file: a file's layout comes from its header
 (safetensors) or from unpickling it without its data (``torch.load(map_location="meta")``
-places every storage in the file), and each rank fetches the byte ranges of its own rows
-with ranged GETs; a DCP checkpoint is read through the verifying fsspec reader from its
-newest complete version, each rank fetching the records that hold its rows.
+places every storage in the file), and each rank reads the byte ranges of its own rows
+through the location's :meth:`~lightning_megatron_fsdp.storage.Location.ranges` (a local
+file is memory-mapped, an object fetched with ranged GETs, nothing downloaded whole); a DCP
+checkpoint is read through the location's verifying reader from the version a load takes,
+each rank reading the records that hold its rows.
 """
 
 from __future__ import annotations
@@ -16,11 +18,10 @@ import abc
 import dataclasses
 import json
 import math
-import os
 import struct
 import sys
 import zipfile
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -93,12 +94,6 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     for code, name in _SAFETENSORS_DTYPE_NAMES.items()
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
-
-
-# Read by every safetensors release we support; others are probed before the first read.
-_SAFETENSORS_BASIC = frozenset(
-    ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
-)
 
 
 # Most fundamental first: a rank that cannot read the source (``CheckpointError``)
@@ -201,7 +196,7 @@ class WeightSource(abc.ABC):
 
     kind = ""
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: str) -> None:
         self.path = path
         self.model_keys: list[str] = []
         # Filled by optimizer_count: optimizer entries that cannot be matched to FQNs.
@@ -234,7 +229,7 @@ class WeightSource(abc.ABC):
 class _FlatSource(WeightSource):
     """A source whose tensors are read by rows, rank-locally: torch.save and safetensors."""
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: str) -> None:
         super().__init__(path)
         self._optimizer_keys: dict[int, list[str]] = {}
 
@@ -277,7 +272,13 @@ class _FlatSource(WeightSource):
 
 
 class _TorchSource(_FlatSource):
-    """A ``torch.save`` file, memory-mapped: a state dict, a Lightning ``.ckpt``, or our export.
+    """A ``torch.save`` file: a state dict, a Lightning ``.ckpt``, or our export.
+
+    It is unpickled without its data (``map_location="meta"``: on a store a few ranged GETs
+    for the pickle and the zip directory), which gives every tensor's storage and its offset
+    in the file; a read then takes exactly the bytes the asked-for rows span from the
+    location's :meth:`~lightning_megatron_fsdp.storage.Location.ranges` (a local file is
+    memory-mapped, an object read with ranged GETs).
 
     A Lightning checkpoint (a dict with a ``"state_dict"`` mapping) keeps its model there
     and its optimizers as a list under ``"optimizer_states"``, keyed by parameter position;
@@ -287,13 +288,13 @@ class _TorchSource(_FlatSource):
 
     kind = "torch"
 
-    def __init__(self, path: Path | str, weights_only: bool) -> None:
-        super().__init__(path)
-        loaded = self._load(weights_only)
+    def __init__(self, location: Location, weights_only: bool) -> None:
+        super().__init__(str(location))
+        loaded = self._load(location, weights_only)
         if not isinstance(loaded, Mapping):
             raise SourceError(
-                f"{path}: expected a state dict (a mapping of names to tensors) or a Lightning "
-                f"checkpoint, got a {type(loaded).__name__}."
+                f"{self.path}: expected a state dict (a mapping of names to tensors) or a "
+                f"Lightning checkpoint, got a {type(loaded).__name__}."
             )
         self._lightning_optimizers: list[Any] | None = None
         if isinstance(loaded.get("state_dict"), Mapping):
@@ -308,17 +309,40 @@ class _TorchSource(_FlatSource):
             for k, v in self._flat.items()
             if isinstance(v, torch.Tensor) and not k.startswith(OPTIMIZER_PREFIX)
         ]
+        self._bytes = location.ranges()
 
-    def _load(self, weights_only: bool) -> Any:
-        """The file's object, its tensors memory-mapped."""
+    def _load(self, location: Location, weights_only: bool) -> Any:
+        """The file's object, every tensor a meta view of its storage."""
         try:
-            return torch.load(self.path, mmap=True, weights_only=weights_only, map_location="cpu")
+            with location.open(block_size=1 << 20) as stream:
+                if not zipfile.is_zipfile(stream):
+                    raise SourceError(
+                        f"{self.path}: not a zip archive: a file written with the legacy "
+                        "(non-zip) torch.save format cannot be read in place. Load it with "
+                        "torch.load and re-save it with torch.save."
+                    )
+                stream.seek(0)
+                names = zipfile.ZipFile(stream).namelist()
+                orders = [n for n in names if n.count("/") == 1 and n.endswith("/byteorder")]
+                if orders:
+                    with zipfile.ZipFile(stream).open(orders[0]) as record:
+                        order = record.read().decode(errors="replace")
+                    if order != sys.byteorder:
+                        raise SourceError(
+                            f"{self.path} was saved on a {order}-endian machine; this one is "
+                            f"{sys.byteorder}-endian. Load it with torch.load and re-save it."
+                        )
+                stream.seek(0)
+                return torch.load(stream, map_location="meta", weights_only=weights_only)
+        except SourceError:
+            raise
+        except FileNotFoundError as err:
+            raise SourceError(f"{self.path} does not exist.") from err
         except Exception as err:
             raise SourceError(
-                f"{self.path}: torch.load(mmap=True, weights_only={weights_only}) failed: "
-                f"{type(err).__name__}: {str(err).rstrip('.')}.{_unpickling_hint(weights_only)} "
-                "Files written with the legacy (non-zip) torch.save format cannot be "
-                "memory-mapped: re-save them with torch.save."
+                f"{self.path}: torch.load(map_location='meta', weights_only={weights_only}) "
+                f"failed: {type(err).__name__}: {str(err).rstrip('.')}."
+                f"{_unpickling_hint(weights_only)}"
             ) from err
 
     def spec(self, key: str) -> SourceTensorSpec:
@@ -372,45 +396,105 @@ class _TorchSource(_FlatSource):
                 if name != "params":
                     self._flat[f"{prefix}param_groups.{g}.{name}"] = value
 
+    def _fetch(self, tensor: Any) -> Any:
+        """A tensor of the file (a meta view of its storage) with its bytes read."""
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_meta:
+            return tensor
+        if tensor.numel() == 0:
+            return torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
+        base = _torch.checkpoint_offset(tensor)
+        size = tensor.element_size()
+        first = tensor.storage_offset()
+        span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+        if base is None or (first + span) * size > tensor.untyped_storage().nbytes():
+            raise SourceError(
+                f"{self.path}: torch.load did not place a tensor's bytes in the file "
+                f"(offset {base}); torch's serialization changed in a way this reader does "
+                "not support. Load it with torch.load and re-save it as .safetensors."
+            )
+        data = self._bytes.read(base + first * size, base + (first + span) * size)
+        flat = torch.frombuffer(data, dtype=torch.uint8).view(tensor.dtype)
+        return flat.as_strided(tuple(tensor.shape), tuple(tensor.stride()))
+
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        return self._flat[key][start:stop]
+        return self._fetch(self._flat[key][start:stop])
 
     def whole(self, key: str) -> torch.Tensor:
-        return self._flat[key]
+        return self._fetch(self._flat[key])
 
     def value(self, key: str) -> Any:
-        return self._flat[key]
+        return self._fetch(self._flat[key])
 
     def close(self) -> None:
         self._flat = {}
         self._lightning_optimizers = None
+        self._bytes.close()
 
 
-class _SafetensorsBase(_FlatSource):
-    """What a ``.safetensors`` source knows from the header, wherever the file is: its
-    tensor names (:attr:`_tensors`), the JSON values of ``__metadata__`` and the dtypes
-    this loader reads."""
+class _SafetensorsSource(_FlatSource):
+    """A ``.safetensors`` file: its header is read (on a store two ranged GETs), then each
+    read takes the bytes of the asked-for rows (tensors are row-major and contiguous) from
+    the location's :meth:`~lightning_megatron_fsdp.storage.Location.ranges`. The
+    safetensors package is not needed.
+
+    Non-tensor entries of a consolidated export (optimizer ``param_groups`` values) are
+    JSON strings in the header's ``__metadata__``.
+    """
 
     kind = "safetensors"
-    _tensors: Collection[str]
-    _metadata: dict[str, str]
+
+    def __init__(self, location: Location) -> None:
+        url = str(location)
+        super().__init__(url)
+        try:
+            self._bytes = location.ranges()
+        except FileNotFoundError as err:
+            raise SourceError(f"{url} does not exist.") from err
+        size = self._bytes.size
+        if size < 8:
+            raise SourceError(f"{url}: {size} bytes, not a safetensors file.")
+        (length,) = struct.unpack("<Q", self._bytes.read(0, 8))
+        if length > min(size - 8, _HEADER_LIMIT):
+            raise SourceError(
+                f"{url}: not a readable safetensors file (a header of {length} bytes in a "
+                f"{size}-byte file)."
+            )
+        try:
+            header = json.loads(bytes(self._bytes.read(8, 8 + length)))
+            self._metadata: dict[str, str] = dict(header.pop("__metadata__", None) or {})
+            self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+            for key, entry in header.items():
+                begin, end = (int(v) for v in entry["data_offsets"])
+                shape = tuple(int(n) for n in entry["shape"])
+                self._entries[key] = (str(entry["dtype"]), shape, begin, end)
+        except (ValueError, TypeError, KeyError, AttributeError) as err:
+            raise SourceError(
+                f"{url}: not a readable safetensors file (its header does not parse: "
+                f"{type(err).__name__}: {err})."
+            ) from err
+        self._data = 8 + length
+        self._size = size
+        self.model_keys = [k for k in self._entries if not k.startswith(OPTIMIZER_PREFIX)]
 
     def has(self, key: str) -> bool:
-        return key in self._tensors or key in self._metadata
+        return key in self._entries or key in self._metadata
 
     def optimizer_count(self, group_fqns: list[list[list[str]]]) -> int:
-        keys = [k for k in (*self._tensors, *self._metadata) if k.startswith(OPTIMIZER_PREFIX)]
+        keys = [k for k in (*self._entries, *self._metadata) if k.startswith(OPTIMIZER_PREFIX)]
         return self._index_optimizer_keys(iter(keys))
 
     def value(self, key: str) -> Any:
         return json.loads(self._metadata[key])
 
-    def _torch_dtype(self, key: str, code: str) -> torch.dtype:
-        """The torch dtype of safetensors dtype ``code``.
+    def spec(self, key: str) -> SourceTensorSpec:
+        """Shape and dtype of ``key``, which the load needs; a dtype is judged only here,
+        so a tensor the model does not load never stops the load.
 
         Raises:
-            SourceError: If torch has no dtype for it.
+            SourceError: If torch has no dtype for its safetensors dtype, or its bytes do
+                not fit its shape or the file.
         """
+        code, shape, begin, end = self._entries[key]
         dtype = _SAFETENSORS_DTYPES.get(code)
         if dtype is None:
             raise SourceError(
@@ -419,76 +503,29 @@ class _SafetensorsBase(_FlatSource):
                 f"{', '.join(sorted(_SAFETENSORS_DTYPES))}); the model needs it. Convert "
                 "that tensor to a supported dtype, or load into a model without it."
             )
-        return dtype
-
-
-class _SafetensorsSource(_SafetensorsBase):
-    """A ``.safetensors`` file: ``get_slice`` reads only the requested rows' bytes.
-
-    Non-tensor entries of a consolidated export (optimizer ``param_groups`` values) are
-    JSON strings in the header's ``__metadata__``.
-    """
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        try:
-            from safetensors import safe_open
-        except ImportError as err:
+        if end - begin != math.prod(shape) * dtype.itemsize or self._data + end > self._size:
             raise SourceError(
-                f"{path}: reading .safetensors needs the safetensors package: pip install "
-                "'lightning-megatron-fsdp[export]' (or safetensors)."
-            ) from err
-        try:
-            self._file = safe_open(os.fspath(path), framework="pt", device="cpu")
-            self._tensors = set(self._file.keys())
-            self._metadata = self._file.metadata() or {}
-        except Exception as err:
-            raise SourceError(
-                f"{path}: not a readable safetensors file: {type(err).__name__}: {err}."
-            ) from err
-        # Only the header is read here; a dtype is judged when a key is needed (spec()),
-        # so a tensor the model does not load never stops the load.
-        self._codes = {key: self._file.get_slice(key).get_dtype() for key in self._tensors}
-        self._specs: dict[str, SourceTensorSpec] = {}
-        self.model_keys = [k for k in self._tensors if not k.startswith(OPTIMIZER_PREFIX)]
-
-    def spec(self, key: str) -> SourceTensorSpec:
-        """Shape and dtype of ``key``, which the load needs.
-
-        Raises:
-            SourceError: If torch has no dtype for its safetensors dtype, or the
-                installed safetensors cannot read it (checked on an empty slice).
-        """
-        if key in self._specs:
-            return self._specs[key]
-        code = self._codes[key]
-        piece = self._file.get_slice(key)
-        dtype = self._torch_dtype(key, code)
-        shape = tuple(piece.get_shape())
-        if code not in _SAFETENSORS_BASIC:
-            try:
-                probe = piece[:0] if shape else self._file.get_tensor(key)
-            except Exception as err:  # the Rust extension raises its own error types
-                probe, failure = None, f"{type(err).__name__}: {err}"
-            else:
-                failure = None if probe.dtype == dtype else f"it reads as {probe.dtype}"
-            if failure is not None:
-                raise SourceError(
-                    f"{self.path}: tensor {key!r} has safetensors dtype {code}, which the "
-                    f"installed safetensors cannot read as {dtype} ({failure}); the model "
-                    "needs it. Upgrade safetensors (pip install -U safetensors)."
-                )
-        self._specs[key] = SourceTensorSpec(shape, dtype)
-        return self._specs[key]
+                f"{self.path}: tensor {key!r} spans bytes [{begin}, {end}) of the data, which "
+                f"does not match its shape {shape} and dtype {code} or lies past the end of "
+                "the file; the file is damaged."
+            )
+        return SourceTensorSpec(shape, dtype)
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        return self._file.get_slice(key)[start:stop]
+        spec = self.spec(key)
+        row = math.prod(spec.shape[1:]) * spec.dtype.itemsize
+        at = self._data + self._entries[key][2]
+        data = self._bytes.read(at + start * row, at + stop * row)
+        return _tensor_from(data, spec.dtype, (stop - start, *spec.shape[1:]))
 
     def whole(self, key: str) -> torch.Tensor:
-        return self._file.get_tensor(key)
+        spec = self.spec(key)
+        _, _, begin, end = self._entries[key]
+        data = self._bytes.read(self._data + begin, self._data + end)
+        return _tensor_from(data, spec.dtype, spec.shape)
 
     def close(self) -> None:
-        self._file = None
+        self._bytes.close()
 
 
 class _DcpSource(WeightSource):
@@ -634,192 +671,17 @@ def _unpickling_hint(weights_only: bool) -> str:
     )
 
 
-_RANGE = 32 << 20
-"""Largest ranged GET: a larger read goes in pieces, so a read holds at most this much
-beyond the tensor it fills."""
-
 _HEADER_LIMIT = 100 << 20
 """Largest safetensors header read (the safetensors package's own limit)."""
 
 
-class _ObjectRanges:
-    """Ranged reads of one file, in pieces of at most ``_RANGE`` bytes."""
-
-    def __init__(self, location: Location) -> None:
-        self.location, self.url = location, str(location)
-
-    def read(self, start: int, stop: int) -> bytearray:
-        """Bytes ``[start, stop)``.
-
-        Raises:
-            SourceError: If the file ends first.
-        """
-        out = bytearray(stop - start)
-        done = 0
-        while done < len(out):
-            want = min(_RANGE, len(out) - done)
-            data = self.location.read_range(start + done, start + done + want)
-            if not data:
-                raise SourceError(
-                    f"{self.url} ends at byte {start + done}; bytes up to {stop} were "
-                    "expected (a truncated upload?)."
-                )
-            out[done : done + len(data)] = data
-            done += len(data)
-        return out
-
-
-def _tensor_from(data: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _tensor_from(
+    data: memoryview | bytearray, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     """``data`` (native byte order) as a tensor of ``dtype`` and ``shape``, without a copy."""
-    if not data:
+    if not len(data):
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
-
-
-class _StoreTorchSource(_TorchSource):
-    """A ``torch.save`` file or Lightning ``.ckpt`` on an object store.
-
-    It is unpickled without its data (``map_location="meta"``: a few ranged GETs for the
-    pickle and the zip directory), which gives every tensor's storage and its offset in
-    the file; a read then fetches exactly the bytes the asked-for rows span.
-    """
-
-    def __init__(self, location: Location, weights_only: bool) -> None:
-        self._object = _ObjectRanges(location)
-        super().__init__(str(location), weights_only)
-
-    def _load(self, weights_only: bool) -> Any:
-        try:
-            with self._object.location.open(block_size=1 << 20) as stream:
-                if not zipfile.is_zipfile(stream):
-                    raise SourceError(
-                        f"{self.path}: not a zip archive: a file written with the legacy "
-                        "(non-zip) torch.save format cannot be read in place on an object "
-                        "store. Re-save it with torch.save."
-                    )
-                stream.seek(0)
-                names = zipfile.ZipFile(stream).namelist()
-                orders = [n for n in names if n.count("/") == 1 and n.endswith("/byteorder")]
-                if orders:
-                    with zipfile.ZipFile(stream).open(orders[0]) as record:
-                        order = record.read().decode(errors="replace")
-                    if order != sys.byteorder:
-                        raise SourceError(
-                            f"{self.path} was saved on a {order}-endian machine; this one is "
-                            f"{sys.byteorder}-endian. Load it with torch.load and re-save it."
-                        )
-                stream.seek(0)
-                return torch.load(stream, map_location="meta", weights_only=weights_only)
-        except SourceError:
-            raise
-        except FileNotFoundError as err:
-            raise SourceError(f"{self.path} does not exist.") from err
-        except Exception as err:
-            raise SourceError(
-                f"{self.path}: torch.load(map_location='meta', weights_only={weights_only}) "
-                f"failed: {type(err).__name__}: {str(err).rstrip('.')}."
-                f"{_unpickling_hint(weights_only)}"
-            ) from err
-
-    def _fetch(self, tensor: Any) -> Any:
-        """A tensor of the file (a meta view of its storage) with its bytes fetched."""
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_meta:
-            return tensor
-        if tensor.numel() == 0:
-            return torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
-        base = _torch.checkpoint_offset(tensor)
-        size = tensor.element_size()
-        first = tensor.storage_offset()
-        span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
-        if base is None or (first + span) * size > tensor.untyped_storage().nbytes():
-            raise SourceError(
-                f"{self.path}: torch.load did not place a tensor's bytes in the file "
-                f"(offset {base}); torch's serialization changed in a way this reader does "
-                "not support. Copy the file to a local disk and load it from there."
-            )
-        data = self._object.read(base + first * size, base + (first + span) * size)
-        flat = torch.frombuffer(data, dtype=torch.uint8).view(tensor.dtype)
-        return flat.as_strided(tuple(tensor.shape), tuple(tensor.stride()))
-
-    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        return self._fetch(self._flat[key][start:stop])
-
-    def whole(self, key: str) -> torch.Tensor:
-        return self._fetch(self._flat[key])
-
-    def value(self, key: str) -> Any:
-        return self._fetch(self._flat[key])
-
-
-class _StoreSafetensorsSource(_SafetensorsBase):
-    """A ``.safetensors`` file on an object store: its header is read (two ranged GETs),
-    then each read fetches the bytes of the asked-for rows (tensors are row-major and
-    contiguous). The safetensors package is not needed.
-    """
-
-    def __init__(self, location: Location) -> None:
-        url = str(location)
-        super().__init__(url)
-        self._object = _ObjectRanges(location)
-        try:
-            size = location.size()
-        except FileNotFoundError as err:
-            raise SourceError(f"{url} does not exist.") from err
-        if size < 8:
-            raise SourceError(f"{url}: {size} bytes, not a safetensors file.")
-        (length,) = struct.unpack("<Q", self._object.read(0, 8))
-        if length > min(size - 8, _HEADER_LIMIT):
-            raise SourceError(
-                f"{url}: not a readable safetensors file (a header of {length} bytes in a "
-                f"{size}-byte file)."
-            )
-        try:
-            header = json.loads(self._object.read(8, 8 + length))
-            self._metadata = dict(header.pop("__metadata__", None) or {})
-            self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
-            for key, entry in header.items():
-                begin, end = (int(v) for v in entry["data_offsets"])
-                shape = tuple(int(n) for n in entry["shape"])
-                self._entries[key] = (str(entry["dtype"]), shape, begin, end)
-        except (ValueError, TypeError, KeyError, AttributeError) as err:
-            raise SourceError(
-                f"{url}: not a readable safetensors file (its header does not parse: "
-                f"{type(err).__name__}: {err})."
-            ) from err
-        self._tensors = self._entries
-        self._data = 8 + length
-        self._size = size
-        self.model_keys = [k for k in self._entries if not k.startswith(OPTIMIZER_PREFIX)]
-
-    def spec(self, key: str) -> SourceTensorSpec:
-        """Shape and dtype of ``key``, which the load needs.
-
-        Raises:
-            SourceError: If torch has no dtype for its safetensors dtype, or its bytes do
-                not fit its shape or the file.
-        """
-        code, shape, begin, end = self._entries[key]
-        dtype = self._torch_dtype(key, code)
-        if end - begin != math.prod(shape) * dtype.itemsize or self._data + end > self._size:
-            raise SourceError(
-                f"{self.path}: tensor {key!r} spans bytes [{begin}, {end}) of the data, which "
-                f"does not match its shape {shape} and dtype {code} or lies past the end of "
-                "the file; the file is damaged."
-            )
-        return SourceTensorSpec(shape, dtype)
-
-    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        spec = self.spec(key)
-        row = math.prod(spec.shape[1:]) * spec.dtype.itemsize
-        at = self._data + self._entries[key][2]
-        data = self._object.read(at + start * row, at + stop * row)
-        return _tensor_from(data, spec.dtype, (stop - start, *spec.shape[1:]))
-
-    def whole(self, key: str) -> torch.Tensor:
-        spec = self.spec(key)
-        _, _, begin, end = self._entries[key]
-        data = self._object.read(self._data + begin, self._data + end)
-        return _tensor_from(data, spec.dtype, spec.shape)
 
 
 def open_source(
@@ -829,9 +691,9 @@ def open_source(
 ) -> WeightSource:
     """Open ``path`` (a local path, or a URL with ``storage_options``) by what it is.
 
-    A file on a path the OS opens is memory-mapped; elsewhere (an object store) nothing is
-    downloaded whole: each rank fetches the byte ranges of its rows. A DCP checkpoint of
-    ours is read from the version a load takes (its newest complete one).
+    Each rank reads only the byte ranges of its rows, through the location (a local file is
+    memory-mapped, an object fetched with ranged GETs). A DCP checkpoint of ours is read
+    from the version a load takes (its newest complete one).
 
     Args:
         path: The source.
@@ -858,16 +720,11 @@ def open_source(
 
 def _open(location: Location, weights_only: bool) -> WeightSource:
     """:func:`open_source` of a located ``path``."""
-    mapped = isinstance(location, os.PathLike)  # a path the OS can memory-map
     if location.is_file():
         if location.suffix == _SAFETENSORS_SUFFIX:
-            if mapped:
-                return _SafetensorsSource(Path(location))
-            return _StoreSafetensorsSource(location)
+            return _SafetensorsSource(location)
         if location.suffix in _TORCH_SUFFIXES:
-            if mapped:
-                return _TorchSource(Path(location), weights_only)
-            return _StoreTorchSource(location, weights_only)
+            return _TorchSource(location, weights_only)
         raise SourceError(
             f"{location}: unsupported suffix {location.suffix!r}. Expected a torch.save file "
             f"({', '.join(_TORCH_SUFFIXES)}), {_SAFETENSORS_SUFFIX}, or a DCP checkpoint "
