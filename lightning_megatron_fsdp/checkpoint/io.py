@@ -53,8 +53,8 @@ from lightning_megatron_fsdp.storage import (
     CheckpointStorage,
     CheckpointStore,
     ChecksummingFileSystemWriter,
-    FilesAndObjects,
     LocalDirectories,
+    LocationStorage,
     ObjectStores,
     VerifyingFileSystemReader,
     is_complete_checkpoint,
@@ -222,7 +222,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
         self.store: CheckpointStore = ObjectStores(
             LocalDirectories(), self.storage_options, group_timeout=self._group_timeout
         )
-        self.storage: CheckpointStorage = FilesAndObjects()  # the store's writer and reader
+        self.storage: CheckpointStorage = LocationStorage()  # the location's writer and reader
 
     def _group_timeout(self) -> timedelta | None:
         """The timeout of the group that saves and loads (``None`` without one): bounds

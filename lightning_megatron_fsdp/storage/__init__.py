@@ -9,7 +9,7 @@ build on it as the distributed protocol (``checkpoint/``) does.
 from lightning_megatron_fsdp.lazy_exports import lazy_exports
 
 _EXPORTS = {
-    "backends": ("CheckpointStorage", "FilesAndObjects"),
+    "backends": ("CheckpointStorage", "LocationStorage"),
     "checksums": ("bytes_digest", "crc32c", "crc32c_hex"),
     "commit": (
         "CheckpointStore",

@@ -1,9 +1,10 @@
-"""Which DCP writer and reader move a checkpoint's bytes, chosen in one place: the save and
-load phases ask a :class:`CheckpointStorage` for them and never name a backend, as they ask
-the :class:`~lightning_megatron_fsdp.storage.commit.CheckpointStore` for the commit. A
-second backend plugs in as a store for its commit and a storage for its bytes, both handed
-to the plugin's options (docs/DESIGN.md, "Object storage").
-"""
+"""Which DCP writer and reader move a checkpoint's bytes: the save and load phases ask a
+:class:`CheckpointStorage` for them and never name a backend, as they ask the
+:class:`~lightning_megatron_fsdp.storage.commit.CheckpointStore` for the commit. The
+plugin's own, :class:`LocationStorage`, takes them from the location
+(:func:`~lightning_megatron_fsdp.storage.location.locate`): each backend's location gives
+its writer and reader, so a backend is one module and nothing here chooses by type. A
+user's own pair plugs in through the plugin's factories (docs/DESIGN.md, "Object storage")."""
 
 from __future__ import annotations
 
@@ -11,13 +12,9 @@ from typing import Any, Protocol
 
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from lightning_megatron_fsdp.storage.filesystem import (
-    ChecksummingFileSystemWriter,
-    VerifyingFileSystemReader,
-)
-from lightning_megatron_fsdp.storage.store_location import StoreLocation
+from lightning_megatron_fsdp.storage.location import locate
 
-__all__ = ["CheckpointStorage", "FilesAndObjects"]
+__all__ = ["CheckpointStorage", "LocationStorage"]
 
 
 class CheckpointStorage(Protocol):
@@ -44,17 +41,14 @@ class CheckpointStorage(Protocol):
         ...
 
 
-class FilesAndObjects:
-    """The plugin's storage, the partner of ``store_location.ObjectStores``: an object-store
-    location (:class:`StoreLocation`) through fsspec, any other through the local
-    filesystem's writer and reader."""
+class LocationStorage:
+    """The plugin's storage, the partner of ``store_location.ObjectStores``: the DCP writer
+    and reader the location itself gives
+    (:meth:`~lightning_megatron_fsdp.storage.location.Location.writer`, ``reader``), so a
+    backend brings its own and nothing here names one."""
 
     def writer(self, staging: Any, *, checksum: bool, thread_count: int) -> StorageWriter:
-        if isinstance(staging, StoreLocation):
-            return staging.writer(checksum=checksum, thread_count=thread_count)
-        return ChecksummingFileSystemWriter(staging, checksum=checksum, thread_count=thread_count)
+        return locate(staging).writer(checksum=checksum, thread_count=thread_count)
 
     def reader(self, location: Any, *, verify: bool, trust_checkpoint: bool) -> StorageReader:
-        if isinstance(location, StoreLocation):
-            return location.reader(verify=verify, trust_checkpoint=trust_checkpoint)
-        return VerifyingFileSystemReader(location, verify=verify, trust_checkpoint=trust_checkpoint)
+        return locate(location).reader(verify=verify, trust_checkpoint=trust_checkpoint)

@@ -51,8 +51,12 @@ from lightning_megatron_fsdp.storage.store_location import StoreLocation
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-    from lightning_megatron_fsdp.storage.filesystem import VerifyingFileSystemReader
+    from lightning_megatron_fsdp.storage.filesystem import (
+        ChecksummingFileSystemWriter,
+        VerifyingFileSystemReader,
+    )
 
 __all__ = ["ByteRanges", "LocalLocation", "Location", "MappedFile", "locate"]
 
@@ -190,8 +194,15 @@ class Location(Protocol):
         first, and ``on_restored`` (default: a logged warning) told so."""
         ...
 
-    def reader(self, *, verify: bool, trust_checkpoint: bool) -> VerifyingFileSystemReader:
-        """The DCP reader of this checkpoint."""
+    def reader(self, *, verify: bool, trust_checkpoint: bool) -> StorageReader:
+        """The DCP reader of this checkpoint: nothing from it runs, every file is read
+        confined to it, and (``verify``) every record checked against its CRC32C."""
+        ...
+
+    def writer(self, *, checksum: bool, thread_count: int) -> StorageWriter:
+        """The DCP writer of a save into this (staging) location: every file written with
+        its size and (``checksum``) CRC32C as the writer produced them, with
+        ``thread_count`` threads per rank."""
         ...
 
     def checked_reader(
@@ -365,6 +376,11 @@ class LocalLocation:
         return VerifyingFileSystemReader(
             self.path, verify=verify, trust_checkpoint=trust_checkpoint
         )
+
+    def writer(self, *, checksum: bool, thread_count: int) -> ChecksummingFileSystemWriter:
+        from lightning_megatron_fsdp.storage.filesystem import ChecksummingFileSystemWriter
+
+        return ChecksummingFileSystemWriter(self.path, checksum=checksum, thread_count=thread_count)
 
     def checked_reader(
         self, metadata: Metadata, *, trust_checkpoint: bool
