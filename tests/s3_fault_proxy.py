@@ -39,7 +39,10 @@ class Fault:
 
     Args:
         kind: ``"503"`` (SlowDown), ``"500"`` (InternalError), ``"reset"`` (the connection
-            is reset, no answer) or ``"hang"`` (no answer until the proxy resumes or stops).
+            is reset, no answer), ``"hang"`` (no answer until the proxy resumes or stops) or
+            ``"late"`` (no answer ever; the request reaches the server after ``delay``
+            seconds, long after the client gave up: recorded ``"landed"`` then).
+        delay: Seconds a ``"late"`` request is held before it is sent to the server.
         times: How many matching requests get the fault, in a row; then they pass.
         method: The HTTP method to match (``None``: any).
         path: A regular expression searched in the request's path and query.
@@ -51,11 +54,14 @@ class Fault:
     method: str | None = "PUT"
     path: str = ""
     after: int = 0
+    delay: float = 0.0
     seen: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("503", "500", "reset", "hang"):
-            raise ValueError(f"Fault: kind must be 503, 500, reset or hang, got {self.kind!r}")
+        if self.kind not in ("503", "500", "reset", "hang", "late"):
+            raise ValueError(
+                f"Fault: kind must be 503, 500, reset, hang or late, got {self.kind!r}"
+            )
 
     def take(self, method: str, path: str) -> bool:
         """Whether this request gets the fault (counts it)."""
@@ -171,13 +177,13 @@ class FaultProxy:
 
     # ------------------------------------------------------------------ internals
 
-    def _fault_for(self, method: str, path: str) -> str | None:
+    def _fault_for(self, method: str, path: str) -> Fault | None:
         with self._lock:
             taken = [fault for fault in self.faults if fault.take(method, path)]  # counts all
             if taken:
-                return taken[0].kind
+                return taken[0]
             if self.share and self._random.random() < self.share:
-                return self._random.choice(self.kinds)
+                return Fault(self._random.choice(self.kinds), 1)
         return None
 
     def _record(self, method: str, path: str, answer: str) -> None:
@@ -193,10 +199,17 @@ class FaultProxy:
             request.close_connection = True
             if self._stopped.is_set():
                 return
-        kind = self._fault_for(method, path)
-        if kind is not None:
-            self._record(method, path, kind)
-            _answer_fault(request, kind, self)
+        fault = self._fault_for(method, path)
+        if fault is not None and fault.kind == "late":
+            self._record(method, path, "late")
+            if not self._stopped.wait(timeout=fault.delay):
+                status, _, _ = self._forward(request, body)
+                self._record(method, path, "landed" if status == 200 else str(status))
+            request.close_connection = True  # never answered: the client gave up long ago
+            return
+        if fault is not None:
+            self._record(method, path, fault.kind)
+            _answer_fault(request, fault.kind, self)
             return
         status, headers, data = self._forward(request, body)
         self._record(method, path, str(status))

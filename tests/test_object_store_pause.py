@@ -11,7 +11,11 @@ every rank within the timeout, naming the object and the deadline; once the serv
 resumed (``SIGCONT``) ``last.ckpt`` still loads the first save bit for bit. The same
 through a proxy (``tests/s3_fault_proxy.py``) that never answers one rank's shard upload,
 then the first ranged reads of the shards: the requests a stopped server leaves hanging
-mid-save and mid-load.
+mid-save and mid-load. And reads through a file (``fs.open``: a streamed digest, as a
+load of a format-1 checkpoint or ``inspect --verify`` takes one, and a stream opened
+before the stop): each fails within its deadline, naming the object. Last, a manifest PUT
+that times out and reaches the server later: the failed save's checkpoint, complete, loads
+bit for bit, and the next save retires it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch.distributed as dist
 
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.errors import CheckpointError
+from lightning_megatron_fsdp.storage import locate
 from tests.harness import run_distributed
 from tests.object_store import SeaweedServer
 from tests.s3_fault_proxy import Fault, FaultProxy
@@ -167,3 +172,117 @@ def test_hung_uploads_and_ranged_reads_fail_within_the_timeout(seaweed: SeaweedS
         )
         assert proxy.answered("hang") == 3, proxy.log
     _check(reports, url, (r"/v\d+-\w+/__1_0\.distcp", r"/v\d+-\w+/__\d_0\.distcp"))
+
+
+def test_reads_through_a_file_of_a_stopped_store_fail_within_the_deadline(
+    seaweed: SeaweedServer, monkeypatch: Any
+) -> None:
+    """A digest of ``meta.pt`` (streamed through ``fs.open``) and a read of a stream opened
+    before the stop each give up after the deadline (plus :data:`MARGIN`), with one error
+    naming the object; s3fs's own file reads past any deadline, for many minutes."""
+    for name, value in seaweed.env.items():
+        monkeypatch.setenv(name, value)
+    url = f"s3://{seaweed.new_bucket()}/run/ckpt"
+    deadline = 3.0
+    data = os.urandom(3 << 20)
+    locate(url).store.write_bytes(f"{locate(url).path}/meta.pt", data)
+    stream = locate(f"{url}/meta.pt", deadline=deadline).open(block_size=1 << 20)
+    assert stream.read(10) == data[:10]
+
+    def read_on() -> bytes:
+        stream.seek(2 << 20)  # past the block read so far
+        return bytes(stream.read(10))
+
+    reads = {
+        "digest": lambda: locate(url, deadline=deadline).digest("meta.pt", "crc32c"),
+        "stream": read_on,
+    }
+    outcomes = {}
+    seaweed.pause()
+    try:
+        for what, read in reads.items():
+            start = time.monotonic()
+            try:
+                read()
+            except TimeoutError as err:
+                outcomes[what] = (str(err), time.monotonic() - start)
+            else:
+                outcomes[what] = (None, time.monotonic() - start)
+    finally:
+        seaweed.resume()
+    for what, (error, took) in outcomes.items():
+        where = f"{what} ({took:.1f} s): {error}"
+        assert error is not None and took < deadline + MARGIN, where
+        assert re.search(
+            rf"{re.escape(url)}/meta\.pt: the object store did not answer \w+ within 3 s", error
+        ), where
+
+
+def _a_late_manifest(rank: int, world_size: int, env: dict[str, str], url: str) -> dict[str, Any]:
+    """Save ``last.ckpt``; save it again while the proxy holds the manifest PUT past the
+    deadline; once the held PUT has reached the server, load (the second save), save a
+    third time and list the versions left."""
+    os.environ.update(env)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
+    model, adam = trained(world_size)
+    plugin = MegatronFSDPCheckpointIO()
+    path = f"{url}/last.ckpt"
+    plugin.save_checkpoint(checkpoint_dict(model, adam, 1), path)
+    step(model, adam, 11)
+    report: dict[str, Any] = {"want_facts": facts(live_state(model, adam))}
+    checkpoint = checkpoint_dict(model, adam, 2)
+    report["save"] = _timed(lambda: plugin.save_checkpoint(checkpoint, path))
+    if rank == 0:  # wait for the held manifest: the newest complete version changes
+        first = locate(path).loaded_version()[0].name
+        give_up = time.monotonic() + 3 * GROUP_TIMEOUT.total_seconds()
+        while locate(path).loaded_version()[0].name == first and time.monotonic() < give_up:
+            time.sleep(0.5)
+    dist.barrier()
+    _, _, state = target_state(world_size)
+    report["step"] = plugin.load_checkpoint(path, state=state)["global_step"]
+    report["facts"] = facts(state)
+    plugin.save_checkpoint(checkpoint_dict(model, adam, 3), path)
+    location = locate(path)
+    report["versions"] = [v.name for v in location.store.versions(location.path)]
+    dist.destroy_process_group()
+    return report
+
+
+def test_a_manifest_that_lands_after_its_save_failed(seaweed: SeaweedServer) -> None:
+    """The proxy holds the second save's manifest PUT for the group's timeout (the client
+    gave up after half of it) and then sends it: the save failed on every rank, saying the
+    manifest may still land; once it has, a load takes that save's checkpoint bit for bit,
+    and the next save retires both older versions."""
+    bucket = seaweed.new_bucket()
+    url = f"s3://{bucket}/run"
+    late = Fault(
+        "late",
+        1,
+        path=r"/last\.ckpt/v\d+-\w+/manifest\.json$",
+        after=1,
+        delay=GROUP_TIMEOUT.total_seconds(),
+    )
+    with FaultProxy(seaweed.ports["s3.port"], [late]) as proxy:
+        reports = run_distributed(
+            _a_late_manifest,
+            2,
+            proxy.env(seaweed.env),
+            url,
+            init_process_group=False,
+            timeout=180.0,
+        )
+        assert proxy.answered("landed") == 1, proxy.log
+    limit = GROUP_TIMEOUT.total_seconds() + MARGIN
+    for rank, report in enumerate(reports):
+        error, took = report["save"]
+        where = f"rank {rank} ({took:.1f} s): {error}"
+        assert error is not None and error.startswith("CheckpointSaveError: "), where
+        assert took < limit, where
+        assert re.search(
+            rf"manifest\.json: the object store did not answer \w+ within {DEADLINE}", error
+        ), where
+        assert "may still reach the store later" in error, where
+        assert report["step"] == 2, f"rank {rank}: the late manifest's checkpoint was not loaded"
+        assert_same_facts(report["facts"], report["want_facts"], f"rank {rank}")
+        (version,) = report["versions"]  # the third save's; both older ones retired
+        assert version.startswith("v00000003-"), report["versions"]

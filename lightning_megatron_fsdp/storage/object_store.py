@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import inspect
+import io
 import json
 import logging
 import posixpath
@@ -195,14 +196,32 @@ class DeadlineFileSystem:
         if name.startswith("__") or "wrapped" not in self.__dict__:
             raise AttributeError(name)  # pickling and copying look these up on a bare object
         attribute = getattr(self.wrapped, name)
-        coroutine = getattr(self.wrapped, f"_{name}", None)
-        if not (callable(attribute) and inspect.iscoroutinefunction(coroutine)):
+        coroutine = self._coroutine(name)
+        if not callable(attribute) or coroutine is None:
             return attribute
 
         def call(*args: Any, **kwargs: Any) -> Any:
             return self._call(name, coroutine, args, kwargs)
 
         return call
+
+    def _coroutine(self, name: str) -> Any:
+        """The filesystem's coroutine behind its method ``name`` (fsspec's ``_name``), or
+        ``None`` where it has none (a synchronous filesystem)."""
+        coroutine = getattr(self.wrapped, f"_{name}", None)
+        return coroutine if inspect.iscoroutinefunction(coroutine) else None
+
+    def open(
+        self, path: str, mode: str = "rb", block_size: int | None = None, **kwargs: Any
+    ) -> Any:
+        """A file to read whose every read is one ranged ``cat_file`` under the deadline
+        (the filesystem's own file reads through the filesystem's loop directly, past any
+        deadline: a whole-file read of a stopped store would wait out every retry). Other
+        modes, and synchronous filesystems, get the filesystem's own file."""
+        if mode != "rb" or self._coroutine("cat_file") is None:
+            return self.wrapped.open(path, mode, block_size=block_size, **kwargs)
+        ranges = _DeadlineReads(self, path, int(self.size(path)))
+        return io.BufferedReader(ranges, buffer_size=block_size or _READ_BLOCK)
 
     def _call(self, name: str, coroutine: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         from fsspec.asyn import sync
@@ -238,6 +257,45 @@ class DeadlineFileSystem:
         if isinstance(path, (list, tuple)):
             path = f"{path[0]} (and {len(path) - 1} more)" if path else ""
         return self._url(str(path))
+
+
+_READ_BLOCK = 4 << 20
+"""Read-ahead of a file :meth:`DeadlineFileSystem.open` gives, where the caller names none."""
+
+
+class _DeadlineReads(io.RawIOBase):
+    """One object, read-only and seekable, each read one ranged ``cat_file`` of a
+    :class:`DeadlineFileSystem` (so under its deadline)."""
+
+    def __init__(self, fs: DeadlineFileSystem, path: str, size: int) -> None:
+        super().__init__()
+        self._fs, self._path, self.size, self._at = fs, path, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._at = base + offset
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        stop = min(self._at + view.nbytes, self.size)
+        if stop <= self._at:
+            return 0
+        data = self._fs.cat_file(self._path, start=self._at, end=stop)
+        view[: len(data)] = data
+        self._at += len(data)
+        return len(data)
 
 
 def unwrapped(fs: Any) -> Any:

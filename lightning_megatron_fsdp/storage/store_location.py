@@ -343,9 +343,21 @@ class StoreCommit:
         self, final: StoreLocation, staging: StoreLocation, manifest: Manifest, token: str
     ) -> None:
         """Write the manifest (one PUT: the commit), then retire the previous versions
-        (never raises once the manifest is written)."""
+        (never raises once the manifest is written).
+
+        A manifest PUT that timed out may still land later; that only ever completes this
+        version as written (docs/DESIGN.md, "Uploads and ranged reads"), so the error says
+        so and nothing guards against it.
+        """
         reach("commit:manifest")
-        final.store.write_bytes(staging.key(MANIFEST_FILE), manifest.dumps().encode())
+        try:
+            final.store.write_bytes(staging.key(MANIFEST_FILE), manifest.dumps().encode())
+        except TimeoutError as err:
+            raise TimeoutError(
+                f"{err}. The manifest may still reach the store later: then {staging}, "
+                "complete as this save wrote it, becomes the newest version and a load "
+                "takes it; the next save retires it"
+            ) from err
         # Committed: a reader now takes this version; the rest only frees space.
         reach("commit:replaced")
         final.store.retire(final.path, keep=staging.path)
