@@ -345,9 +345,16 @@ class StoreCommit:
         """Write the manifest (one PUT: the commit), then retire the previous versions
         (never raises once the manifest is written).
 
-        A manifest PUT that timed out may still land later; that only ever completes this
-        version as written (docs/DESIGN.md, "Uploads and ranged reads"), so the error says
-        so and nothing guards against it.
+        A manifest PUT that timed out may still reach the store later, and nothing guards
+        against it: a version is complete only when its manifest parses *and* every object
+        it lists is there at its recorded size, and a version's objects are its own save's
+        (its token), checked against what their writers wrote before the manifest was
+        built. So a late manifest makes either an incomplete version (its objects already
+        deleted: skipped, retired by the next save) or exactly the checkpoint this save
+        wrote, complete and newest (a load takes it; the next save retires it). The failed
+        save's cleanup needs no ordering against it (after our own timeout it is skipped
+        anyway, left to the next save). The error says so
+        (``tests/test_object_store_pause.py`` lands one late).
         """
         reach("commit:manifest")
         try:
