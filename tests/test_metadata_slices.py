@@ -302,6 +302,7 @@ def _loads_through_the_index(rank: int, world_size: int, root: str) -> dict[str,
     return facts
 
 
+@pytest.mark.both_versions
 def test_a_load_reads_the_index_the_save_wrote_and_refuses_a_crafted_one(
     tmp_path: Path,
 ) -> None:

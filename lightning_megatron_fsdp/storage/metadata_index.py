@@ -1,16 +1,16 @@
 """``.metadata`` by key, written beside it, so a load parses no pickle of every record.
 
 ``.metadata`` holds a storage entry for every record of every rank: at thousands of ranks it
-is hundreds of megabytes of pickle, and unpickling it through the allow-list reader takes
-tens of seconds, on the load's critical path. The save therefore also writes the same index
-cut by key (``.metadata.keys``, listed in the manifest with its CRC32C like every file): a
-skeleton (every key with its size and properties, no chunks, no storage entries; a small
-pickle, still read through the allow-list reader) and per key a table of int64 rows, one per
-chunk: its offsets and sizes and its record's file, offset, length, transforms and
-annotation, files and transforms as indices into lists of strings the keys share. Plain
-numbers: reading it is a copy, and each rank checks the rows it uses
-(``checkpoint.metadata_slices``). A checkpoint without it (plain DCP, an older version of
-ours) is read through ``.metadata`` and cut the same way.
+is hundreds of megabytes of pickle, and unpickling it through the allow-list reader is most
+of a load's metadata time, on its critical path (benchmarks/RESULTS.md, "Planning at
+scale"). The save therefore also writes the same index cut by key (``.metadata.keys``,
+listed in the manifest with its CRC32C like every file): a skeleton (every key with its size
+and properties, no chunks, no storage entries; a small pickle, still read through the
+allow-list reader) and per key a table of int64 rows, one per chunk: its offsets and sizes
+and its record's file, offset, length, transforms and annotation, files and transforms as
+indices into lists of strings the keys share. Plain numbers: reading it is a copy, and each
+rank checks the rows it uses (``checkpoint.metadata_slices``). A checkpoint without it
+(plain DCP, an older version of ours) is read through ``.metadata`` and cut the same way.
 
           chunk           its record                       its annotation
        offsets sizes  present file offset length transf.  annotated crc32c payload  order
@@ -29,9 +29,11 @@ checked against the chunk's offsets. Both ways give the same bytes (``inspect --
 compares the file with ``.metadata``).
 
 Rejected: every rank unpickling ``.metadata`` (its parse on every rank, the file read once
-per rank); rank 0 unpickling it and cutting it at load time (the parse alone is tens of
-seconds at thousands of ranks, while every other rank waits); a second pickle of DCP's
-objects per key (as slow to read safely as the first).
+per rank); rank 0 unpickling it and cutting it at load time (every other rank waits for the
+parse); a second pickle of DCP's objects per key (as slow to read safely as the first); each
+rank sending its own records' columns at the commit (rank 0's pass over the storage entries
+would go, for a round's payload that grows with the records and a save protocol that depends
+on the index).
 """
 
 from __future__ import annotations
