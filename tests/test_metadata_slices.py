@@ -6,12 +6,17 @@ whole, the cut must give back the file's index field for field (a real save, the
 with ZStandard records, the format-1 and torch 2.15 fixtures); filled for a local chunk, it
 must give DCP's load planner the reads it plans from the whole file (synthetic plans of a
 packed model at 5 ranks, a chunk that crosses saved ones); and a crafted table must be
-refused naming its key, by value, however it travelled.
+refused naming its key, by value, however it travelled. The save writes the cut
+(``.metadata.keys``): a load reads it and never ``.metadata`` (2 ranks), refuses a crafted
+one on every rank naming the file and key, and falls back to ``.metadata`` without it;
+``inspect --verify`` refuses one that disagrees with ``.metadata``; a later save's cut from
+the kept layout equals a fresh cut.
 """
 
 from __future__ import annotations
 
 import array
+import copy
 import dataclasses
 import json
 import math
@@ -31,6 +36,7 @@ from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.checkpoint.metadata_slices import KeyTable, MetadataSlices
 from lightning_megatron_fsdp.checkpoint.save_plan import global_save_plan
 from lightning_megatron_fsdp.errors import CheckpointCorruptedError, CheckpointError
+from lightning_megatron_fsdp.storage import metadata_index
 from lightning_megatron_fsdp.storage.format import (
     DCP_METADATA_FILE,
     DCP_METADATA_KEYS_FILE,
@@ -368,3 +374,42 @@ def test_verify_refuses_a_malformed_index_naming_it(
     reseal(path)
     (problem,) = _verified(path)
     assert problem.startswith(f"{DCP_METADATA_KEYS_FILE}: malformed index of .metadata: 8 bytes")
+
+
+def test_a_later_save_fills_the_cached_layout_as_a_fresh_cut_would() -> None:
+    """The save keeps a layout's chunk columns and fills only the record columns: a later
+    save's cut (new CRC32Cs, a hint gone stale) equals a fresh cut of the same metadata."""
+    metadata, _ = _synthetic()
+    first = MetadataSlices.cut(metadata, source="s", cache=True)
+    assert metadata_index._last_layout  # kept for the next save
+    later = {}
+    for index, info in metadata.storage_data.items():
+        info = copy.copy(info)
+        info.lmf_record = {**info.lmf_record, "crc32c": info.lmf_record["crc32c"] + 7}
+        hint = 0 if index.index else index.index  # stale: the row is found by offsets
+        later[dataclasses.replace(index, index=hint)] = info
+    metadata.storage_data = later
+    cached = MetadataSlices.cut(metadata, source="s", cache=True)
+    metadata_index._last_layout.clear()
+    fresh = MetadataSlices.cut(metadata, source="s")
+    assert (cached.keys, cached.files, cached.transforms) == (
+        fresh.keys,
+        fresh.files,
+        fresh.transforms,
+    )
+    assert cached.keys != first.keys  # not vacuous: the record columns changed
+    assert _storage(_assembled(_sent(cached))) == _storage(metadata)
+
+
+def test_a_skeleton_that_disagrees_with_its_tables_is_refused_naming_the_key() -> None:
+    metadata, _ = _synthetic()
+    slices = MetadataSlices.cut(metadata, source="s")
+    key = "model.layer.tall"
+    fewer = dataclasses.replace(slices, keys={k: t for k, t in slices.keys.items() if k != key})
+    with pytest.raises(CheckpointCorruptedError, match=rf"'{key}': a key of the skeleton without"):
+        fewer.skeleton_metadata(trust=False)
+    skeleton = pickle.loads(slices.skeleton)
+    skeleton.state_dict_metadata[key] = metadata.state_dict_metadata[key]  # chunks and all
+    chunked = dataclasses.replace(slices, skeleton=pickle.dumps(skeleton))
+    with pytest.raises(CheckpointCorruptedError, match=rf"'{key}': the skeleton holds chunks"):
+        chunked.skeleton_metadata(trust=False)
