@@ -17,10 +17,14 @@ at every size:
   plan caching (what ``checkpoint.save.write_save`` uses): every rank sends an empty plan;
 - ``.metadata MB``: the pickled ``Metadata`` with one storage entry per record (with our
   ``lmf_record`` annotation), what rank 0 writes and a load reads;
-- the load's table: that file's bytes read from storage per load and its parse (plain
-  pickle, the allow-list reader) when every rank reads it, against rank 0 reading, checking
-  and cutting it once (``checkpoint.metadata_slices``) and each rank assembling the keys it
-  holds (its own local plan's keys), in CPU seconds.
+- ``index``: what rank 0 of a save adds to write ``.metadata`` cut by key
+  (``.metadata.keys``, ``storage.metadata_index``) on the first save (the layout's chunk
+  columns too) and on a later one (only the record columns), and the file's size;
+- the load's table: ``.metadata``'s bytes read from storage per load and its parse (plain
+  pickle, the allow-list reader) when every rank reads it; rank 0 reading, checking and
+  cutting it once (``checkpoint.metadata_slices``, a checkpoint without the index); rank 0
+  reading the index instead (its CRC32C checked as against the manifest, then decoded);
+  and each rank assembling the keys it holds (its own local plan's keys), in CPU seconds.
 
     python -m benchmarks.bench_planning [--ranks 64 128 ... 8192] [--no-dcp | --dcp-up-to N]
         [--no-load]
@@ -55,6 +59,8 @@ from torch.distributed.checkpoint.planner import (
 from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.checkpoint.metadata_slices import MetadataSlices
 from lightning_megatron_fsdp.checkpoint.save_plan import global_save_plan
+from lightning_megatron_fsdp.storage import metadata_index
+from lightning_megatron_fsdp.storage.checksums import crc32c
 from lightning_megatron_fsdp.storage.safe_unpickling import load_dcp_metadata
 
 VOCAB, HIDDEN, FFN, LAYERS = 32000, 4096, 11008, 32
@@ -192,9 +198,16 @@ def measure(world: int, dcp: bool, load: bool = True) -> dict[str, Any]:
     cached_scattered = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in delta)
     data = metadata_file(metadata, global_plan)
     size = len(data)
+    metadata_index._last_layout.clear()
+    timed = []
+    for _ in range(2):  # the first save, then a later one (the layout's columns cached)
+        began = time.process_time()
+        index = MetadataSlices.cut(metadata, source="bench", cache=True).encoded()
+        timed.append(time.process_time() - began)
+    metadata_index._last_layout.clear()
     del global_plan, metadata, delta, planner, later
     gc.collect()
-    loaded = measure_load(data, plans) if load else {}
+    loaded = measure_load(data, plans, index) if load else {}
     return loaded | {
         "ranks": world,
         "items": items,
@@ -207,10 +220,13 @@ def measure(world: int, dcp: bool, load: bool = True) -> dict[str, Any]:
         "cached_s": cached,
         "cached_mb": (cached_gathered + cached_scattered) / 1e6,
         "metadata_mb": size / 1e6,
+        "index_first_s": timed[0],
+        "index_later_s": timed[1],
+        "index_mb": len(index) / 1e6,
     }
 
 
-def measure_load(data: bytes, plans: list[SavePlan]) -> dict[str, Any]:
+def measure_load(data: bytes, plans: list[SavePlan], index: bytes) -> dict[str, Any]:
     """A load's metadata work: every rank parsing the whole ``.metadata`` (plain pickle and
     the allow-list reader), against rank 0 parsing, checking and cutting it once and each
     rank unpickling what the first round broadcasts, the skeleton, and its keys' tables,
@@ -227,7 +243,14 @@ def measure_load(data: bytes, plans: list[SavePlan]) -> dict[str, Any]:
     slices = MetadataSlices.cut(metadata, source=source)
     once = time.process_time() - began
     sent = pickle.dumps(slices, protocol=pickle.HIGHEST_PROTOCOL)
-    del metadata, slices
+    del metadata
+    gc.collect()
+    began = time.process_time()
+    crc32c(index)
+    read = MetadataSlices.read(index, source="bench/.metadata.keys")
+    from_index = time.process_time() - began
+    assert read is not None and read.keys == slices.keys and read.files == slices.files
+    del slices, read
     gc.collect()
     world = len(plans)
     per_rank, received, built = [], [], []
@@ -249,6 +272,7 @@ def measure_load(data: bytes, plans: list[SavePlan]) -> dict[str, Any]:
         "plain_s": plain,
         "allow_list_s": allow_list,
         "once_s": once,
+        "index_s": from_index,
         "slices_mb": len(sent) / 1e6,
         "rank_s": max(per_rank),
         "received_s": max(received),
@@ -272,9 +296,10 @@ def main() -> None:
     print(
         "| ranks | records | plans gathered MB | plans scattered MB | first save: DCP s "
         "(CPU s) | first save: ours s (CPU s) | DCP / ours (CPU) | ours x per 2x ranks (CPU) "
-        "| later saves s | cached MB moved | .metadata MB |"
+        "| later saves s | cached MB moved | .metadata MB | index: first save / later CPU s "
+        "| index MB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     previous: tuple[int, float] | None = None
     rows = []
     for world in args.ranks:
@@ -289,23 +314,26 @@ def main() -> None:
             f"| {r['ranks']} | {r['items']} | {r['plans_mb']:.1f} | {r['scatter_mb']:.1f} "
             f"| {r['dcp_s']:.2f} ({r['dcp_cpu']:.2f}) | {r['plan_s']:.2f} ({r['plan_cpu']:.2f}) "
             f"| {r['dcp_cpu'] / r['plan_cpu']:.1f} "
-            f"| {growth} | {r['cached_s']:.4f} | {r['cached_mb']:.2f} | {r['metadata_mb']:.1f} |",
+            f"| {growth} | {r['cached_s']:.4f} | {r['cached_mb']:.2f} | {r['metadata_mb']:.1f} "
+            f"| {r['index_first_s']:.2f} / {r['index_later_s']:.2f} | {r['index_mb']:.1f} |",
             flush=True,
         )
         gc.collect()
     print(
         "\n| ranks | .metadata MB | before: read from storage per load GB | before: per-rank "
-        "parse CPU s (plain pickle / allow-list) | after: read per load GB | after: rank 0 "
-        "parse + cut CPU s | after: MB sent in round 1 | after: per-rank assembly CPU s "
-        "(max of 4 ranks; of which unpickling round 1) | after: storage entries built per "
-        "rank |"
+        "parse CPU s (plain pickle / allow-list) | after: read per load GB (index / without) "
+        "| rank 0 without "
+        "the index: parse + cut CPU s | rank 0 with the index: CRC32C + decode CPU s "
+        "| MB sent in round 1 | per-rank assembly CPU s (max of 4 ranks; of which unpickling "
+        "round 1) | storage entries built per rank |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows if not args.no_load else []:
         print(
             f"| {r['ranks']} | {r['metadata_mb']:.1f} | {r['ranks'] * r['metadata_mb'] / 1e3:.2f} "
-            f"| {r['plain_s']:.2f} / {r['allow_list_s']:.2f} | {r['metadata_mb'] / 1e3:.3f} "
-            f"| {r['once_s']:.2f} | {r['slices_mb']:.1f} | {r['rank_s']:.3f} "
+            f"| {r['plain_s']:.2f} / {r['allow_list_s']:.2f} "
+            f"| {r['index_mb'] / 1e3:.3f} / {r['metadata_mb'] / 1e3:.3f} "
+            f"| {r['once_s']:.2f} | {r['index_s']:.3f} | {r['slices_mb']:.1f} | {r['rank_s']:.3f} "
             f"({r['received_s']:.3f}) | {r['built']} |"
         )
 

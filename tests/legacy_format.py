@@ -4,7 +4,9 @@ Format 1 (before CRC32C) recorded each file's sha256 in ``manifest.json`` (no
 ``"checksum"`` field) and left DCP's ``.metadata`` exactly as torch writes it. Checkpoints
 in that format must keep loading and verifying, so the tests make one from a fresh save:
 strip the per-record annotations from ``.metadata`` and rewrite the manifest with sha256
-digests computed here with ``hashlib``, independently of the library.
+digests computed here with ``hashlib``, independently of the library. Format 1 wrote no
+``.metadata.keys`` (``storage.metadata_index``): it is removed, so a load falls back to
+``.metadata``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ def downgrade_to_format_1(path: Path) -> None:
         if hasattr(info, RECORD_ATTR):
             delattr(info, RECORD_ATTR)
     metadata_file.write_bytes(pickle.dumps(metadata))
+    (path / ".metadata.keys").unlink(missing_ok=True)
     manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"].pop(".metadata.keys", None)
     manifest["format_version"] = 1
     del manifest["checksum"]
     manifest["files"] = {

@@ -653,12 +653,13 @@ def assert_same(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) ->
 
 def assert_same_save(sync: Path, asynchronous: Path, world_size: int) -> None:
     """Byte for byte: every shard file and meta.pt. DCP's .metadata differs only in its
-    StorageMeta (the directory it was written to and a random save id), and the manifests
+    StorageMeta (the directory it was written to and a random save id), as does `.metadata.keys`
+    (its skeleton), and the manifests
     only in that file's record."""
     shards = [f"__{rank}_0.distcp" for rank in range(world_size)]
     names = sorted(os.listdir(sync))
     assert names == sorted(os.listdir(asynchronous))
-    assert names == sorted([".metadata", *shards, MANIFEST_FILE, "meta.pt"])
+    assert names == sorted([".metadata", ".metadata.keys", *shards, MANIFEST_FILE, "meta.pt"])
     for name in [*shards, "meta.pt"]:
         assert (sync / name).read_bytes() == (asynchronous / name).read_bytes(), name
     sync_metadata = FileSystemReader(sync).read_metadata()
@@ -667,7 +668,8 @@ def assert_same_save(sync: Path, asynchronous: Path, world_size: int) -> None:
         assert getattr(sync_metadata, field) == getattr(async_metadata, field), field
     sync_manifest = read_manifest(sync).to_json()
     async_manifest = read_manifest(asynchronous).to_json()
-    del sync_manifest["files"][".metadata"], async_manifest["files"][".metadata"]
+    for name in (".metadata", ".metadata.keys"):  # both carry the save's StorageMeta
+        del sync_manifest["files"][name], async_manifest["files"][name]
     assert sync_manifest == async_manifest
 
 

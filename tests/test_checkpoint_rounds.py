@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp import MegatronFSDPStrategy
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp.checkpoint.metadata_slices import MetadataSlices
 from lightning_megatron_fsdp.common.exact_resume import RNG_STATES_KEY
 from lightning_megatron_fsdp.fabric import MegatronFSDPStrategy as FabricStrategy
 from lightning_megatron_fsdp.storage import commit
@@ -112,6 +113,7 @@ def counting_load(counted: dict[str, list[Any]], **more: tuple[Any, str]) -> Ite
         "parsed": (Manifest, "from_json"),
         "recovered": (commit, "recover_checkpoint"),
         "metadata_read": (VerifyingFileSystemReader, "_read_metadata_file"),
+        "keys_read": (MetadataSlices, "read"),
         **more,
     }
     with contextlib.ExitStack() as stack:
@@ -135,6 +137,7 @@ class CountingStrategy(MegatronFSDPStrategy):
             "parsed": [],
             "recovered": [],
             "metadata_read": [],
+            "keys_read": [],
         }
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
@@ -157,7 +160,8 @@ def _fit_save_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
     trainer = make_trainer(world_size, strategy=second, max_steps=3, enable_checkpointing=False)
     trainer.fit(CheckpointedLM(), token_loader(world_size), ckpt_path=str(path))
     return {"save": first.counted["save"]} | {
-        key: second.counted[key] for key in ("load", "parsed", "recovered", "metadata_read")
+        key: second.counted[key]
+        for key in ("load", "parsed", "recovered", "metadata_read", "keys_read")
     }
 
 
@@ -188,8 +192,10 @@ def test_a_save_and_a_load_take_at_most_three_rounds_of_ours(tmp_path: Path) -> 
         # Rank 0 parses the manifest once and runs crash recovery once, for every rank.
         assert result["parsed"] == [1 if rank == 0 else 0], result["parsed"]
         assert result["recovered"] == [1 if rank == 0 else 0], result["recovered"]
-        # ... and reads and unpickles .metadata once, in the first round (metadata_slices).
-        assert result["metadata_read"] == [1 if rank == 0 else 0], result["metadata_read"]
+        # ... and reads the index the save wrote beside .metadata (.metadata.keys) once, in
+        # the first round; no rank unpickles .metadata (metadata_slices).
+        assert result["keys_read"] == [1 if rank == 0 else 0], result["keys_read"]
+        assert result["metadata_read"] == [0], result["metadata_read"]
 
 
 class CountingFabricStrategy(FabricStrategy):
@@ -199,7 +205,7 @@ class CountingFabricStrategy(FabricStrategy):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.counted: dict[str, list[Any]] = {"load": [], "parsed": [], "recovered": []}
-        self.counted |= {"metadata_read": [], "meta_read": []}
+        self.counted |= {"metadata_read": [], "keys_read": [], "meta_read": []}
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         with counting_load(self.counted, meta_read=(LocalDirectories, "read_bytes")):
@@ -228,8 +234,9 @@ def _fabric_save_load(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 def test_a_fabric_load_takes_as_many_rounds_as_the_trainers(tmp_path: Path) -> None:
     """``fabric.load`` goes through the Trainer's load: three rounds of ours, the manifest
-    parsed, crash recovery run and ``.metadata`` read once on rank 0, and ``meta.pt`` read
-    once per rank (not once more to learn the saved optimizer keys)."""
+    parsed, crash recovery run and ``.metadata.keys`` read once on rank 0 (``.metadata``
+    never), and ``meta.pt`` read once per rank (not once more to learn the saved optimizer
+    keys)."""
     results = run_distributed(
         _fabric_save_load, 2, str(tmp_path), timeout=TIMEOUT, init_process_group=False
     )
@@ -240,7 +247,8 @@ def test_a_fabric_load_takes_as_many_rounds_as_the_trainers(tmp_path: Path) -> N
         assert load and len(coordination(load)) <= MAX_ROUNDS, f"rank {rank}: rounds: {load}"
         assert result["parsed"] == [1 if rank == 0 else 0], result["parsed"]
         assert result["recovered"] == [1 if rank == 0 else 0], result["recovered"]
-        assert result["metadata_read"] == [1 if rank == 0 else 0], result["metadata_read"]
+        assert result["keys_read"] == [1 if rank == 0 else 0], result["keys_read"]
+        assert result["metadata_read"] == [0], result["metadata_read"]
         assert result["meta_read"] == [1], result["meta_read"]
 
 

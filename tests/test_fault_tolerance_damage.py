@@ -4,7 +4,7 @@ tensor byte is needed to see the damage; a soak leaks nothing.
 Damage: a 2-rank run saves a good checkpoint and, one step later, "another run's", then
 trains on so the live model differs from both. Copies of the good checkpoint are damaged
 the ways checkpoints get damaged -- a truncated or deleted shard, a deleted ``.metadata``
-or ``manifest.json``, a shard / ``.metadata`` / ``meta.pt`` / manifest copied over from
+or ``manifest.json``, a shard / ``.metadata.keys`` / ``meta.pt`` / manifest copied over from
 the other run, a directory that is no checkpoint, one flipped bit -- and loaded into the
 *live* model and optimizer. Each load must raise the documented error on both ranks,
 naming the file. Damage visible without reading tensor data (sizes, the manifest,
@@ -113,10 +113,11 @@ DAMAGE: list[tuple[str, Callable[[Path, Path], None], str]] = [
         r"recorded for the record of '[^']+' \(chunk at \[[0-9, ]*\]\), bytes \[\d+, \d+\) \(the "
         r"file changed after it was written\)",
     ),
-    (
-        ".metadata from another run",
-        _copy_from_other(".metadata"),
-        r"CheckpointCorruptedError: .*\.metadata: (crc32c [0-9a-f]{8} on disk|\d+ bytes on disk)",
+    (  # what a load reads of the index (.metadata itself only by inspect --verify)
+        ".metadata.keys from another run",
+        _copy_from_other(".metadata.keys"),
+        r"CheckpointCorruptedError: .*\.metadata\.keys: (crc32c [0-9a-f]{8} on disk|\d+ bytes on "
+        r"disk)",
     ),
     (
         "meta.pt from another run",

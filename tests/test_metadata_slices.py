@@ -6,31 +6,50 @@ whole, the cut must give back the file's index field for field (a real save, the
 with ZStandard records, the format-1 and torch 2.15 fixtures); filled for a local chunk, it
 must give DCP's load planner the reads it plans from the whole file (synthetic plans of a
 packed model at 5 ranks, a chunk that crosses saved ones); and a crafted table must be
-refused naming its key, by value, however it travelled.
+refused naming its key, by value, however it travelled. The save writes the cut
+(``.metadata.keys``): a load reads it and never ``.metadata`` (2 ranks), refuses a crafted
+one on every rank naming the file and key, and falls back to ``.metadata`` without it;
+``inspect --verify`` refuses one that disagrees with ``.metadata``; a later save's cut from
+the kept layout equals a fresh cut.
 """
 
 from __future__ import annotations
 
 import array
+import copy
 import dataclasses
+import json
 import math
 import pickle
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from lightning_megatron_fsdp import _torch
-from lightning_megatron_fsdp.checkpoint.metadata_slices import MetadataSlices
+from lightning_megatron_fsdp.checkpoint.metadata_slices import KeyTable, MetadataSlices
 from lightning_megatron_fsdp.checkpoint.save_plan import global_save_plan
-from lightning_megatron_fsdp.errors import CheckpointCorruptedError
+from lightning_megatron_fsdp.errors import CheckpointCorruptedError, CheckpointError
+from lightning_megatron_fsdp.storage import metadata_index
+from lightning_megatron_fsdp.storage.format import (
+    DCP_METADATA_FILE,
+    DCP_METADATA_KEYS_FILE,
+    MANIFEST_FILE,
+)
 from lightning_megatron_fsdp.storage.safe_unpickling import load_dcp_metadata
+from lightning_megatron_fsdp.tools.inspection import verify_checkpoint
+from tests.shard_facts import assert_same_facts
+from tests.test_checkpoint_io import _checkpoint, _portable, _run, _targets, _tensor_facts
 from tests.test_metadata_records import FIXTURES, _plain
 from tests.test_save_plan import local_plans
 from tests.test_untrusted_checkpoints import checkpoints  # noqa: F401 (the fixture)
+from tests.untrusted_attacks import reseal
 
 
 def _sent(slices: MetadataSlices) -> MetadataSlices:
@@ -181,3 +200,216 @@ def test_a_crafted_file_name_or_table_shape_is_refused_naming_the_key() -> None:
         _assembled(
             _sent(dataclasses.replace(slices, keys={**slices.keys, key: cut_short})), {key: None}
         )
+
+
+# ----------------------------------------------------- the index a save writes (.metadata.keys)
+
+
+def _rewrite_index(path: Path, craft: Any) -> None:
+    """``path``'s ``.metadata.keys`` passed through ``craft`` (slices to slices) and
+    resealed in the manifest, as an attacker would."""
+    index = path / DCP_METADATA_KEYS_FILE
+    slices = MetadataSlices.read(index.read_bytes(), source=str(index))
+    assert slices is not None
+    index.write_bytes(craft(slices).encoded())
+    reseal(path)
+
+
+def _every_row(slices: MetadataSlices, key: str, column: int, value: int) -> MetadataSlices:
+    """``slices`` with ``column`` of every row of ``key``'s table set to ``value``."""
+    table = slices.keys[key]
+    rows = array.array("q", table.rows)
+    width = 2 * table.ndim + 10
+    for start in range(0, len(rows), width):
+        rows[start + column] = value
+    return dataclasses.replace(
+        slices, keys={**slices.keys, key: dataclasses.replace(table, rows=rows.tobytes())}
+    )
+
+
+def _shortened(slices: MetadataSlices, key: str) -> MetadataSlices:
+    table = slices.keys[key]
+    short = dataclasses.replace(table, rows=table.rows[:-8])
+    return dataclasses.replace(slices, keys={**slices.keys, key: short})
+
+
+def _narrowed(slices: MetadataSlices, key: str) -> MetadataSlices:
+    """``key``'s table framed as rows of one dimension fewer (the file stays well formed)."""
+    table = slices.keys[key]
+    width = 8 * (2 * (table.ndim - 1) + 10)
+    narrow = KeyTable(table.ndim - 1, table.rows[: len(table.rows) // width * width])
+    return dataclasses.replace(slices, keys={**slices.keys, key: narrow})
+
+
+def _widest(path: Path) -> str:
+    """The tensor key with the most saved chunks (split across the ranks)."""
+    slices = MetadataSlices.read((path / DCP_METADATA_KEYS_FILE).read_bytes(), source="")
+    assert slices is not None
+    tables = slices.keys.items()
+    return max((len(t.rows) // (8 * (2 * t.ndim + 10)), k) for k, t in tables if t.ndim)[1]
+
+
+def _load_outcome(plugin: Any, path: Path, world_size: int) -> Any:
+    """What loading ``path`` into fresh targets gives: the loaded shards, or the error."""
+    _, state = _targets(world_size)
+    try:
+        plugin.load_checkpoint(path, state=state)
+    except CheckpointError as err:
+        return f"{type(err).__name__}: {err}"
+    return _tensor_facts(state)
+
+
+@_portable
+def _loads_through_the_index(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+    from tests.scripts.fault_injection import trained
+
+    path = Path(root) / "saved.ckpt"
+    model, adam = trained(world_size)
+    checkpoint = _checkpoint(model, adam, step=7)
+    plugin = MegatronFSDPCheckpointIO()
+    plugin.save_checkpoint(checkpoint, path)
+    facts: dict[str, Any] = {"saved": _tensor_facts(checkpoint)}
+    metadata = (path / DCP_METADATA_FILE).read_bytes()
+    manifest = (path / MANIFEST_FILE).read_bytes()
+    index = (path / DCP_METADATA_KEYS_FILE).read_bytes()
+    key = _widest(path)
+
+    def scenario(name: str, change: Any) -> None:
+        dist.barrier()
+        if rank == 0:
+            for name_, data in (
+                (DCP_METADATA_FILE, metadata),
+                (MANIFEST_FILE, manifest),
+                (DCP_METADATA_KEYS_FILE, index),
+            ):
+                (path / name_).write_bytes(data)
+            change()
+        dist.barrier()
+        facts[name] = _load_outcome(plugin, path, world_size)
+
+    # .metadata's pickle garbled (zeros, its size and manifest record kept): a load that
+    # read it would refuse its CRC32C, one that unpickled it unchecked would fail.
+    scenario(
+        "garbled .metadata", lambda: (path / DCP_METADATA_FILE).write_bytes(bytes(len(metadata)))
+    )
+
+    def older() -> None:  # as plain DCP or an older version of ours wrote it
+        (path / DCP_METADATA_KEYS_FILE).unlink()
+        listed = json.loads(manifest)
+        del listed["files"][DCP_METADATA_KEYS_FILE]
+        (path / MANIFEST_FILE).write_text(json.dumps(listed))
+
+    scenario("no index", older)
+    scenario("short table", lambda: _rewrite_index(path, lambda s: _shortened(s, key)))
+    scenario("narrowed", lambda: _rewrite_index(path, lambda s: _narrowed(s, key)))
+    scenario("file index", lambda: _rewrite_index(path, lambda s: _every_row(s, key, 5, 1 << 40)))
+    facts["key"] = key
+    return facts
+
+
+@pytest.mark.both_versions
+def test_a_load_reads_the_index_the_save_wrote_and_refuses_a_crafted_one(
+    tmp_path: Path,
+) -> None:
+    results = _run(_loads_through_the_index, 2, str(tmp_path))
+    key = results[0]["key"]
+    for facts in results:
+        # Bit-exact through the index, .metadata never read; and without the index.
+        assert isinstance(facts["garbled .metadata"], dict), facts["garbled .metadata"]
+        assert_same_facts(facts["garbled .metadata"], facts["saved"])
+        assert_same_facts(facts["no index"], facts["saved"])
+        # A crafted index is refused on every rank, naming the file (and the key), not
+        # passed over for .metadata.
+        framing = re.escape(f"{DCP_METADATA_KEYS_FILE}: malformed index of .metadata: 104 bytes")
+        assert re.match(rf"CheckpointCorruptedError: .*{framing}", facts["short table"], re.S)
+        where = re.escape(f"{DCP_METADATA_KEYS_FILE}: malformed DCP metadata: {key!r}")
+        assert re.match(rf"CheckpointCorruptedError: .*{where}: its table", facts["narrowed"], re.S)
+        assert re.match(
+            rf"CheckpointCorruptedError: .*{where}: a storage entry", facts["file index"], re.S
+        )
+
+
+def _verified(path: Path) -> list[str]:
+    return verify_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    ("craft", "says"),
+    [
+        (lambda s, k: _shortened(s, k), "bytes after the last table"),
+        (lambda s, k: _narrowed(s, k), "disagrees"),
+        (lambda s, k: _every_row(s, k, 5, 1 << 40), "disagrees"),
+        (lambda s, k: _every_row(s, k, 2 * s.keys[k].ndim + 2, 4), "disagrees"),  # offset
+        (lambda s, k: dataclasses.replace(s, files=("other.distcp",) * len(s.files)), "disagrees"),
+    ],
+    ids=["table cut short", "table shape", "file index", "record offset", "file names"],
+)
+def test_verify_refuses_an_index_that_disagrees_with_the_metadata(
+    checkpoints: dict[str, Path],  # noqa: F811
+    tmp_path: Path,
+    craft: Any,
+    says: str,
+) -> None:
+    intact = checkpoints["intact"]
+    assert (intact / DCP_METADATA_KEYS_FILE).is_file()  # the save wrote it
+    assert _verified(intact) == []
+    path = Path(shutil.copytree(intact, tmp_path / "crafted"))
+    key = _widest(path)
+    _rewrite_index(path, lambda s: craft(s, key))
+    problems = _verified(path)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"{DCP_METADATA_KEYS_FILE}: ") and says in problems[0]
+    if says == "disagrees":
+        assert repr(key) in problems[0] or "files" in problems[0], problems
+
+
+def test_verify_refuses_a_malformed_index_naming_it(
+    checkpoints: dict[str, Path],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    path = Path(shutil.copytree(checkpoints["intact"], tmp_path / "crafted"))
+    data = (path / DCP_METADATA_KEYS_FILE).read_bytes()
+    (path / DCP_METADATA_KEYS_FILE).write_bytes(data + b"\0" * 8)
+    reseal(path)
+    (problem,) = _verified(path)
+    assert problem.startswith(f"{DCP_METADATA_KEYS_FILE}: malformed index of .metadata: 8 bytes")
+
+
+def test_a_later_save_fills_the_cached_layout_as_a_fresh_cut_would() -> None:
+    """The save keeps a layout's chunk columns and fills only the record columns: a later
+    save's cut (new CRC32Cs, a hint gone stale) equals a fresh cut of the same metadata."""
+    metadata, _ = _synthetic()
+    first = MetadataSlices.cut(metadata, source="s", cache=True)
+    assert metadata_index._last_layout  # kept for the next save
+    later = {}
+    for index, info in metadata.storage_data.items():
+        info = copy.copy(info)
+        info.lmf_record = {**info.lmf_record, "crc32c": info.lmf_record["crc32c"] + 7}
+        hint = 0 if index.index else index.index  # stale: the row is found by offsets
+        later[dataclasses.replace(index, index=hint)] = info
+    metadata.storage_data = later
+    cached = MetadataSlices.cut(metadata, source="s", cache=True)
+    metadata_index._last_layout.clear()
+    fresh = MetadataSlices.cut(metadata, source="s")
+    assert (cached.keys, cached.files, cached.transforms) == (
+        fresh.keys,
+        fresh.files,
+        fresh.transforms,
+    )
+    assert cached.keys != first.keys  # not vacuous: the record columns changed
+    assert _storage(_assembled(_sent(cached))) == _storage(metadata)
+
+
+def test_a_skeleton_that_disagrees_with_its_tables_is_refused_naming_the_key() -> None:
+    metadata, _ = _synthetic()
+    slices = MetadataSlices.cut(metadata, source="s")
+    key = "model.layer.tall"
+    fewer = dataclasses.replace(slices, keys={k: t for k, t in slices.keys.items() if k != key})
+    with pytest.raises(CheckpointCorruptedError, match=rf"'{key}': a key of the skeleton without"):
+        fewer.skeleton_metadata(trust=False)
+    skeleton = pickle.loads(slices.skeleton)
+    skeleton.state_dict_metadata[key] = metadata.state_dict_metadata[key]  # chunks and all
+    chunked = dataclasses.replace(slices, skeleton=pickle.dumps(skeleton))
+    with pytest.raises(CheckpointCorruptedError, match=rf"'{key}': the skeleton holds chunks"):
+        chunked.skeleton_metadata(trust=False)

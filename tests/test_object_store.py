@@ -235,8 +235,8 @@ def test_saved_at_three_ranks_loads_bit_exactly_at_two_and_three(seaweed: Seawee
     assert versions[0].split("/")[2].startswith("v00000002-")  # the overwrite's version
     for version in versions:
         names = sorted(o.split("/")[-1] for o in objects if o.startswith(version + "/"))
-        expected = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", MANIFEST_FILE]
-        assert names == [*expected, "meta.pt"], names
+        expected = [".metadata", ".metadata.keys", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+        assert names == [*expected, MANIFEST_FILE, "meta.pt"], names
     full = assemble([r["facts"] for r in saved])
     for world_size in (2, 3):
         loaded = run_distributed(

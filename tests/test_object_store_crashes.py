@@ -159,7 +159,7 @@ def test_a_killed_save_leaves_the_newest_complete_checkpoint_and_the_next_save_c
     (kept,) = store.versions(checkpoint)
     assert kept.number == versions[-1].number + 1
     left = sorted(o.removeprefix(kept.path + "/") for o in seaweed.objects(bucket))
-    assert left == [".metadata", "__0_0.distcp", MANIFEST_FILE, "meta.pt"], left
+    assert left == [".metadata", ".metadata.keys", "__0_0.distcp", MANIFEST_FILE, "meta.pt"], left
     assert seaweed.pending_uploads(bucket) == []
 
 

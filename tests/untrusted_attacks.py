@@ -95,7 +95,14 @@ def _metadata(directory: Path) -> Any:
 
 
 def _write_metadata(directory: Path, metadata: Any) -> None:
+    """Write ``.metadata`` and, as an attacker would, its cut by key to match (what a load
+    reads instead: ``.metadata.keys``), where the checkpoint has one."""
     (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    if (directory / ".metadata.keys").exists():
+        from lightning_megatron_fsdp.checkpoint.metadata_slices import MetadataSlices
+
+        cut = MetadataSlices.cut(metadata, source=".metadata")
+        (directory / ".metadata.keys").write_bytes(cut.encoded())
 
 
 def _append_record(

@@ -49,6 +49,7 @@ from lightning_megatron_fsdp.megatron import (
 )
 from lightning_megatron_fsdp.storage import (
     DCP_METADATA_FILE,
+    DCP_METADATA_KEYS_FILE,
     MANIFEST_FILE,
     META_FILE,
     CheckpointStorage,
@@ -196,13 +197,19 @@ def open_checkpoint(
 def _read_metadata_once(
     final: Any, manifest: Manifest, options: LoadOptions
 ) -> tuple[MetadataSlices | None, Problem | None]:
-    """Rank 0's ``.metadata`` through the load's reader (its digest checked against
-    ``manifest``), cut by key; ``(None, None)`` for a reader of the user's."""
+    """Rank 0's ``.metadata`` cut by key, through the load's reader (digests checked
+    against ``manifest``): the cut the save wrote (``.metadata.keys``) where the manifest
+    lists it, else ``.metadata`` cut here; ``(None, None)`` for a reader of the user's."""
     try:
         reader = options.reader(final)
         if not isinstance(reader, VerifyingFileSystemReader):
             return None, None
         reader.expect(manifest, verify=options.verify_checksums)
+        if DCP_METADATA_KEYS_FILE in manifest.files:
+            data = reader.read_checked(DCP_METADATA_KEYS_FILE)
+            slices = MetadataSlices.read(data, source=f"{final}/{DCP_METADATA_KEYS_FILE}")
+            if slices is not None:
+                return slices, None
         metadata = reader.read_metadata()
         return MetadataSlices.cut(metadata, source=f"{final}/{DCP_METADATA_FILE}"), None
     except CheckpointError as err:
@@ -262,7 +269,7 @@ def read_checkpoint(
             except CheckpointError as err:
                 problems.append(Problem(CheckpointCorruptedError, str(err)))
         if reader is not None:
-            problems, meta, state = _validate(
+            found, meta, state = _validate(
                 final,
                 opened.manifest,
                 state,
@@ -273,6 +280,7 @@ def read_checkpoint(
                 reader,
                 options,
             )
+            problems += found
     # Staged before the agreement round, which carries the replica groups' digests.
     targets: dict[str, Any] = {}
     into: dict[str, Any] = {}

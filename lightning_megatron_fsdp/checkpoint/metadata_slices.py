@@ -3,24 +3,18 @@
 ``.metadata`` holds a storage entry for every record of every rank: at thousands of ranks
 it runs to hundreds of megabytes, and a load in which every rank reads and unpickles it
 reads it from shared storage once per rank and puts a full parse on every rank's critical
-path. Instead rank 0 reads it (its digest checked against the manifest), unpickles it
-through the allow-list reader with every field check, and cuts it into a skeleton (every
-key with its size and properties, no chunks, no storage entries, pickled) and one table
-per key: a row of int64 per chunk (its offsets and sizes and its record's file, offset,
-length, transforms and annotation, files and transforms as indices into tables of strings
-the keys share), plain numbers, no pickled objects. The load's first round hands them to
-every rank. A rank unpickles the skeleton through the allow-list reader and, for each key
-it holds elements of, selects in one tensor operation the rows whose chunks overlap what
+path. Instead rank 0 reads the index the save wrote beside it, ``.metadata.keys``
+(``storage.metadata_index``: a skeleton, every key with its size and properties, no chunks,
+no storage entries, pickled, and one int64 table per key; its digest checked against the
+manifest), or, for a checkpoint without one, unpickles ``.metadata`` through the allow-list
+reader with every field check and cuts it the same way. The load's first round hands the
+cut to every rank. A rank unpickles the skeleton through the allow-list reader and, for each
+key it holds elements of, selects in one tensor operation the rows whose chunks overlap what
 it loads (the only chunks DCP's load planner reads: DCP tests each saved chunk against
 each local one the same way), builds DCP's objects for those alone and runs the allow-list
 reader's field checks on them. Its work follows what it reads, not the world size, though
 a packed buffer split across every rank gives some keys a chunk per rank. A key whose
 local part is empty keeps no chunks: DCP plans no read for it either way.
-
-          chunk           its record                       its annotation
-       offsets sizes  present file offset length transf.  annotated crc32c payload  order
-  row  [0, 0]  [4, 8]    1     3     0     640     -1        1      ...   512 1024    0
-  row  [4, 0]  [4, 8]    1     9     0     640     -1        1      ...   512 1024    0
 
 Rejected: per-key pickles of DCP's objects, unpickled by every rank through the allow-list
 reader (each rank rebuilt every chunk of its keys, a chunk per rank for a packed buffer, so
@@ -30,7 +24,6 @@ rank (whole-table tensor operations cost more than the few rows a rank builds).
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import pickle
 from collections.abc import Mapping, Sequence
@@ -50,29 +43,26 @@ from typing_extensions import override
 
 from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.errors import CheckpointCorruptedError
-from lightning_megatron_fsdp.storage import check_dcp_metadata, load_dcp_metadata
+from lightning_megatron_fsdp.storage import (
+    BYTEORDERS,
+    RECORD_ATTR,
+    Column,
+    KeyTable,
+    KeyTables,
+    check_dcp_metadata,
+    decode_key_index,
+    encode_key_index,
+    key_tables,
+    load_dcp_metadata,
+)
 
 __all__ = ["KeyTable", "MetadataSlices", "SlicedLoadPlanner"]
 
-_RECORD = 10  # a row's columns after the chunk's offsets and sizes
-_PRESENT, _FILE, _OFFSET, _LENGTH, _TRANSFORMS = range(5)
-_ANNOTATED, _CRC, _PAYLOAD, _PAYLOAD_END, _BYTEORDER = range(5, 10)
-_BYTEORDERS = ("little", "big")
-_RECORD_ATTR = "lmf_record"  # the annotation our writer sets on a storage entry
-
-
-@dataclasses.dataclass(frozen=True)
-class KeyTable:
-    """One key's chunks and their storage entries, as int64 rows (see the module docstring).
-
-    Attributes:
-        ndim: The key's dimensions (0 for bytes).
-        rows: ``n`` rows of ``2 * ndim + 10`` native int64: a tensor's chunks in
-            ``.metadata``'s order, or a bytes entry's one record.
-    """
-
-    ndim: int
-    rows: bytes
+_RECORD = Column.COUNT
+_PRESENT, _FILE, _OFFSET, _LENGTH = Column.PRESENT, Column.FILE, Column.OFFSET, Column.LENGTH
+_TRANSFORMS, _ANNOTATED, _CRC = Column.TRANSFORMS, Column.ANNOTATED, Column.CRC
+_PAYLOAD, _PAYLOAD_END, _BYTEORDER = Column.PAYLOAD, Column.PAYLOAD_END, Column.BYTEORDER
+_BYTEORDERS, _RECORD_ATTR = BYTEORDERS, RECORD_ATTR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,46 +85,43 @@ class MetadataSlices:
     transforms: tuple[tuple[str, ...], ...]
 
     @classmethod
-    def cut(cls, metadata: Metadata, *, source: str) -> MetadataSlices:
-        """Cut ``metadata`` (read and checked by the allow-list reader) by key."""
-        entries = metadata.state_dict_metadata
-        records: dict[str, dict[Any, Any]] = {key: {} for key in entries}
-        for index, info in metadata.storage_data.items():
-            if index.fqn in records:  # an entry of no key is never read
-                offset = index.offset
-                records[index.fqn][None if offset is None else tuple(offset)] = info
-        files: dict[str, int] = {}
-        transforms: dict[tuple[str, ...], int] = {}
-        keys = {}
-        for key, entry in entries.items():
-            found = records[key]
-            flat = array.array("q")
-            if isinstance(entry, TensorStorageMetadata):
-                ndim = len(entry.size)
-                for chunk in entry.chunks:
-                    offsets = tuple(chunk.offsets)
-                    flat.extend(offsets)
-                    flat.extend(chunk.sizes)
-                    flat.extend(_record_row(found.get(offsets), files, transforms))
-            else:
-                ndim = 0
-                if None in found:
-                    flat.extend(_record_row(found[None], files, transforms))
-            keys[key] = KeyTable(ndim, flat.tobytes())
+    def cut(cls, metadata: Metadata, *, source: str, cache: bool = False) -> MetadataSlices:
+        """Cut ``metadata`` (read and checked by the allow-list reader, or a save's) by
+        key; with ``cache``, keeping the layout's chunk columns for the next save
+        (``storage.metadata_index.key_tables``)."""
+        tables = key_tables(metadata, cache=cache)
         skeleton = {
             key: dataclasses.replace(entry, chunks=[])
             if isinstance(entry, TensorStorageMetadata)
             else entry
-            for key, entry in entries.items()
+            for key, entry in metadata.state_dict_metadata.items()
         }
         common = dataclasses.replace(metadata, state_dict_metadata=skeleton, storage_data={})
         return cls(
             source,
             pickle.dumps(common, protocol=pickle.HIGHEST_PROTOCOL),
-            keys,
-            tuple(files),
-            tuple(transforms),
+            tables.keys,
+            tables.files,
+            tables.transforms,
         )
+
+    @classmethod
+    def read(cls, data: bytes, *, source: str) -> MetadataSlices | None:
+        """The cut a save wrote (``.metadata.keys``' bytes, checked against the manifest);
+        ``None`` where it was written in the other byte order.
+
+        Raises:
+            CheckpointCorruptedError: If the file is malformed, naming it.
+        """
+        decoded = decode_key_index(data, source=source)
+        if decoded is None:
+            return None
+        skeleton, tables = decoded
+        return cls(source, skeleton, tables.keys, tables.files, tables.transforms)
+
+    def encoded(self) -> bytes:
+        """This cut as the ``.metadata.keys`` file."""
+        return encode_key_index(self.skeleton, KeyTables(self.keys, self.files, self.transforms))
 
     def skeleton_metadata(self, *, trust: bool) -> Metadata:
         """The skeleton, through the allow-list reader and its checks.
@@ -142,7 +129,18 @@ class MetadataSlices:
         Raises:
             CheckpointCorruptedError: As ``load_dcp_metadata``.
         """
-        return load_dcp_metadata(self.skeleton, source=self.source, trust=trust)
+        metadata = load_dcp_metadata(self.skeleton, source=self.source, trust=trust)
+        entries = metadata.state_dict_metadata
+        if entries.keys() != self.keys.keys():
+            odd = sorted(entries.keys() ^ self.keys.keys())[0]
+            raise self._malformed(odd, "a key of the skeleton without a table, or the reverse")
+        if metadata.storage_data:
+            key = next(iter(metadata.storage_data)).fqn
+            raise self._malformed(key, "the skeleton holds storage entries")
+        for key, entry in entries.items():
+            if getattr(entry, "chunks", None):
+                raise self._malformed(key, "the skeleton holds chunks")
+        return metadata
 
     def fill(
         self,
@@ -229,37 +227,6 @@ class MetadataSlices:
             f"{self.source}: malformed DCP metadata: {key!r}: {problem}. The checkpoint is "
             "damaged or crafted; use another one."
         )
-
-
-def _record_row(
-    info: Any, files: dict[str, int], transforms: dict[tuple[str, ...], int]
-) -> tuple[int, ...]:
-    """A table row's record columns for ``info`` (a storage entry, or ``None``)."""
-    if info is None:
-        return (0, 0, 0, 0, -1, 0, -1, -1, -1, -1)
-    name = info.relative_path
-    file = files.setdefault(name, len(files))
-    descriptors = getattr(info, "transform_descriptors", None)
-    transform = (
-        -1 if descriptors is None else transforms.setdefault(tuple(descriptors), len(transforms))
-    )
-    annotation = getattr(info, _RECORD_ATTR, None)
-    if annotation is None:
-        return (1, file, info.offset, info.length, transform, 0, -1, -1, -1, -1)
-    payload = annotation.get("payload") or (-1, -1)
-    byteorder = annotation.get("byteorder")
-    return (
-        1,
-        file,
-        info.offset,
-        info.length,
-        transform,
-        1,
-        annotation.get("crc32c", -1),
-        payload[0],
-        payload[1],
-        -1 if byteorder is None else _BYTEORDERS.index(byteorder),
-    )
 
 
 def _overlapping(

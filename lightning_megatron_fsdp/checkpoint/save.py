@@ -37,11 +37,13 @@ from lightning_megatron_fsdp.agreement import (
     describe,
 )
 from lightning_megatron_fsdp.checkpoint.copies import StagingBuffers
+from lightning_megatron_fsdp.checkpoint.metadata_slices import MetadataSlices
 from lightning_megatron_fsdp.checkpoint.save_plan import global_save_plan
 from lightning_megatron_fsdp.errors import CheckpointError, CheckpointSaveError
 from lightning_megatron_fsdp.megatron import dcp_view
 from lightning_megatron_fsdp.storage import (
     DCP_METADATA_FILE,
+    DCP_METADATA_KEYS_FILE,
     META_FILE,
     CheckpointStorage,
     CheckpointStore,
@@ -371,7 +373,7 @@ def commit_save(pending: PendingSave, metadata: Metadata, ranks: Ranks) -> None:
     error, records = pending.problem, {}
     if error is None:
         try:
-            records = _local_records(pending, ranks.rank)
+            records = _local_records(pending, ranks.rank, metadata)
             reach("commit:hashed")
         except Exception as err:
             error = f"rank {ranks.rank}: {describe(err)}"
@@ -449,8 +451,10 @@ def _pickled(meta: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def _local_records(pending: PendingSave, rank: int) -> dict[str, FileRecord]:
-    """Size and CRC32C of the files this rank wrote: its shards; rank 0 also the rest.
+def _local_records(pending: PendingSave, rank: int, metadata: Metadata) -> dict[str, FileRecord]:
+    """Size and CRC32C of the files this rank wrote: its shards; rank 0 also the rest,
+    ``meta.pt`` and, beside a ``.metadata`` of records in files, its cut by key
+    (``.metadata.keys``, what a load reads instead: ``checkpoint.metadata_slices``).
 
     Taken from the bytes as they were written (:class:`ChecksummingFileSystemWriter`,
     ``meta.pt``): the writer's figures are the truth, the store's size is checked against
@@ -465,15 +469,19 @@ def _local_records(pending: PendingSave, rank: int) -> dict[str, FileRecord]:
     written: dict[str, FileRecord] = {}
     if rank == 0:
         assert pending.meta is not None
-        data = pending.meta
-        store.write_file(staging, META_FILE, data)
-        digest = crc32c_hex(crc32c(data)) if checksum else None
-        written[META_FILE] = FileRecord(size=len(data), crc32c=digest)
+        extra = {META_FILE: pending.meta}
+        if isinstance(pending.writer, ChecksummingFileSystemWriter):
+            cut = MetadataSlices.cut(metadata, source=DCP_METADATA_FILE, cache=True)
+            extra[DCP_METADATA_KEYS_FILE] = cut.encoded()
+        for name, data in extra.items():
+            store.write_file(staging, name, data)
+            digest = crc32c_hex(crc32c(data)) if checksum else None
+            written[name] = FileRecord(size=len(data), crc32c=digest)
     pattern = re.compile(_DISTCP_RE.format(rank=rank))
     stored = store.sizes(staging)
     names = sorted(n for n in stored if pattern.fullmatch(n))
     if rank == 0:
-        names += [DCP_METADATA_FILE, META_FILE]
+        names += [DCP_METADATA_FILE, *written]
     writer = pending.writer
     hashed = writer.written_files() if isinstance(writer, ChecksummingFileSystemWriter) else {}
     records = {}

@@ -27,6 +27,7 @@ _EXPORTS = {
     "filesystem": ("ChecksummingFileSystemWriter", "ReadProgress", "VerifyingFileSystemReader"),
     "format": (
         "DCP_METADATA_FILE",
+        "DCP_METADATA_KEYS_FILE",
         "FORMAT_NAME",
         "FileRecord",
         "MANIFEST_FILE",
@@ -49,6 +50,16 @@ _EXPORTS = {
         "summarise",
     ),
     "location": ("Location", "locate"),
+    "metadata_index": (
+        "BYTEORDERS",
+        "Column",
+        "KeyTable",
+        "KeyTables",
+        "RECORD_ATTR",
+        "decode_key_index",
+        "encode_key_index",
+        "key_tables",
+    ),
     "safe_unpickling": (
         "check_dcp_metadata",
         "check_tensor_record",

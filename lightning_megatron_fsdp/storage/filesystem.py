@@ -60,7 +60,7 @@ from lightning_megatron_fsdp.storage.confined_files import (
     read_regular,
     regular_size,
 )
-from lightning_megatron_fsdp.storage.format import DCP_METADATA_FILE, Manifest, read_manifest
+from lightning_megatron_fsdp.storage.format import Manifest, read_manifest
 from lightning_megatron_fsdp.storage.records import TensorRecords, shared_records
 from lightning_megatron_fsdp.storage.safe_unpickling import (
     check_tensor_record,
@@ -677,6 +677,17 @@ class VerifyingFileSystemReader(FileSystemReader):
     def _read_metadata_file(self, rank: int | None) -> Metadata:
         """``.metadata``, its digest checked, through the allow-list reader."""
         name = Path(_torch.metadata_path(self, rank)).name
+        return load_dcp_metadata(
+            self.read_checked(name), source=str(Path(self.path) / name), trust=self.trust_checkpoint
+        )
+
+    def read_checked(self, name: str) -> bytes:
+        """One whole file of the checkpoint (``.metadata``, ``.metadata.keys``), its digest
+        checked against the manifest when verifying.
+
+        Raises:
+            CheckpointCorruptedError: If it cannot be read or differs, naming it.
+        """
         try:
             data = self._read_whole(name)
         except OSError as err:
@@ -687,13 +698,11 @@ class VerifyingFileSystemReader(FileSystemReader):
             found = bytes_digest(data, algorithm)
             if found != digest:
                 raise self._corrupted(
-                    DCP_METADATA_FILE,
+                    name,
                     f"{algorithm} {found} on disk, {digest} in the manifest (the file changed "
                     "after it was written)",
                 )
-        return load_dcp_metadata(
-            data, source=str(Path(self.path) / name), trust=self.trust_checkpoint
-        )
+        return data
 
     @override
     def set_up_storage_reader(

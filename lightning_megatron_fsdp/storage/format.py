@@ -48,6 +48,10 @@ META_FILE = "meta.pt"
 
 DCP_METADATA_FILE = ".metadata"
 
+DCP_METADATA_KEYS_FILE = ".metadata.keys"
+"""``.metadata`` cut by key (``storage.metadata_index``): what a load reads instead, where
+the manifest lists it."""
+
 MODEL_PREFIX = "state_dict."
 """DCP keys of model tensors: ``state_dict.<fqn>``."""
 OPTIMIZER_PREFIX = "optimizer_states."

@@ -18,6 +18,7 @@ import torch
 from lightning_megatron_fsdp.errors import CheckpointCorruptedError, NotACheckpointError
 from lightning_megatron_fsdp.storage import (
     DCP_METADATA_FILE,
+    DCP_METADATA_KEYS_FILE,
     FORMAT_NAME,
     MANIFEST_FILE,
     MAX_EXAMPLES,
@@ -33,9 +34,11 @@ from lightning_megatron_fsdp.storage import (
     bytes_digest,
     check_tensor_record,
     count,
+    decode_key_index,
     inflate_record,
     is_tensor_entry,
     is_upstream_checkpoint,
+    key_tables,
     load_dcp_metadata,
     load_weights_only,
     locate,
@@ -248,6 +251,60 @@ def _read_metadata(
     except OSError as err:
         raise CheckpointCorruptedError(_naming(DCP_METADATA_FILE, err)) from err
     return load_dcp_metadata(data, source=DCP_METADATA_FILE, trust=trust, records=records)
+
+
+def _key_index_problems(
+    path: Any,
+    manifest: Manifest,
+    metadata: Metadata,
+    *,
+    digest: bool,
+    trust: bool,
+    records: bool,
+) -> list[str]:
+    """Whether ``.metadata.keys``, what a load reads instead of ``.metadata``
+    (``storage.metadata_index``), says what ``metadata`` says: the same keys, entries and
+    chunk tables, cut from ``metadata`` here the way the save cut it."""
+    name = DCP_METADATA_KEYS_FILE
+    try:
+        decoded = decode_key_index(read_checked(path, name, manifest, digest=digest), source=name)
+        if decoded is None:
+            return []  # written in the other byte order: a load reads .metadata instead
+        skeleton = load_dcp_metadata(decoded[0], source=name, trust=trust, records=records)
+    except CheckpointCorruptedError as err:
+        return [str(err)]
+    except OSError as err:
+        return [_naming(name, err)]
+    tables, expected = decoded[1], key_tables(metadata)
+    entries = metadata.state_dict_metadata
+    keys = list(entries)
+    differ = [
+        repr(key)
+        for key in dict.fromkeys([*keys, *tables.keys, *skeleton.state_dict_metadata])
+        if key not in entries
+        or tables.keys.get(key) != expected.keys[key]
+        or skeleton.state_dict_metadata.get(key) != _without_chunks(entries[key])
+    ]
+    if tables.files != expected.files or tables.transforms != expected.transforms:
+        differ.append("the record files or transforms its tables index")
+    if skeleton.storage_data or (skeleton.planner_data, skeleton.version) != (
+        metadata.planner_data,
+        metadata.version,
+    ):
+        differ.append("the index's fields besides its keys")
+    if not differ:
+        return []
+    return [
+        summarise(
+            f"{name}: disagrees with {DCP_METADATA_FILE}, which a load would not read (the "
+            "checkpoint is damaged or crafted)",
+            differ,
+        )
+    ]
+
+
+def _without_chunks(entry: Any) -> Any:
+    return dataclasses.replace(entry, chunks=[]) if is_tensor_entry(entry) else entry
 
 
 def _read_meta(
@@ -578,6 +635,11 @@ def check_directory(
         problems += _tiling_problems(metadata)
         if manifest is not None:
             problems += _fingerprint_problems(manifest, metadata)
+        keys_file = DCP_METADATA_KEYS_FILE
+        if manifest is not None and keys_file in set(manifest.files) - listed_missing - damaged:
+            problems += _key_index_problems(
+                path, manifest, metadata, digest=checksums, trust=trust, records=records
+            )
     if manifest is None and metadata is not None and is_upstream_checkpoint(metadata):
         # megatron-fsdp's own save_checkpoint writes no manifest or meta.pt by design: keep
         # the checks .metadata allows (storage, tiling), drop "manifest missing".
