@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import posixpath
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import IO, Any
 
@@ -25,12 +25,12 @@ from lightning_megatron_fsdp.storage.format import (
     check_digests,
     summarise,
 )
+from lightning_megatron_fsdp.storage.location import Location, locate
 from lightning_megatron_fsdp.storage.object_store import (
     ObjectStore,
     abort_upload,
     is_url,
     local_path,
-    open_store,
 )
 
 __all__ = ["ObjectStores", "StoreCommit", "StoreLocation"]
@@ -50,7 +50,7 @@ overshoot a part. A known output size raises the part size to fit."""
 
 
 @dataclasses.dataclass(frozen=True)
-class StoreLocation:
+class StoreLocation(Location):
     """A :class:`~lightning_megatron_fsdp.storage.location.Location` on an fsspec
     filesystem: a checkpoint (or one version of it), a prefix of checkpoints, or one object;
     ``str()`` is its URL."""
@@ -232,20 +232,10 @@ class StoreLocation:
                 "next save. Write it elsewhere."
             )
 
-    def _appeared(self, who: str) -> str:
-        return (
-            f"{who}: output {self} appeared while exporting; nothing was written. "
-            "Pass overwrite=True (--overwrite) to replace it."
-        )
-
-    def write_atomically(
-        self,
-        write: Callable[[IO[bytes]], None],
-        *,
-        overwrite: bool,
-        who: str,
-        size: int | None = None,
-    ) -> None:
+    @contextlib.contextmanager
+    def _unseen(
+        self, who: str, size: int | None, before_publish: Callable[[], None]
+    ) -> Iterator[IO[bytes]]:
         """The filesystem's streaming upload: parts go out as they fill (memory stays at
         about one part); the object appears, whole, when the upload completes (S3:
         ``CompleteMultipartUpload``, or one ``PUT`` below a part), and a failed write
@@ -253,16 +243,16 @@ class StoreLocation:
         fs = self.store.fs
         part = _PART if size is None else max(_PART, math.ceil(size / _MAX_PARTS))
         existed = self.exists()
-        if existed and not overwrite:
-            raise FileExistsError(self._appeared(who))
+        if existed:
+            before_publish()  # refuse before uploading anything
         file = fs.open(self.path, "wb", block_size=part)
         # A filesystem that shows a file while it is written (memory://) cannot tell a
         # concurrent writer's object from ours; a failed write deletes what it showed.
         shown = not existed and self.exists()
         try:
-            write(file)
-            if not overwrite and not shown and self.exists():
-                raise FileExistsError(self._appeared(who))
+            yield file
+            if not shown:
+                before_publish()
         except BaseException:
             abort_upload(file)  # never close(): that completes the upload with what was written
             if shown:
@@ -416,14 +406,11 @@ class ObjectStores:
             ImportError: The URL's filesystem is not installed (naming what to install).
             ValueError: fsspec knows no filesystem for the URL's scheme.
         """
-        if isinstance(path, StoreLocation):
-            return path
-        if is_url(path):
-            timeout = None if self.group_timeout is None else self.group_timeout()
-            deadline = None if timeout is None else timeout.total_seconds() / 2
-            store, inside = open_store(os.fspath(path), self.storage_options, deadline=deadline)
-            return StoreLocation(store, inside)
-        return self.local.location(local_path(path))
+        if not (isinstance(path, StoreLocation) or is_url(path)):
+            return self.local.location(local_path(path))
+        timeout = None if self.group_timeout is None else self.group_timeout()
+        deadline = None if timeout is None else timeout.total_seconds() / 2
+        return locate(path, self.storage_options, deadline=deadline)
 
     def _of(self, location: Any) -> Any:
         """The commit backend of a location :meth:`location` made."""
