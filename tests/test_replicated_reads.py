@@ -54,6 +54,15 @@ class CountingStorage:
     def tensor_bytes_read(self) -> int:
         return sum(r.progress.tensor_bytes_read for r in self.readers)
 
+    def take(self) -> tuple[int, int]:
+        """Bytes read (all records, tensor records) since the last call
+        (``benchmarks/bench_replicas_load.py`` counts each load apart)."""
+        readers, self.readers = self.readers, []
+        return (
+            sum(r.progress.bytes_read for r in readers),
+            sum(r.progress.tensor_bytes_read for r in readers),
+        )
+
 
 def checkpoint_tensor_bytes(path: Path) -> int:
     """The bytes of the checkpoint's tensor records, each once."""
