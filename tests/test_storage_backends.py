@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,51 @@ def _trainer(url: str, max_steps: int, callbacks: list[Any], **plugin: Any) -> p
     )
 
 
+def _fit_save_and_resume(
+    url: str, after_save: Callable[[dict[str, Any]], None] = lambda result: None, **plugin: Any
+) -> dict[str, Any]:
+    """An uninterrupted reference run; a run saving into ``url`` to ``SAVED_STEP`` (then
+    ``after_save(result)``); and a run resumed from ``"last"`` there to the end (the
+    plugin built with ``plugin`` each time)."""
+    pl.seed_everything(0, verbose=False)
+    model = CheckpointedLM()
+    reference = make_trainer(
+        1, max_steps=TOTAL_STEPS, callbacks=[BatchCounter()], enable_checkpointing=False
+    )
+    reference.fit(model, token_loader(1))
+    result: dict[str, Any] = {"reference": {**snapshot(reference, model), "losses": model.losses}}
+
+    pl.seed_everything(0, verbose=False)
+    model = CheckpointedLM()
+    trainer = _trainer(url, SAVED_STEP, [BatchCounter(), Probe()], **plugin)
+    trainer.fit(model, token_loader(1))
+    result["saved"] = snapshot(trainer, model)
+    after_save(result)
+
+    pl.seed_everything(0, verbose=False)
+    model, probe = CheckpointedLM(), Probe()
+    trainer = _trainer(url, TOTAL_STEPS, [BatchCounter(), probe], **plugin)
+    trainer.fit(model, token_loader(1), ckpt_path="last")
+    result["resumed"] = {
+        "start": probe.train_start,
+        "final": snapshot(trainer, model),
+        "losses": model.losses,
+        "ckpt_path": trainer.ckpt_path,
+    }
+    return result
+
+
+def _assert_resumed_bit_exactly(run: dict[str, Any]) -> None:
+    """The resumed run restored the saved state at ``SAVED_STEP`` and ended, step for step,
+    where the uninterrupted run did."""
+    reference, saved, resumed = run["reference"], run["saved"], run["resumed"]
+    assert (resumed["start"]["epoch"], resumed["start"]["global_step"]) == (2, SAVED_STEP)
+    assert_same(resumed["start"], saved, "restored")
+    assert len(resumed["losses"]) == (TOTAL_STEPS - SAVED_STEP) * ACCUMULATE
+    assert resumed["losses"] == reference["losses"][SAVED_STEP * ACCUMULATE :]
+    assert_same(resumed["final"], {k: v for k, v in reference.items() if k in saved}, "end")
+
+
 def _fit_resume_and_tools(rank: int, world_size: int, local: str) -> dict[str, Any]:
     import fsspec
 
@@ -75,32 +121,12 @@ def _fit_resume_and_tools(rank: int, world_size: int, local: str) -> dict[str, A
     run = f"memory://lmf-{uuid.uuid4().hex[:8]}"
     url = f"{run}/checkpoints"
     memory = fsspec.filesystem("memory")
-    pl.seed_everything(0, verbose=False)
-    model = CheckpointedLM()
-    reference = make_trainer(
-        1, max_steps=TOTAL_STEPS, callbacks=[BatchCounter()], enable_checkpointing=False
-    )
-    reference.fit(model, token_loader(1))
-    result: dict[str, Any] = {"reference": {**snapshot(reference, model), "losses": model.losses}}
 
-    pl.seed_everything(0, verbose=False)
-    model = CheckpointedLM()
-    trainer = _trainer(url, SAVED_STEP, [BatchCounter(), Probe()])
-    trainer.fit(model, token_loader(1))
-    result["saved"] = snapshot(trainer, model)
-    result["objects"] = sorted(memory.find(url.removeprefix("memory:/")))
-    result["local_memory_dir"] = any(Path(p).exists() for p in ("memory:", "./memory:"))
+    def list_objects(result: dict[str, Any]) -> None:
+        result["objects"] = sorted(memory.find(url.removeprefix("memory:/")))
+        result["local_memory_dir"] = any(Path(p).exists() for p in ("memory:", "./memory:"))
 
-    pl.seed_everything(0, verbose=False)
-    model, probe = CheckpointedLM(), Probe()
-    trainer = _trainer(url, TOTAL_STEPS, [BatchCounter(), probe])
-    trainer.fit(model, token_loader(1), ckpt_path="last")
-    result["resumed"] = {
-        "start": probe.train_start,
-        "final": snapshot(trainer, model),
-        "losses": model.losses,
-        "ckpt_path": trainer.ckpt_path,
-    }
+    result = _fit_save_and_resume(url, list_objects)
 
     # The tools, on the checkpoint the resumed run left (step 8) and on its prefix.
     last = f"{url}/last.ckpt"
@@ -144,16 +170,9 @@ def test_memory_backend_through_the_trainer_and_the_tools(tmp_path: Path) -> Non
     manifests = [o for o in run["objects"] if o.endswith("/manifest.json")]
     assert len(manifests) == 3, run["objects"]  # epoch=0-step=2, epoch=1-step=4, last
 
-    reference, saved, resumed = run["reference"], run["saved"], run["resumed"]
-    start = resumed["start"]
-    assert resumed["ckpt_path"].startswith("memory://") and resumed["ckpt_path"].endswith(
-        "/checkpoints/last.ckpt"
-    )
-    assert (start["epoch"], start["global_step"]) == (2, SAVED_STEP)
-    assert_same(start, saved, "restored")
-    assert len(resumed["losses"]) == (TOTAL_STEPS - SAVED_STEP) * ACCUMULATE
-    assert resumed["losses"] == reference["losses"][SAVED_STEP * ACCUMULATE :]
-    assert_same(resumed["final"], {k: v for k, v in reference.items() if k in saved}, "end")
+    ckpt_path = run["resumed"]["ckpt_path"]
+    assert ckpt_path.startswith("memory://") and ckpt_path.endswith("/checkpoints/last.ckpt")
+    _assert_resumed_bit_exactly(run)
 
     assert run["inspected"]["step"] == TOTAL_STEPS
     assert run["inspected"]["tensors"], "no tensor inspected"
@@ -189,27 +208,7 @@ def _fit_and_resume_through_user_storage(
         return FileSystemReader(location)
 
     factories = {"storage_writer_factory": writer, "storage_reader_factory": reader}
-    pl.seed_everything(0, verbose=False)
-    model = CheckpointedLM()
-    reference = make_trainer(
-        1, max_steps=TOTAL_STEPS, callbacks=[BatchCounter()], enable_checkpointing=False
-    )
-    reference.fit(model, token_loader(1))
-    result: dict[str, Any] = {"reference": {**snapshot(reference, model), "losses": model.losses}}
-    pl.seed_everything(0, verbose=False)
-    model = CheckpointedLM()
-    trainer = _trainer(dirpath, SAVED_STEP, [BatchCounter(), Probe()], **factories)
-    trainer.fit(model, token_loader(1))
-    result["saved"] = snapshot(trainer, model)
-    pl.seed_everything(0, verbose=False)
-    model, probe = CheckpointedLM(), Probe()
-    trainer = _trainer(dirpath, TOTAL_STEPS, [BatchCounter(), probe], **factories)
-    trainer.fit(model, token_loader(1), ckpt_path="last")
-    result["resumed"] = {
-        "start": probe.train_start,
-        "final": snapshot(trainer, model),
-        "losses": model.losses,
-    }
+    result = _fit_save_and_resume(dirpath, **factories)
     result["made"] = sorted(set(made))
     return result
 
@@ -226,9 +225,5 @@ def test_a_user_storage_writer_and_reader_through_the_plugin_factories(tmp_path:
         timeout=TIMEOUT,
     )
     assert run["made"] == ["reader PosixPath", "writer PosixPath"], run["made"]
-    reference, saved, resumed = run["reference"], run["saved"], run["resumed"]
-    assert (resumed["start"]["epoch"], resumed["start"]["global_step"]) == (2, SAVED_STEP)
-    assert_same(resumed["start"], saved, "restored")
-    assert resumed["losses"] == reference["losses"][SAVED_STEP * ACCUMULATE :]
-    assert_same(resumed["final"], {k: v for k, v in reference.items() if k in saved}, "end")
+    _assert_resumed_bit_exactly(run)
     assert (tmp_path / "checkpoints" / "last.ckpt" / "manifest.json").is_file()
