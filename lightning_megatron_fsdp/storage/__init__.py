@@ -48,7 +48,7 @@ _EXPORTS = {
         "read_manifest",
         "summarise",
     ),
-    "location": ("Location", "locate"),
+    "location": ("Location",),
     "safe_unpickling": (
         "check_dcp_metadata",
         "check_tensor_record",
@@ -57,7 +57,7 @@ _EXPORTS = {
         "load_dcp_metadata",
         "load_weights_only",
     ),
-    "store_location": ("ObjectStores",),
+    "store_location": ("ObjectStores", "locate"),
     "streaming_reader": ("raw_bytes",),
     "upstream_checkpoint": (
         "UPSTREAM_FORMAT_NAME",

@@ -1,9 +1,10 @@
 """Where a checkpoint (or an export) lives, resolved once: a path or URL becomes a
-:class:`Location`, and everything above ``storage/`` works through its methods only.
+:class:`Location` (:func:`~lightning_megatron_fsdp.storage.store_location.locate`), and everything
+above ``storage/`` works through its methods only.
 
 A tool, a weight reader or the plugin never asks which backend holds a checkpoint: it
 reads the manifest, lists and reads files, opens a DCP reader, writes an output, all
-through the location :func:`locate` gave. Two backends implement it: :class:`LocalLocation`
+through the location ``locate`` gave. Two backends implement it: :class:`LocalLocation`
 (a local or shared POSIX directory or file) and
 :class:`~lightning_megatron_fsdp.storage.store_location.StoreLocation` (any fsspec
 filesystem: ``s3://``, ``gs://``, ``memory://``, ...). A URL is never taken for a local
@@ -26,7 +27,7 @@ import dataclasses
 import logging
 import os
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -48,14 +49,13 @@ from lightning_megatron_fsdp.storage.format import (
     checkpoints_in_directory,
     read_manifest,
 )
-from lightning_megatron_fsdp.storage.object_store import is_url, local_path, open_store
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from lightning_megatron_fsdp.storage.filesystem import VerifyingFileSystemReader
 
-__all__ = ["LocalLocation", "Location", "locate"]
+__all__ = ["LocalLocation", "Location"]
 
 log = logging.getLogger(__name__)
 
@@ -419,28 +419,3 @@ class LocalLocation(Location):
         finally:
             with contextlib.suppress(FileNotFoundError):
                 temporary.unlink()
-
-
-def locate(
-    path: str | os.PathLike[str] | Location,
-    storage_options: Mapping[str, Any] | None = None,
-    *,
-    deadline: float | None = None,
-) -> Location:
-    """The :class:`Location` ``path`` names: a URL's on its fsspec filesystem (with
-    ``storage_options``; ``deadline``: seconds each request may take, see
-    :class:`~lightning_megatron_fsdp.storage.object_store.ObjectStore`), any other path a
-    local one (``file://`` stripped, not made absolute). A location is returned as it is.
-
-    Raises:
-        ImportError: The URL's filesystem is not installed (naming what to install).
-        ValueError: fsspec knows no filesystem for the URL's scheme.
-    """
-    if isinstance(path, Location):
-        return path
-    if is_url(path):
-        from lightning_megatron_fsdp.storage.store_location import StoreLocation  # imports this
-
-        store, inside = open_store(os.fspath(path), storage_options, deadline=deadline)
-        return StoreLocation(store, inside)
-    return LocalLocation(Path(local_path(os.fspath(path))))

@@ -1,8 +1,9 @@
 """The fsspec backend of a :class:`~lightning_megatron_fsdp.storage.location.Location`
 (:class:`StoreLocation`: a checkpoint, a prefix or an object on any fsspec filesystem) and
-the plugin's commit router (:class:`ObjectStores`), which sends a URL to the versioned
-layout of :class:`~lightning_megatron_fsdp.storage.object_store.ObjectStore` and any other
-path to the local directories.
+the two routers between it and the local backend: :func:`locate`, which makes a path or URL
+its location, and the plugin's commit router (:class:`ObjectStores`), which sends a URL to
+the versioned layout of :class:`~lightning_megatron_fsdp.storage.object_store.ObjectStore`
+and any other path to the local directories.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import posixpath
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import IO, Any
 
 from lightning_megatron_fsdp.errors import CheckpointCorruptedError, NotACheckpointError
@@ -25,15 +27,16 @@ from lightning_megatron_fsdp.storage.format import (
     check_digests,
     summarise,
 )
-from lightning_megatron_fsdp.storage.location import Location, locate
+from lightning_megatron_fsdp.storage.location import LocalLocation, Location
 from lightning_megatron_fsdp.storage.object_store import (
     ObjectStore,
     abort_upload,
     is_url,
     local_path,
+    open_store,
 )
 
-__all__ = ["ObjectStores", "StoreCommit", "StoreLocation"]
+__all__ = ["ObjectStores", "StoreCommit", "StoreLocation", "locate"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,25 @@ class StoreLocation(Location):
     store: ObjectStore
     path: str
     """The key or prefix inside the filesystem (no scheme, no trailing ``/``)."""
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str | os.PathLike[str],
+        storage_options: Mapping[str, Any] | None,
+        *,
+        deadline: float | None = None,
+    ) -> StoreLocation:
+        """The location ``url`` names on its fsspec filesystem (with ``storage_options``;
+        ``deadline``: seconds each request may take, see
+        :class:`~lightning_megatron_fsdp.storage.object_store.ObjectStore`).
+
+        Raises:
+            ImportError: The URL's filesystem is not installed (naming what to install).
+            ValueError: fsspec knows no filesystem for the URL's scheme.
+        """
+        store, inside = open_store(os.fspath(url), storage_options, deadline=deadline)
+        return cls(store, inside)
 
     def __str__(self) -> str:
         return self.store.url(self.path)
@@ -366,6 +388,28 @@ class StoreCommit:
         return location.store.read_bytes(location.key(name))
 
 
+def locate(
+    path: str | os.PathLike[str] | Location,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    deadline: float | None = None,
+) -> Location:
+    """The :class:`Location` ``path`` names: a URL's on its fsspec filesystem (with
+    ``storage_options``; ``deadline``: seconds each request may take, see
+    :class:`~lightning_megatron_fsdp.storage.object_store.ObjectStore`), any other path a
+    local one (``file://`` stripped, not made absolute). A location is returned as it is.
+
+    Raises:
+        ImportError: The URL's filesystem is not installed (naming what to install).
+        ValueError: fsspec knows no filesystem for the URL's scheme.
+    """
+    if isinstance(path, Location):
+        return path
+    if is_url(path):
+        return StoreLocation.from_url(path, storage_options, deadline=deadline)
+    return LocalLocation(Path(local_path(os.fspath(path))))
+
+
 class ObjectStores:
     """The plugin's :class:`~lightning_megatron_fsdp.storage.commit.CheckpointStore`:
     URLs go to :class:`StoreCommit` (the versioned layout of :class:`ObjectStore`), every
@@ -406,11 +450,13 @@ class ObjectStores:
             ImportError: The URL's filesystem is not installed (naming what to install).
             ValueError: fsspec knows no filesystem for the URL's scheme.
         """
-        if not (isinstance(path, StoreLocation) or is_url(path)):
+        if isinstance(path, StoreLocation):
+            return path
+        if not is_url(path):
             return self.local.location(local_path(path))
         timeout = None if self.group_timeout is None else self.group_timeout()
         deadline = None if timeout is None else timeout.total_seconds() / 2
-        return locate(path, self.storage_options, deadline=deadline)
+        return StoreLocation.from_url(path, self.storage_options, deadline=deadline)
 
     def _of(self, location: Any) -> Any:
         """The commit backend of a location :meth:`location` made."""
