@@ -54,12 +54,29 @@ if _megatron.REPLICATED_PARAMETERS:
     ]
 
 
-def _example() -> Any:
+def train_gpt_example() -> Any:
+    """``examples/train_gpt.py``, imported as a module (it is not in a package)."""
     spec = importlib.util.spec_from_file_location("train_gpt", EXAMPLE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def launched_fabric(
+    example: Any, mode: str, mesh: tuple[int, int] | None, world_size: int
+) -> Fabric:
+    """A CPU ``Fabric`` of ``world_size`` processes, launched, whose strategy shards in
+    ``mode`` on ``mesh`` with each of the example's blocks a unit."""
+    strategy = MegatronFSDPStrategy(
+        timeout=PROCESS_GROUP_TIMEOUT,
+        auto_wrap_policy={example.Block},
+        sharding_strategy=mode,
+        device_mesh=mesh,
+    )
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()
+    return fabric
 
 
 def _timed(fn: Any, repeats: int) -> float:
@@ -83,18 +100,10 @@ def _replicated_bytes(model: torch.nn.Module) -> int:
 
 
 def _rank(rank: int, world_size: int, width: int, depth: int, repeats: int) -> list[Any]:
-    example = _example()
+    example = train_gpt_example()
     rows = []
     for name, mode, mesh in MODES:
-        strategy = MegatronFSDPStrategy(
-            timeout=PROCESS_GROUP_TIMEOUT,
-            auto_wrap_policy={example.Block},
-            sharding_strategy=mode,
-            device_mesh=mesh,
-            check_replicas=False,
-        )
-        fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
-        fabric.launch()
+        fabric = launched_fabric(example, mode, mesh, world_size)
         fabric.seed_everything(1234 + rank)
         model = fabric.setup_module(example.GPT(width=width, depth=depth))
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
@@ -119,12 +128,20 @@ def _rank(rank: int, world_size: int, width: int, depth: int, repeats: int) -> l
     return rows
 
 
+def gpt_arguments(
+    description: str, argv: list[str] | None, *, width: int, depth: int, repeats: int
+) -> argparse.Namespace:
+    """The command line of a benchmark of the example GPT: its ``--width`` and ``--depth``,
+    and how many ``--repeats`` of each measurement (defaults as given)."""
+    parser = argparse.ArgumentParser(description=description.split("\n")[0])
+    parser.add_argument("--width", type=int, default=width)
+    parser.add_argument("--depth", type=int, default=depth)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args(argv)
+    args = gpt_arguments(__doc__, argv, width=64, depth=2, repeats=20)
     ranks = run_distributed(
         _rank,
         2,

@@ -21,9 +21,7 @@ from the repo root (megatron-fsdp 0.7 adds ``NO_SHARD``).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import importlib.util
 import os
 import statistics
 import sys
@@ -36,18 +34,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.fabric import Fabric
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from benchmarks.bench_replicas import gpt_arguments, launched_fabric, train_gpt_example
 from lightning_megatron_fsdp.checkpoint import load as load_module
-from lightning_megatron_fsdp.checkpoint.replicated_reads import ReplicatedReads
-from lightning_megatron_fsdp.fabric import MegatronFSDPStrategy
+from lightning_megatron_fsdp.checkpoint.replicated_reads import ReplicaPlan
 from lightning_megatron_fsdp.megatron import _megatron
 from lightning_megatron_fsdp.storage import VerifyingFileSystemReader
-from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
+from tests.harness import run_distributed
 from tests.object_store import SeaweedServer, weed_binary
+from tests.test_replicated_reads import CountingStorage
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 WORLD_SIZE = 2
 
 MODES: list[tuple[str, str, tuple[int, int] | None]] = [
@@ -58,47 +55,15 @@ if _megatron.REPLICATED_PARAMETERS:
     MODES.append(("NO_SHARD", "NO_SHARD", None))
 
 
-class _CountingStorage:
-    """The plugin's storage, keeping the readers it hands out (to sum what they read)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.readers: list[Any] = []
-
-    def writer(self, *args: Any, **kwargs: Any) -> Any:
-        return self.inner.writer(*args, **kwargs)
-
-    def reader(self, location: Any, **kwargs: Any) -> Any:
-        reader = self.inner.reader(location, **kwargs)
-        self.readers.append(reader)
-        return reader
-
-    def take(self) -> tuple[int, int]:
-        """Bytes read (all records, tensor records) since the last call."""
-        readers, self.readers = self.readers, []
-        return (
-            sum(r.progress.bytes_read for r in readers),
-            sum(r.progress.tensor_bytes_read for r in readers),
-        )
-
-
 @contextlib.contextmanager
 def _every_rank_reads_all() -> Iterator[None]:
     """The load as before the sharing: no replicated target left to another rank."""
     planned = load_module.plan_replicated_reads
-    load_module.plan_replicated_reads = lambda state, keys, ranks: ReplicatedReads(state, [])
+    load_module.plan_replicated_reads = lambda state, keys, ranks: ReplicaPlan(state, {}, ())
     try:
         yield
     finally:
         load_module.plan_replicated_reads = planned
-
-
-def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("train_gpt", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _record_bytes(path: Path) -> tuple[int, int]:
@@ -125,17 +90,10 @@ def _rank(
 ) -> list[dict[str, Any]]:
     if env:
         os.environ.update(env)
-    example = _example()
+    example = train_gpt_example()
     rows = []
     for name, mode, mesh in MODES:
-        strategy = MegatronFSDPStrategy(
-            timeout=PROCESS_GROUP_TIMEOUT,
-            auto_wrap_policy={example.Block},
-            sharding_strategy=mode,
-            device_mesh=mesh,
-        )
-        fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
-        fabric.launch()
+        fabric = launched_fabric(example, mode, mesh, world_size)
         fabric.seed_everything(1234)
         model = fabric.setup_module(example.GPT(width=width, depth=depth))
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
@@ -146,8 +104,9 @@ def _rank(
             fabric.backward(F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()))
             optimizer.step()
             optimizer.zero_grad()
-        counting = _CountingStorage(strategy.checkpoint_io.storage)
-        strategy.checkpoint_io.storage = counting
+        checkpoint_io = fabric.strategy.checkpoint_io
+        counting = CountingStorage(checkpoint_io.storage)
+        checkpoint_io.storage = counting
         state = {"model": model, "optimizer": optimizer}
         local = Path(root) / mode
         places = [("local", str(local))]
@@ -180,11 +139,7 @@ def _rank(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+    args = gpt_arguments(__doc__, argv, width=256, depth=4, repeats=3)
     binary = weed_binary()
     with tempfile.TemporaryDirectory() as root:
         server = None

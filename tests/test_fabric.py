@@ -8,7 +8,6 @@ checkpoints. The model is ``tests.models.PackedLM`` (packed shards that defeat c
 
 from __future__ import annotations
 
-import inspect
 import os
 import warnings
 from pathlib import Path
@@ -25,7 +24,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import lightning_megatron_fsdp
 from lightning_megatron_fsdp import MegatronFSDPStrategy as TrainerStrategy
 from lightning_megatron_fsdp import full_tensor
-from lightning_megatron_fsdp.common import StrategyOptions
 from lightning_megatron_fsdp.fabric import MegatronFSDPStrategy
 from lightning_megatron_fsdp.megatron import _megatron
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
@@ -375,7 +373,6 @@ def _fabric_saves(rank: int, world_size: int, path: str) -> dict[str, Any]:
 
 
 def _trainer_resumes_and_saves(rank: int, world_size: int, path: str, out: str) -> dict[str, Any]:
-    from lightning_megatron_fsdp import MegatronFSDPStrategy as TrainerStrategy
 
     module = LitLM(seed=7)
     trainer = pl.Trainer(
@@ -526,7 +523,6 @@ class _Record(pl.Callback):
 
 
 def _trainer_precision(rank: int, world_size: int, precision: str) -> dict[str, Any]:
-    from lightning_megatron_fsdp import MegatronFSDPStrategy as TrainerStrategy
 
     module, record = LitLM(), _Record()
     trainer = pl.Trainer(
@@ -763,18 +759,3 @@ def test_registered_as_megatron_fsdp() -> None:
     assert type(fabric.strategy) is MegatronFSDPStrategy
     assert lightning_megatron_fsdp.fabric.MegatronFSDPStrategy is MegatronFSDPStrategy
     assert fabric.strategy.precision.compute_dtype == torch.bfloat16
-
-
-def test_both_constructors_declare_the_shared_options_alike() -> None:
-    """The options both strategies hand to ``StrategyOptions.validate`` are written out in
-    both constructors, so that users see each keyword with its type, and declared alike:
-    the same type hint (validate's) and the same default in each."""
-    validate = inspect.signature(StrategyOptions.validate).parameters.values()
-    shared = [p for p in validate if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    assert len(shared) == 7, shared
-    trainer = inspect.signature(TrainerStrategy.__init__).parameters
-    fabric = inspect.signature(MegatronFSDPStrategy.__init__).parameters
-    for option in shared:
-        declared = [(p.kind, p.annotation) for p in (trainer[option.name], fabric[option.name])]
-        assert declared == [(inspect.Parameter.KEYWORD_ONLY, option.annotation)] * 2, option
-        assert trainer[option.name].default == fabric[option.name].default, option

@@ -46,7 +46,7 @@ from tests.models import (
     sharded_adam,
     train_unsharded,
 )
-from tests.scripts.fault_injection import LR, checkpoint_dict, live_state, step
+from tests.scripts.fault_injection import LR, checkpoint_dict, live_state, step, zeroed_targets
 from tests.shard_facts import (
     assemble,
     assert_close_to_reference,
@@ -139,12 +139,7 @@ def _load_all(root: str, targets: list[Mesh]) -> dict[str, Any]:
     for mesh in targets:
         for name in SOURCES:
             model = _sharded(mesh, seed=None)
-            state = live_state(model, sharded_adam(model, lr=LR))
-            for entries in state["optimizer_states"][0]["state"].values():
-                for tensor in entries.values():
-                    tensor.zero_()
-            for group in state["optimizer_states"][0]["param_groups"]:
-                group["lr"] = 0.0
+            state = zeroed_targets(model, sharded_adam(model, lr=LR))
             global_step = plugin.load_checkpoint(Path(root) / name, state=state)["global_step"]
             loaded[f"{name} -> {mesh}"] = {"facts": facts(state), "global_step": global_step}
     return loaded

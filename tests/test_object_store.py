@@ -120,16 +120,25 @@ class _KillingWriter(ChecksummingFsspecWriter):
         return written
 
 
-def _crash(
-    rank: int, world_size: int, env: dict[str, str], url: str, victim: int, after: int | None
-) -> str:
-    """Save step 2, train, save step 3 with ``victim`` killed while uploading."""
+def _saved_at_step_2(
+    rank: int, world_size: int, env: dict[str, str], url: str
+) -> tuple[Any, Any, MegatronFSDPCheckpointIO, str]:
+    """Join the group (the store's variables set), train, save step 2 as ``last.ckpt``:
+    the model, its Adam, the plugin and the checkpoint's URL."""
     os.environ.update(env)
     init_group(rank, world_size)
     model, adam = trained(world_size)
     plugin = MegatronFSDPCheckpointIO()
     path = f"{url}/last.ckpt"
     plugin.save_checkpoint(checkpoint_dict(model, adam, 2), path)
+    return model, adam, plugin, path
+
+
+def _crash(
+    rank: int, world_size: int, env: dict[str, str], url: str, victim: int, after: int | None
+) -> str:
+    """Save step 2, train, save step 3 with ``victim`` killed while uploading."""
+    model, adam, plugin, path = _saved_at_step_2(rank, world_size, env, url)
     step(model, adam, 2)
     dist.barrier()
 
@@ -163,12 +172,7 @@ def _server_lost(
     rank: int, world_size: int, env: dict[str, str], url: str, server_pid: int
 ) -> dict[str, Any]:
     """Save step 2; then save step 3 while rank 0 kills the server as the upload starts."""
-    os.environ.update(env)
-    init_group(rank, world_size)
-    model, adam = trained(world_size)
-    plugin = MegatronFSDPCheckpointIO()
-    path = f"{url}/last.ckpt"
-    plugin.save_checkpoint(checkpoint_dict(model, adam, 2), path)
+    model, adam, plugin, path = _saved_at_step_2(rank, world_size, env, url)
     saved = facts(live_state(model, adam))
     step(model, adam, 2)
     dist.barrier()
@@ -200,23 +204,15 @@ def test_s3fs_reaches_the_server_through_the_standard_variables(seaweed: Seaweed
         "fs.pipe(b + '/x/y.bin', b'12345'); print(fs.cat(b + '/x/y.bin').decode())"
     )
     bucket = seaweed.new_bucket()
+
+    def put_and_get(env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-c", code.format(b=bucket)]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
     env = {**os.environ, **seaweed.env}
-    out = subprocess.run(
-        [sys.executable, "-c", code.format(b=bucket)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = put_and_get(env, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "12345", out.stderr
-    env["AWS_SECRET_ACCESS_KEY"] = "wrong"
-    out = subprocess.run(
-        [sys.executable, "-c", code.format(b=bucket)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = put_and_get({**env, "AWS_SECRET_ACCESS_KEY": "wrong"}, timeout=120)
     assert out.returncode != 0 and "PermissionError" in out.stderr, out.stderr
 
 

@@ -149,6 +149,61 @@ def probe_outputs(module: nn.Module) -> np.ndarray:
         return module(probe_tokens()).float().numpy().copy()
 
 
+def train_reference(epochs: int) -> list[dict[str, Any]]:
+    """``PackedLit`` trained by one plain process, unsharded, on the Trainer's global
+    batches: after each epoch, its probe outputs, parameters and Adam state (by
+    ``"fqn/key"``).
+
+    At every world size dividing 12, Lightning's ``DistributedSampler(seed=0)`` deals step
+    s of an epoch the rows at positions [12 s, 12 s + 12) of that epoch's permutation,
+    which is what a 1-replica sampler yields in order.
+    """
+    model = PackedLit(seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    dataset = TensorDataset(*token_data())
+    names = {id(p): n for n, p in model.named_parameters()}
+    states = []
+    for epoch in range(epochs):
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        for start in range(0, len(order), GLOBAL_BATCH):
+            loss = model.training_step(dataset[order[start : start + GLOBAL_BATCH]], start)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        optimizer_state = {
+            f"{names[id(p)]}/{k}": v.detach().numpy().copy()
+            for p, state in optimizer.state.items()
+            for k, v in state.items()
+        }
+        states.append(
+            {
+                "outputs": probe_outputs(model),
+                "params": plain_state(model),
+                "optimizer": optimizer_state,
+            }
+        )
+    return states
+
+
+def fit_two_epochs(
+    world_size: int, strategy: Any, model: pl.LightningModule, root: str, probe: Callback
+) -> dict[str, Any]:
+    """Two epochs of :func:`train_loader`, a checkpoint into ``root`` after each: what
+    ``probe`` recorded after the first (its ``outputs``, ``params`` and ``optimizer``)."""
+    checkpoints = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1)
+    trainer = make_trainer(
+        world_size,
+        strategy,
+        max_epochs=2,
+        enable_checkpointing=True,
+        callbacks=[probe, checkpoints],
+    )
+    trainer.fit(model, train_loader(world_size))
+    return {"outputs": probe.outputs, "params": probe.params, "optimizer": probe.optimizer}
+
+
 def megatron_strategy(**kwargs: Any) -> MegatronFSDPStrategy:
     return MegatronFSDPStrategy(
         timeout=PROCESS_GROUP_TIMEOUT, auto_wrap_policy={PackedBlock}, **kwargs
@@ -562,21 +617,8 @@ def _fsdp2_fit(rank: int, world_size: int, root: str) -> dict[str, Any]:
     strategy = ModelParallelStrategy(
         data_parallel_size=world_size, tensor_parallel_size=1, timeout=PROCESS_GROUP_TIMEOUT
     )
-    checkpoints = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1)
-    trainer = make_trainer(
-        world_size,
-        strategy,
-        max_epochs=2,
-        enable_checkpointing=True,
-        callbacks=[probe, checkpoints],
-    )
-    trainer.fit(model, train_loader(world_size))
-    return {
-        "outputs": probe.outputs,
-        "params": probe.params,
-        "optimizer": probe.optimizer,
-        "final": _full_fsdp2_state(model),
-    }
+    first_epoch = fit_two_epochs(world_size, strategy, model, root, probe)
+    return {**first_epoch, "final": _full_fsdp2_state(model)}
 
 
 def _megatron_from_fsdp2(rank: int, world_size: int, source: str, root: str) -> dict[str, Any]:

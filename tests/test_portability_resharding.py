@@ -30,28 +30,24 @@ from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
-import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.utils.data import DistributedSampler, TensorDataset
+from lightning.pytorch.callbacks import Callback
 
 from tests.harness import PROCESS_GROUP_TIMEOUT, run_distributed
 from tests.models import hsdp_mesh
 from tests.test_portability import (
-    GLOBAL_BATCH,
-    LR,
     AtTrainStart,
     PackedLit,
     Shards,
     assemble,
     assert_same,
+    fit_two_epochs,
     make_trainer,
     megatron_strategy,
     optimizer_shards,
     param_shards,
-    plain_state,
     probe_outputs,
-    token_data,
     train_loader,
+    train_reference,
 )
 
 SAVED = "epoch=0-step=2.ckpt"  # saved after the first of two epochs (2 steps each)
@@ -72,20 +68,9 @@ class _AfterFirstEpoch(Callback):
 def _fit_two_epochs(world_size: int, root: str, mesh: Any) -> dict[str, Any]:
     """Two uninterrupted epochs on ``mesh``, checkpointing into ``root`` after each."""
     model = PackedLit(seed=0)
-    saved = _AfterFirstEpoch()
-    checkpoints = ModelCheckpoint(dirpath=root, save_top_k=-1)
-    trainer = make_trainer(
-        world_size,
-        megatron_strategy(device_mesh=mesh),
-        max_epochs=2,
-        enable_checkpointing=True,
-        callbacks=[saved, checkpoints],
-    )
-    trainer.fit(model, train_loader(world_size))
+    strategy = megatron_strategy(device_mesh=mesh)
     return {
-        "outputs": saved.outputs,
-        "params": saved.params,
-        "optimizer": saved.optimizer,
+        **fit_two_epochs(world_size, strategy, model, root, _AfterFirstEpoch()),
         "final": param_shards(model),
         "mesh": (tuple(model.device_mesh.shape), model.device_mesh.mesh_dim_names),
     }
@@ -134,39 +119,6 @@ def _replicas(per_rank: list[Shards], shard_size: int) -> dict[str, np.ndarray]:
     return first
 
 
-def _reference() -> dict[str, Any]:
-    """``PackedLit`` trained by one process, unsharded, on the Trainer's global batches.
-
-    At every world size dividing 12, Lightning's ``DistributedSampler(seed=0)`` deals step
-    s of an epoch the rows at positions [12 s, 12 s + 12) of that epoch's permutation,
-    which is what a 1-replica sampler yields in order.
-    """
-    model = PackedLit(seed=0)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    dataset = TensorDataset(*token_data())
-    names = {id(p): n for n, p in model.named_parameters()}
-    result: dict[str, Any] = {}
-    for epoch in range(2):
-        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-        sampler.set_epoch(epoch)
-        order = list(sampler)
-        for start in range(0, len(order), GLOBAL_BATCH):
-            loss = model.training_step(dataset[order[start : start + GLOBAL_BATCH]], start)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        if epoch == 0:
-            result["outputs"] = probe_outputs(model)
-            result["params"] = plain_state(model)
-            result["optimizer"] = {
-                f"{names[id(p)]}/{k}": v.detach().numpy().copy()
-                for p, state in optimizer.state.items()
-                for k, v in state.items()
-            }
-    result["final"] = plain_state(model)
-    return result
-
-
 def _assert_close(
     actual: dict[str, np.ndarray], expected: dict[str, np.ndarray], what: str
 ) -> None:
@@ -199,7 +151,8 @@ def test_resume_at_other_world_sizes_and_from_hsdp_to_1d(tmp_path: Path) -> None
             for name in ("hsdp", "user-mesh")
         },
     }
-    reference = _reference()
+    first, second = train_reference(2)
+    reference = {**first, "final": second["params"]}
     for name in ("fsdp", "hsdp", "user-mesh"):
         for result in saved[1:]:  # every rank computed the same outputs
             np.testing.assert_array_equal(

@@ -27,7 +27,7 @@ from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.storage import VerifyingFileSystemReader
 from tests.harness import run_distributed
 from tests.models import sharded_adam
-from tests.scripts.fault_injection import LR, checkpoint_dict, live_state, step
+from tests.scripts.fault_injection import LR, checkpoint_dict, live_state, step, zeroed_targets
 from tests.shard_facts import differing, facts
 from tests.test_hsdp_checkpoint import _sharded
 
@@ -54,6 +54,15 @@ class CountingStorage:
     def tensor_bytes_read(self) -> int:
         return sum(r.progress.tensor_bytes_read for r in self.readers)
 
+    def take(self) -> tuple[int, int]:
+        """Bytes read (all records, tensor records) since the last call
+        (``benchmarks/bench_replicas_load.py`` counts each load apart)."""
+        readers, self.readers = self.readers, []
+        return (
+            sum(r.progress.bytes_read for r in readers),
+            sum(r.progress.tensor_bytes_read for r in readers),
+        )
+
 
 def checkpoint_tensor_bytes(path: Path) -> int:
     """The bytes of the checkpoint's tensor records, each once."""
@@ -78,12 +87,7 @@ def _round_trip(rank: int, world_size: int, root: str, mesh: tuple[int, ...]) ->
     out: dict[str, Any] = {}
     for atomic in (False, True):
         target = _sharded(mesh, seed=None)
-        state = live_state(target, sharded_adam(target, lr=LR))
-        for entries in state["optimizer_states"][0]["state"].values():
-            for tensor in entries.values():
-                tensor.zero_()
-        for group in state["optimizer_states"][0]["param_groups"]:
-            group["lr"] = 0.0
+        state = zeroed_targets(target, sharded_adam(target, lr=LR))
         plugin = MegatronFSDPCheckpointIO(atomic_load=atomic)
         plugin.storage = counting = CountingStorage(plugin.storage)
         plugin.load_checkpoint(path, state=state)

@@ -44,7 +44,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.tensor import DTensor, Replicate
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_megatron_fsdp import (
     MegatronFSDPStrategy,
@@ -64,14 +64,13 @@ from tests.models import PackedBlock
 from tests.test_checkpoint_roundtrip import collectives_forbidden
 from tests.test_portability import (
     GLOBAL_BATCH,
-    LR,
     PackedLit,
     assemble,
     assert_same,
     make_trainer,
-    plain_state,
     probe_outputs,
     token_data,
+    train_reference,
 )
 
 pytestmark = pytest.mark.both_versions
@@ -303,37 +302,6 @@ def _checkpoint(root: Path, name: str, epoch: int) -> str:
     return os.fspath(root / name / f"epoch={epoch}-step={2 * (epoch + 1)}.ckpt")
 
 
-def _reference(epochs: int) -> list[dict[str, dict[str, np.ndarray]]]:
-    """``PackedLit`` trained by one plain process on the Trainer's global batches: the
-    state after each epoch (at any world size dividing 12, step s of an epoch trains on
-    rows [12 s, 12 s + 12) of that epoch's ``DistributedSampler(seed=0)`` permutation)."""
-    model = PackedLit(seed=0)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    dataset = TensorDataset(*token_data())
-    names = {id(p): n for n, p in model.named_parameters()}
-    states = []
-    for epoch in range(epochs):
-        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-        sampler.set_epoch(epoch)
-        order = list(sampler)
-        for start in range(0, len(order), GLOBAL_BATCH):
-            loss = model.training_step(dataset[order[start : start + GLOBAL_BATCH]], start)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        states.append(
-            {
-                "params": plain_state(model),
-                "optimizer": {
-                    f"{names[id(p)]}/{k}": v.detach().numpy().copy()
-                    for p, state in optimizer.state.items()
-                    for k, v in state.items()
-                },
-            }
-        )
-    return states
-
-
 def _assert_close(actual: dict[str, dict[str, np.ndarray]], expected: Any, what: str) -> None:
     for part in ("params", "optimizer"):
         assert sorted(actual[part]) == sorted(expected[part]), what
@@ -442,7 +410,7 @@ def _epoch(run: tuple[int, str, list[Any]], epoch: int) -> dict[str, dict[str, n
 @needs_07
 def test_each_mode_matches_one_process_and_resumes_bit_exactly(runs: dict[str, Any]) -> None:
     """1-D modes at 2 ranks (and ZeRO-3 at 3), hybrid ZeRO-3/ZeRO-2 at (2, 2)."""
-    reference = _reference(3)
+    reference = train_reference(3)
     uninterrupted = [f"{m}@2" for m in ONE_D] + ["FULL_SHARD@3"] + [f"{m}@4" for m in HYBRID]
     for name in uninterrupted:
         run = runs[name]
@@ -474,7 +442,7 @@ def test_each_mode_matches_one_process_and_resumes_bit_exactly(runs: dict[str, A
 @needs_07
 def test_checkpoints_convert_between_modes_and_world_sizes(runs: dict[str, Any]) -> None:
     """Each conversion restores the saved state to the bit, then trains like one process."""
-    reference = _reference(3)
+    reference = train_reference(3)
     conversions = {  # run -> (the run whose checkpoint it resumed, that checkpoint's epoch)
         "chain: SHARD_OPTIMIZER@2": ("FULL_SHARD@3", 0),
         "chain: NO_SHARD@1": ("chain: SHARD_OPTIMIZER@2", 1),

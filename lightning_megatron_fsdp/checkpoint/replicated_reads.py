@@ -31,6 +31,7 @@ on one rank and scattering serialises the reads of a group.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 from collections.abc import Iterator, Mapping
@@ -159,10 +160,10 @@ class ReplicaPlan:
     groups: dict[tuple[int, ...], _Group]
     load_ranks: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def digests(self) -> dict[tuple[int, ...], str]:
         """What the ranks of each group must agree on: its targets' keys, chunks, dtypes
-        and sizes, digested."""
+        and sizes, digested (once: :meth:`settle` compares the value this rank sent)."""
         return {members: _digest(g.descriptor) for members, g in self.groups.items()}
 
     def settle(self, every: list[Any]) -> ReplicatedReads:

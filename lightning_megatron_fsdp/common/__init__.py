@@ -7,8 +7,8 @@ from lightning_megatron_fsdp.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "exact_resume": ("ExactResume", "RNG_STATES_KEY"),
-    "model_setup": ("ModelSharder", "move_unsharded_state"),
-    "options": ("StrategyOptions", "StrategyOptionsMixin"),
+    "model_setup": ("move_unsharded_state",),
+    "options": ("ShardingOptions", "StrategyOptionsMixin", "takes_sharding_options"),
     "precision": (
         "MegatronFSDPPrecision",
         "clip_sharded_grad_norm_",

@@ -1,20 +1,24 @@
-"""The options both strategies (Trainer and Fabric) take, validated in one place
+"""The options both strategies (Trainer and Fabric) take, declared once
+(:class:`ShardingOptions`, each with its type, default and doc) and validated in one place
 (:class:`StrategyOptions`), and what both derive from them (:class:`StrategyOptionsMixin`:
 the sharding properties, the ranks, joining the processes and building the mesh, sharding a
-unit, barrier, broadcast and registration). It exists
-so the two framework contracts share one copy of that surface instead of two that drift.
+unit, barrier, broadcast and registration). It exists so the two framework contracts share
+one copy of that surface instead of two that drift.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypedDict, TypeVar, get_type_hints
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only
@@ -51,7 +55,94 @@ from lightning_megatron_fsdp.megatron import (
     validate_device_mesh,
 )
 
-__all__ = ["StrategyOptions", "StrategyOptionsMixin"]
+__all__ = [
+    "SHARDING_OPTION_DEFAULTS",
+    "ShardingOptions",
+    "StrategyOptions",
+    "StrategyOptionsMixin",
+    "takes_sharding_options",
+]
+
+
+class ShardingOptions(TypedDict, total=False):
+    """The sharding options both strategies (Trainer and Fabric) take as keywords.
+
+    Declared here once, with :data:`SHARDING_OPTION_DEFAULTS`: each constructor takes them
+    as ``**options: Unpack[ShardingOptions]`` (so type checkers check each keyword) and
+    :func:`takes_sharding_options` spells them out in its runtime signature (so
+    ``inspect.signature``, ``help()`` and LightningCLI list each with its type and default).
+    """
+
+    auto_wrap_policy: AutoWrapPolicy | None
+    """Which submodules become their own FSDP unit, applied bottom-up before the
+    top-level units. A set of module classes, or a callable as in Lightning's
+    ``FSDPStrategy``: either ``policy(module) -> bool`` or torch FSDP's ``policy(module,
+    recurse, nonwrapped_numel) -> bool`` (called with ``recurse=False``). ``None``: only the
+    top-level units, plus whatever ``configure_model`` sharded itself. Keep tied
+    parameters in one unit (wrap blocks, not a tied embedding)."""
+    device_mesh: tuple[int, int] | DeviceMesh | None
+    """``None`` for plain FSDP over all processes; ``(replicate, shard)`` with ``replicate
+    * shard == world size`` for HSDP; or a ``DeviceMesh`` of 1 or 2 dims spanning the
+    world."""
+    sharding_strategy: str | Placements | ShardingMode | None
+    """What is sharded: ``"FULL_SHARD"`` (ZeRO-3, the default on a 1-D mesh),
+    ``"SHARD_GRAD_OP"`` (ZeRO-2), ``"SHARD_OPTIMIZER"`` (ZeRO-1), ``"NO_SHARD"``
+    (DDP-like), and on a 2-D mesh ``"HYBRID_SHARD"`` (the default there) and
+    ``"HYBRID_SHARD_GRAD_OP"``; torch's ``ShardingStrategy``, Megatron-LM's names
+    (``"optim"``, ...), or raw ``megatron_fsdp.experimental.Placements`` for anything else
+    (see :mod:`~lightning_megatron_fsdp.megatron.sharding_modes`). Checkpoints of every
+    mode load into every other, at any world size."""
+    mixed_precision_policy: MixedPrecisionPolicy | None
+    """Megatron-FSDP main weight/gradient dtypes; derived from the ``precision`` flag when
+    ``None`` (see :class:`~lightning_megatron_fsdp.common.precision.MegatronFSDPPrecision`)."""
+    process_group_backend: str | None
+    """``"nccl"``, ``"gloo"``, ...; by device type when ``None``."""
+    timeout: timedelta | None
+    """Timeout of every collective of the process groups the strategy creates."""
+    check_replicas: bool
+    """After setup and after each checkpoint load, compare a checksum of every replicated
+    tensor (main weights of the replicated modes, buffers) across its replica group and
+    raise :class:`~lightning_megatron_fsdp.megatron.replicas.ReplicaMismatchError` on every
+    rank, naming the first that differs. Off by default: one round per replica group, a
+    few percent of a small model's step."""
+
+
+SHARDING_OPTION_DEFAULTS: ShardingOptions = {
+    "auto_wrap_policy": None,
+    "device_mesh": None,
+    "sharding_strategy": None,
+    "mixed_precision_policy": None,
+    "process_group_backend": None,
+    "timeout": default_pg_timeout,
+    "check_replicas": False,
+}
+"""What each sharding option is when a constructor is not given it."""
+
+_Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+def takes_sharding_options(init: _Init) -> _Init:
+    """Mark a strategy constructor that takes ``**options: Unpack[ShardingOptions]``.
+
+    Its runtime signature (``__signature__``, which ``inspect.signature`` and LightningCLI's
+    jsonargparse read) lists each sharding option in place of ``**options``: keyword-only,
+    with its type from :class:`ShardingOptions` and its default from
+    :data:`SHARDING_OPTION_DEFAULTS`, first after ``self``.
+    """
+    signature = inspect.signature(init, eval_str=True)
+    parameters = list(signature.parameters.values())
+    if [p.kind for p in parameters].count(inspect.Parameter.VAR_KEYWORD) != 1:
+        raise AssertionError(f"{init.__qualname__} must take **options: Unpack[ShardingOptions]")
+    defaults: dict[str, Any] = dict(SHARDING_OPTION_DEFAULTS)
+    options = [
+        inspect.Parameter(
+            name, inspect.Parameter.KEYWORD_ONLY, default=defaults[name], annotation=hint
+        )
+        for name, hint in get_type_hints(ShardingOptions).items()
+    ]
+    own = [p for p in parameters[1:] if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    init.__signature__ = signature.replace(parameters=[parameters[0], *options, *own])  # type: ignore[attr-defined]
+    return init
 
 
 @dataclass(frozen=True)
@@ -80,30 +171,29 @@ class StrategyOptions:
     check_replicas: bool
 
     @classmethod
-    def validate(
-        cls,
-        where: str,
-        *,
-        auto_wrap_policy: AutoWrapPolicy | None,
-        device_mesh: tuple[int, int] | DeviceMesh | None,
-        sharding_strategy: str | Placements | ShardingMode | None,
-        mixed_precision_policy: MixedPrecisionPolicy | None,
-        process_group_backend: str | None,
-        timeout: timedelta | None,
-        check_replicas: bool,
-    ) -> StrategyOptions:
-        """Validate the constructor's options (see either strategy's docstring).
+    def validate(cls, where: str, options: ShardingOptions) -> StrategyOptions:
+        """Validate the constructor's sharding ``options`` (:class:`ShardingOptions`; those
+        not given take :data:`SHARDING_OPTION_DEFAULTS`).
 
         Raises:
-            TypeError: If ``auto_wrap_policy``, ``device_mesh``, ``timeout``,
-                ``mixed_precision_policy`` or ``check_replicas`` has the wrong type.
+            TypeError: If an option is unknown, or ``auto_wrap_policy``, ``device_mesh``,
+                ``timeout``, ``mixed_precision_policy`` or ``check_replicas`` has the
+                wrong type.
             ValueError: If ``device_mesh`` has a non-positive size, or
                 ``sharding_strategy`` is unknown, does not fit the mesh, or needs another
                 megatron-fsdp version.
         """
-        policy = validate_auto_wrap_policy(auto_wrap_policy, where)
-        mesh_request = validate_device_mesh(device_mesh, where)
-        mode = resolve_sharding_mode(sharding_strategy, mesh_ndim(mesh_request), where)
+        unknown = sorted(options.keys() - SHARDING_OPTION_DEFAULTS.keys())
+        if unknown:
+            raise TypeError(
+                f"{where} got unexpected keyword argument(s) {', '.join(unknown)}; its "
+                f"sharding options are {', '.join(SHARDING_OPTION_DEFAULTS)}."
+            )
+        given: ShardingOptions = {**SHARDING_OPTION_DEFAULTS, **options}
+        policy = validate_auto_wrap_policy(given["auto_wrap_policy"], where)
+        mesh_request = validate_device_mesh(given["device_mesh"], where)
+        mode = resolve_sharding_mode(given["sharding_strategy"], mesh_ndim(mesh_request), where)
+        mixed_precision_policy = given["mixed_precision_policy"]
         if mixed_precision_policy is not None and not isinstance(
             mixed_precision_policy, MixedPrecisionPolicy
         ):
@@ -111,19 +201,21 @@ class StrategyOptions:
                 f"{where}: mixed_precision_policy must be a megatron_fsdp."
                 f"MixedPrecisionPolicy, got {type(mixed_precision_policy).__name__}."
             )
+        timeout = given["timeout"]
         if timeout is not None and not isinstance(timeout, timedelta):
             raise TypeError(f"{where}: timeout must be a datetime.timedelta, got {timeout!r}.")
-        if not isinstance(check_replicas, bool):
-            raise TypeError(f"{where}: check_replicas must be a bool, got {check_replicas!r}.")
+        check = given["check_replicas"]
+        if not isinstance(check, bool):
+            raise TypeError(f"{where}: check_replicas must be a bool, got {check!r}.")
         return cls(
             where,
             policy,
             mesh_request,
             mode,
             mixed_precision_policy,
-            process_group_backend,
+            given["process_group_backend"],
             timeout,
-            check_replicas,
+            check,
         )
 
 
@@ -133,9 +225,9 @@ class StrategyOptionsMixin:
 
     Mixed in before Lightning's (or Fabric's) ``ParallelStrategy``, whose attributes it
     reads (``parallel_devices``, ``local_rank``, ``node_rank``, ``num_nodes``,
-    ``cluster_environment``). A strategy sets ``_options`` and ``_sharder`` in its
-    constructor, and names its precision plugin in :attr:`_megatron_precision` and how to
-    reach the mesh in :attr:`_mesh_missing_hint`.
+    ``cluster_environment``). A strategy hands its sharding options to
+    :meth:`_take_options` in its constructor, names its precision plugin in
+    :attr:`_megatron_precision` and how to reach the mesh in :attr:`_mesh_missing_hint`.
     """
 
     strategy_name: str
@@ -158,6 +250,14 @@ class StrategyOptionsMixin:
     @property
     def _megatron_precision(self) -> MegatronFSDPPrecision:
         raise NotImplementedError
+
+    def _take_options(self, where: str, options: ShardingOptions) -> None:
+        """Validate the constructor's sharding ``options`` (see
+        :meth:`StrategyOptions.validate`) and create what the mixin keeps, each naming the
+        strategy as ``where`` in its errors."""
+        self._options = StrategyOptions.validate(where, options)
+        self._sharder = ModelSharder(where)
+        self._exact_resume = ExactResume(where)
 
     @property
     def root_device(self) -> torch.device:

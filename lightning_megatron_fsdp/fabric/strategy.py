@@ -9,33 +9,30 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.utilities.distributed import ReduceOp
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_megatron_fsdp import _lightning
 from lightning_megatron_fsdp.agreement import peer_failures_explained
 from lightning_megatron_fsdp.checkpoint import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.common import (
     ExactResume,
-    ModelSharder,
-    StrategyOptions,
+    ShardingOptions,
     StrategyOptionsMixin,
     clip_sharded_grad_norm_,
     clip_sharded_grad_value_,
     move_unsharded_state,
     precision_property,
     reject_closure_optimizer,
+    takes_sharding_options,
 )
 from lightning_megatron_fsdp.fabric.checkpoint_state import (
     restore_rest,
@@ -45,12 +42,8 @@ from lightning_megatron_fsdp.fabric.checkpoint_state import (
 )
 from lightning_megatron_fsdp.fabric.precision import MegatronFSDPFabricPrecision
 from lightning_megatron_fsdp.megatron import (
-    AutoWrapPolicy,
     BufferSync,
     FsdpModule,
-    MixedPrecisionPolicy,
-    Placements,
-    ShardingMode,
     _megatron,
     bind_full_tensor,
     ensure_optimizer_state,
@@ -68,24 +61,12 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
     ``Fabric(strategy=MegatronFSDPStrategy(...))``, or ``Fabric(strategy="megatron_fsdp")``
     once ``lightning_megatron_fsdp`` is imported.
 
+    Takes the sharding options of :class:`~lightning_megatron_fsdp.common.options.
+    ShardingOptions` as keywords (``auto_wrap_policy``, ``device_mesh``,
+    ``sharding_strategy``, ``mixed_precision_policy``, ``process_group_backend``,
+    ``timeout``, ``check_replicas``; documented there, as in the Trainer strategy), and:
+
     Args:
-        auto_wrap_policy: Which submodules become their own FSDP unit, bottom-up, before
-            the top-level units; as in the Trainer strategy (a set of module classes or a
-            callable policy).
-        device_mesh: ``None`` for plain FSDP over all processes, ``(replicate, shard)``
-            for HSDP, or a 1-D/2-D ``DeviceMesh``.
-        sharding_strategy: What is sharded, as in the Trainer strategy: ``"FULL_SHARD"``
-            (the default on a 1-D mesh), ``"SHARD_GRAD_OP"``, ``"SHARD_OPTIMIZER"``,
-            ``"NO_SHARD"``, ``"HYBRID_SHARD"`` (the default on a 2-D mesh),
-            ``"HYBRID_SHARD_GRAD_OP"``, or raw ``Placements`` (see
-            :mod:`~lightning_megatron_fsdp.megatron.sharding_modes`).
-        mixed_precision_policy: Megatron-FSDP main weight/gradient dtypes; derived from
-            ``Fabric(precision=...)`` when ``None``.
-        process_group_backend: ``"nccl"``, ``"gloo"``, ...; by device type when ``None``.
-        timeout: Timeout of every collective of the process groups this strategy creates.
-        check_replicas: After ``setup_module`` and after each load, compare a checksum of
-            every replicated tensor across its replica group (as in the Trainer strategy;
-            off by default).
         checkpoint_io: Defaults to ``MegatronFSDPCheckpointIO()``.
         accelerator: Set by Fabric.
         parallel_devices: Set by Fabric.
@@ -93,29 +74,24 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         precision: Set by Fabric from ``precision=...``.
 
     Raises:
-        TypeError: If ``auto_wrap_policy``, ``device_mesh``, ``timeout``,
-            ``mixed_precision_policy`` or ``check_replicas`` has the wrong type.
+        TypeError: If an option is unknown, or ``auto_wrap_policy``, ``device_mesh``,
+            ``timeout``, ``mixed_precision_policy`` or ``check_replicas`` has the wrong type.
         ValueError: If ``device_mesh`` has a non-positive size, or ``sharding_strategy`` is
             unknown, does not fit the mesh, or needs a newer megatron-fsdp.
     """
 
     strategy_name = "megatron_fsdp"
 
+    @takes_sharding_options
     def __init__(
         self,
         *,
-        auto_wrap_policy: AutoWrapPolicy | None = None,
-        device_mesh: tuple[int, int] | DeviceMesh | None = None,
-        sharding_strategy: str | Placements | ShardingMode | None = None,
-        mixed_precision_policy: MixedPrecisionPolicy | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        check_replicas: bool = False,
         checkpoint_io: CheckpointIO | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
+        **options: Unpack[ShardingOptions],
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -124,21 +100,10 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision=precision,
         )
-        self._options = StrategyOptions.validate(
-            _STRATEGY,
-            auto_wrap_policy=auto_wrap_policy,
-            device_mesh=device_mesh,
-            sharding_strategy=sharding_strategy,
-            mixed_precision_policy=mixed_precision_policy,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            check_replicas=check_replicas,
-        )
+        self._take_options(_STRATEGY, options)
         self._num_nodes = 1
-        self._sharder = ModelSharder(_STRATEGY)
         self._models: list[nn.Module] = []
         self._buffer_syncs: dict[int, BufferSync] = {}
-        self._exact_resume = ExactResume(_STRATEGY)
         self._backward_sync_control = _MicrobatchControl(self)
 
     # ------------------------------------------------------------------ properties

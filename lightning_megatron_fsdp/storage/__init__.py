@@ -49,7 +49,7 @@ _EXPORTS = {
         "read_manifest",
         "summarise",
     ),
-    "location": ("Location", "locate"),
+    "location": ("Location",),
     "metadata_index": (
         "BYTEORDERS",
         "Column",
@@ -68,7 +68,7 @@ _EXPORTS = {
         "load_dcp_metadata",
         "load_weights_only",
     ),
-    "store_location": ("ObjectStores",),
+    "store_location": ("ObjectStores", "locate"),
     "streaming_reader": ("raw_bytes",),
     "upstream_checkpoint": (
         "UPSTREAM_FORMAT_NAME",

@@ -1,9 +1,10 @@
 """Where a checkpoint (or an export) lives, resolved once: a path or URL becomes a
-:class:`Location`, and everything above ``storage/`` works through its methods only.
+:class:`Location` (:func:`~lightning_megatron_fsdp.storage.store_location.locate`), and everything
+above ``storage/`` works through its methods only.
 
 A tool, a weight reader or the plugin never asks which backend holds a checkpoint: it
 reads the manifest, lists and reads files, opens a DCP reader, writes an output, all
-through the location :func:`locate` gave. Two backends implement it: :class:`LocalLocation`
+through the location ``locate`` gave. Two backends implement it: :class:`LocalLocation`
 (a local or shared POSIX directory or file) and
 :class:`~lightning_megatron_fsdp.storage.store_location.StoreLocation` (any fsspec
 filesystem: ``s3://``, ``gs://``, ``memory://``, ...). A URL is never taken for a local
@@ -13,18 +14,21 @@ Rejected: a ``Path | StoreCheckpoint`` union with an ``isinstance`` at each use 
 written forty times across the tools, the weight readers and the launcher, each a place a
 third backend had to be added); an fsspec ``LocalFileSystem`` for local paths (it loses
 the confined, descriptor-based reads that refuse links and FIFOs, and ``preadv`` into
-tensors).
+tensors). ``Location`` is an abstract base class rather than a ``Protocol`` so that what
+all backends share (``write_atomically``'s contract and its refusal of an output that
+appeared meanwhile) is written once, each backend supplying the primitive beneath it.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import logging
 import mmap
 import os
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
@@ -46,8 +50,6 @@ from lightning_megatron_fsdp.storage.format import (
     checkpoints_in_directory,
     read_manifest,
 )
-from lightning_megatron_fsdp.storage.object_store import is_url, local_path, open_store
-from lightning_megatron_fsdp.storage.store_location import StoreLocation
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -58,7 +60,7 @@ if TYPE_CHECKING:
         VerifyingFileSystemReader,
     )
 
-__all__ = ["ByteRanges", "LocalLocation", "Location", "MappedFile", "locate"]
+__all__ = ["ByteRanges", "LocalLocation", "Location", "MappedFile"]
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ class ByteRanges(Protocol):
         ...
 
 
-class Location(Protocol):
+class Location(abc.ABC):
     """A checkpoint, a file or a directory on one backend; ``str()`` is how a user writes it.
 
     A checkpoint's files are plain names directly inside it; every read is confined to it
@@ -92,52 +94,64 @@ class Location(Protocol):
     """
 
     @property
+    @abc.abstractmethod
     def name(self) -> str:
         """The last component of the location."""
         ...
 
     @property
+    @abc.abstractmethod
     def suffix(self) -> str:
         """The file suffix of :attr:`name` (``".safetensors"``), or ``""``."""
         ...
 
+    @abc.abstractmethod
     def file(self, name: str) -> str:
         """``name`` inside this location, as messages show it."""
         ...
 
+    @abc.abstractmethod
     def exists(self) -> bool:
         """Whether anything is there (a fresh look: another process may have written)."""
         ...
 
+    @abc.abstractmethod
     def is_file(self) -> bool:
         """Whether it is one file (object)."""
         ...
 
+    @abc.abstractmethod
     def is_dir(self) -> bool:
         """Whether it holds files (a directory; on a store a prefix with objects)."""
         ...
 
+    @abc.abstractmethod
     def size(self) -> int:
         """The size of the file in bytes."""
         ...
 
+    @abc.abstractmethod
     def open(self, *, block_size: int | None = None) -> IO[bytes]:
         """The file, for reading (closed by the caller); ``block_size``: read-ahead, where
         the backend has one."""
         ...
 
+    @abc.abstractmethod
     def read_range(self, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` of the file; fewer where it ends first."""
         ...
 
+    @abc.abstractmethod
     def ranges(self) -> ByteRanges:
         """The file, for reads of byte ranges (closed by the caller)."""
         ...
 
+    @abc.abstractmethod
     def sizes(self) -> dict[str, int]:
         """Every regular file directly inside, by name, with its size."""
         ...
 
+    @abc.abstractmethod
     def read_manifest(self) -> Manifest:
         """The checkpoint's manifest.
 
@@ -147,6 +161,7 @@ class Location(Protocol):
         """
         ...
 
+    @abc.abstractmethod
     def read_bytes(self, name: str, *, size: int | None = None) -> bytes:
         """The whole file ``name``, which must have ``size`` bytes when it is given.
 
@@ -156,15 +171,18 @@ class Location(Protocol):
         """
         ...
 
+    @abc.abstractmethod
     def open_records(self, name: str) -> contextlib.AbstractContextManager[Any]:
         """File ``name`` for :class:`~lightning_megatron_fsdp.storage.confined_files.FileWindow`
         reads of a few bytes each (a descriptor, or a stream with a small read-ahead)."""
         ...
 
+    @abc.abstractmethod
     def digest(self, name: str, algorithm: str) -> str:
         """The digest of file ``name``, streamed."""
         ...
 
+    @abc.abstractmethod
     def check_files(
         self, manifest: Manifest, *, checksum_files: list[str] | None = None
     ) -> list[str]:
@@ -172,6 +190,7 @@ class Location(Protocol):
         ``checksum_files``) another digest."""
         ...
 
+    @abc.abstractmethod
     def loaded_version(self) -> tuple[Location, list[str]]:
         """What a load of this checkpoint reads, and one note per saved version of it.
 
@@ -180,11 +199,13 @@ class Location(Protocol):
         """
         ...
 
+    @abc.abstractmethod
     def checkpoints_inside(self) -> list[str]:
         """Complete checkpoints directly inside, by name, if this is not one itself
         (``ModelCheckpoint``'s ``dirpath``)."""
         ...
 
+    @abc.abstractmethod
     def latest(
         self, pattern: str, *, on_restored: Callable[[str], Any] | None = None
     ) -> tuple[float, Location] | None:
@@ -194,17 +215,20 @@ class Location(Protocol):
         first, and ``on_restored`` (default: a logged warning) told so."""
         ...
 
+    @abc.abstractmethod
     def reader(self, *, verify: bool, trust_checkpoint: bool) -> StorageReader:
         """The DCP reader of this checkpoint: nothing from it runs, every file is read
         confined to it, and (``verify``) every record checked against its CRC32C."""
         ...
 
+    @abc.abstractmethod
     def writer(self, *, checksum: bool, thread_count: int) -> StorageWriter:
         """The DCP writer of a save into this (staging) location: every file written with
         its size and (``checksum``) CRC32C as the writer produced them, with
         ``thread_count`` threads per rank."""
         ...
 
+    @abc.abstractmethod
     def checked_reader(
         self, metadata: Metadata, *, trust_checkpoint: bool
     ) -> VerifyingFileSystemReader:
@@ -212,14 +236,17 @@ class Location(Protocol):
         nothing verified again, records read straight into their targets."""
         ...
 
+    @abc.abstractmethod
     def absolute(self) -> Location:
         """The same location, independent of the working directory."""
         ...
 
+    @abc.abstractmethod
     def returned(self) -> Any:
         """What a public function returns for this output: a ``Path``, or the URL."""
         ...
 
+    @abc.abstractmethod
     def check_output(self, checkpoint: Location, *, overwrite: bool, who: str) -> None:
         """Refuse this location as the output of an export of ``checkpoint``, before
         anything is read or written, if it must not be written.
@@ -241,12 +268,30 @@ class Location(Protocol):
         size: int | None = None,
     ) -> None:
         """Write the file with ``write`` (front to back, never seeking) so that no reader
-        sees half of it: nothing appears if ``write`` raises.
+        sees half of it: nothing appears if ``write`` raises. ``size``, if known, is how
+        many bytes ``write`` writes.
 
         Raises:
             FileExistsError: If the file appeared meanwhile and ``overwrite`` is false.
         """
-        ...
+
+        def refuse_if_present() -> None:
+            if not overwrite and self.exists():
+                raise FileExistsError(
+                    f"{who}: output {self} appeared while exporting; nothing was written. "
+                    "Pass overwrite=True (--overwrite) to replace it."
+                )
+
+        with self._unseen(who, size, refuse_if_present) as stream:
+            write(stream)
+
+    @abc.abstractmethod
+    def _unseen(
+        self, who: str, size: int | None, before_publish: Callable[[], None]
+    ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """:meth:`write_atomically`'s backend half: a stream to the file that no reader
+        sees while it is written. On a clean exit ``before_publish`` is called (it raises
+        to refuse) and the file appears whole; on any error nothing of it stays."""
 
 
 class MappedFile:
@@ -275,7 +320,7 @@ class MappedFile:
 
 
 @dataclasses.dataclass(frozen=True)
-class LocalLocation:
+class LocalLocation(Location):
     """A :class:`Location` on the local (or a shared POSIX) filesystem."""
 
     path: Path
@@ -418,14 +463,10 @@ class LocalLocation:
                 "there would make the checkpoint fail verification. Write it elsewhere."
             )
 
-    def write_atomically(
-        self,
-        write: Callable[[IO[bytes]], None],
-        *,
-        overwrite: bool,
-        who: str,
-        size: int | None = None,
-    ) -> None:
+    @contextlib.contextmanager
+    def _unseen(
+        self, who: str, size: int | None, before_publish: Callable[[], None]
+    ) -> Iterator[IO[bytes]]:
         """A new hidden file next to the output (created with ``O_EXCL | O_NOFOLLOW`` and
         only ever used through the descriptor that created it), fsynced and renamed into
         place; before the rename the name must still be that file (someone who can write to
@@ -434,7 +475,7 @@ class LocalLocation:
         temporary = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:12]}"
         try:
             with open(create_exclusive(temporary), "w+b") as stream:
-                write(stream)
+                yield stream
                 stream.flush()
                 os.fsync(stream.fileno())
                 mine, now = os.fstat(stream.fileno()), os.stat(temporary, follow_symlinks=False)
@@ -444,35 +485,8 @@ class LocalLocation:
                         "(another process writes to the output folder); nothing was written. "
                         "Export into a folder only you can write to."
                     )
-            if output.exists() and not overwrite:
-                raise FileExistsError(
-                    f"{who}: output {output} appeared while exporting; nothing "
-                    "was written. Pass overwrite=True (--overwrite) to replace it."
-                )
+            before_publish()
             os.replace(temporary, output)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 temporary.unlink()
-
-
-def locate(
-    path: str | os.PathLike[str] | Location,
-    storage_options: Mapping[str, Any] | None = None,
-    *,
-    deadline: float | None = None,
-) -> Location:
-    """The :class:`Location` ``path`` names: a URL's on its fsspec filesystem (with
-    ``storage_options``; ``deadline``: seconds each request may take, see
-    :class:`~lightning_megatron_fsdp.storage.object_store.ObjectStore`), any other path a
-    local one (``file://`` stripped, not made absolute). A location is returned as it is.
-
-    Raises:
-        ImportError: The URL's filesystem is not installed (naming what to install).
-        ValueError: fsspec knows no filesystem for the URL's scheme.
-    """
-    if isinstance(path, (LocalLocation, StoreLocation)):
-        return path
-    if is_url(path):
-        store, inside = open_store(os.fspath(path), storage_options, deadline=deadline)
-        return StoreLocation(store, inside)
-    return LocalLocation(Path(local_path(os.fspath(path))))

@@ -1,8 +1,9 @@
 """The fsspec backend of a :class:`~lightning_megatron_fsdp.storage.location.Location`
 (:class:`StoreLocation`: a checkpoint, a prefix or an object on any fsspec filesystem) and
-the plugin's commit router (:class:`ObjectStores`), which sends a URL to the versioned
-layout of :class:`~lightning_megatron_fsdp.storage.object_store.ObjectStore` and any other
-path to the local directories.
+the two routers between it and the local backend: :func:`locate`, which makes a path or URL
+its location, and the plugin's commit router (:class:`ObjectStores`), which sends a URL to
+the versioned layout of :class:`~lightning_megatron_fsdp.storage.object_store.ObjectStore`
+and any other path to the local directories.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import logging
 import math
 import os
 import posixpath
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import IO, Any
 
 from lightning_megatron_fsdp.errors import CheckpointCorruptedError, NotACheckpointError
@@ -25,6 +27,7 @@ from lightning_megatron_fsdp.storage.format import (
     check_digests,
     summarise,
 )
+from lightning_megatron_fsdp.storage.location import LocalLocation, Location
 from lightning_megatron_fsdp.storage.object_store import (
     ObjectStore,
     abort_upload,
@@ -33,7 +36,7 @@ from lightning_megatron_fsdp.storage.object_store import (
     open_store,
 )
 
-__all__ = ["ObjectStores", "RangedObject", "StoreCommit", "StoreLocation"]
+__all__ = ["ObjectStores", "RangedObject", "StoreCommit", "StoreLocation", "locate"]
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +85,7 @@ class RangedObject:
 
 
 @dataclasses.dataclass(frozen=True)
-class StoreLocation:
+class StoreLocation(Location):
     """A :class:`~lightning_megatron_fsdp.storage.location.Location` on an fsspec
     filesystem: a checkpoint (or one version of it), a prefix of checkpoints, or one object;
     ``str()`` is its URL."""
@@ -90,6 +93,25 @@ class StoreLocation:
     store: ObjectStore
     path: str
     """The key or prefix inside the filesystem (no scheme, no trailing ``/``)."""
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str | os.PathLike[str],
+        storage_options: Mapping[str, Any] | None,
+        *,
+        deadline: float | None = None,
+    ) -> StoreLocation:
+        """The location ``url`` names on its fsspec filesystem (with ``storage_options``;
+        ``deadline``: seconds each request may take, see
+        :class:`~lightning_megatron_fsdp.storage.object_store.ObjectStore`).
+
+        Raises:
+            ImportError: The URL's filesystem is not installed (naming what to install).
+            ValueError: fsspec knows no filesystem for the URL's scheme.
+        """
+        store, inside = open_store(os.fspath(url), storage_options, deadline=deadline)
+        return cls(store, inside)
 
     def __str__(self) -> str:
         return self.store.url(self.path)
@@ -267,20 +289,10 @@ class StoreLocation:
                 "next save. Write it elsewhere."
             )
 
-    def _appeared(self, who: str) -> str:
-        return (
-            f"{who}: output {self} appeared while exporting; nothing was written. "
-            "Pass overwrite=True (--overwrite) to replace it."
-        )
-
-    def write_atomically(
-        self,
-        write: Callable[[IO[bytes]], None],
-        *,
-        overwrite: bool,
-        who: str,
-        size: int | None = None,
-    ) -> None:
+    @contextlib.contextmanager
+    def _unseen(
+        self, who: str, size: int | None, before_publish: Callable[[], None]
+    ) -> Iterator[IO[bytes]]:
         """The filesystem's streaming upload: parts go out as they fill (memory stays at
         about one part); the object appears, whole, when the upload completes (S3:
         ``CompleteMultipartUpload``, or one ``PUT`` below a part), and a failed write
@@ -288,16 +300,16 @@ class StoreLocation:
         fs = self.store.fs
         part = _PART if size is None else max(_PART, math.ceil(size / _MAX_PARTS))
         existed = self.exists()
-        if existed and not overwrite:
-            raise FileExistsError(self._appeared(who))
+        if existed:
+            before_publish()  # refuse before uploading anything
         file = fs.open(self.path, "wb", block_size=part)
         # A filesystem that shows a file while it is written (memory://) cannot tell a
         # concurrent writer's object from ours; a failed write deletes what it showed.
         shown = not existed and self.exists()
         try:
-            write(file)
-            if not overwrite and not shown and self.exists():
-                raise FileExistsError(self._appeared(who))
+            yield file
+            if not shown:
+                before_publish()
         except BaseException:
             abort_upload(file)  # never close(): that completes the upload with what was written
             if shown:
@@ -430,6 +442,28 @@ class StoreCommit:
         return location.store.read_bytes(location.key(name))
 
 
+def locate(
+    path: str | os.PathLike[str] | Location,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    deadline: float | None = None,
+) -> Location:
+    """The :class:`Location` ``path`` names: a URL's on its fsspec filesystem (with
+    ``storage_options``; ``deadline``: seconds each request may take, see
+    :class:`~lightning_megatron_fsdp.storage.object_store.ObjectStore`), any other path a
+    local one (``file://`` stripped, not made absolute). A location is returned as it is.
+
+    Raises:
+        ImportError: The URL's filesystem is not installed (naming what to install).
+        ValueError: fsspec knows no filesystem for the URL's scheme.
+    """
+    if isinstance(path, Location):
+        return path
+    if is_url(path):
+        return StoreLocation.from_url(path, storage_options, deadline=deadline)
+    return LocalLocation(Path(local_path(os.fspath(path))))
+
+
 class ObjectStores:
     """The plugin's :class:`~lightning_megatron_fsdp.storage.commit.CheckpointStore`:
     URLs go to :class:`StoreCommit` (the versioned layout of :class:`ObjectStore`), every
@@ -472,12 +506,11 @@ class ObjectStores:
         """
         if isinstance(path, StoreLocation):
             return path
-        if is_url(path):
-            timeout = None if self.group_timeout is None else self.group_timeout()
-            deadline = None if timeout is None else timeout.total_seconds() / 2
-            store, inside = open_store(os.fspath(path), self.storage_options, deadline=deadline)
-            return StoreLocation(store, inside)
-        return self.local.location(local_path(path))
+        if not is_url(path):
+            return self.local.location(local_path(path))
+        timeout = None if self.group_timeout is None else self.group_timeout()
+        deadline = None if timeout is None else timeout.total_seconds() / 2
+        return StoreLocation.from_url(path, self.storage_options, deadline=deadline)
 
     def _of(self, location: Any) -> Any:
         """The commit backend of a location :meth:`location` made."""

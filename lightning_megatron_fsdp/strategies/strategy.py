@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Mapping
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
@@ -23,30 +21,25 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_megatron_fsdp import _lightning
 from lightning_megatron_fsdp.agreement import Ranks
 from lightning_megatron_fsdp.checkpoint import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.common import (
-    ExactResume,
     MegatronFSDPPrecision,
-    ModelSharder,
-    StrategyOptions,
+    ShardingOptions,
     StrategyOptionsMixin,
     move_unsharded_state,
     precision_property,
     reject_closure_optimizer,
+    takes_sharding_options,
 )
 from lightning_megatron_fsdp.errors import CheckpointError
 from lightning_megatron_fsdp.megatron import (
     AutoWrapPolicy,
     BufferSync,
-    MixedPrecisionPolicy,
-    Placements,
-    ShardingMode,
     _megatron,
     bind_full_tensor,
     check_optimizer_parameters,
@@ -76,30 +69,12 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
 
     ``Trainer(strategy=MegatronFSDPStrategy())`` or ``Trainer(strategy="megatron_fsdp")``.
 
+    Takes the sharding options of :class:`~lightning_megatron_fsdp.common.options.
+    ShardingOptions` as keywords (``auto_wrap_policy``, ``device_mesh``,
+    ``sharding_strategy``, ``mixed_precision_policy``, ``process_group_backend``,
+    ``timeout``, ``check_replicas``; documented there), and:
+
     Args:
-        auto_wrap_policy: Which submodules become their own FSDP unit, applied bottom-up
-            before the top-level units. A set of module classes, or a callable as in
-            Lightning's ``FSDPStrategy``: either ``policy(module) -> bool`` or torch
-            FSDP's ``policy(module, recurse, nonwrapped_numel) -> bool`` (called with
-            ``recurse=False``). ``None``: only the top-level units, plus whatever
-            ``configure_model`` sharded itself. Keep tied parameters in one unit (wrap
-            blocks, not a tied embedding).
-        device_mesh: ``None`` for plain FSDP over all processes; ``(replicate, shard)``
-            with ``replicate * shard == world size`` for HSDP; or a ``DeviceMesh`` of 1 or
-            2 dims spanning the world.
-        sharding_strategy: What is sharded: ``"FULL_SHARD"`` (ZeRO-3, the default on a 1-D
-            mesh), ``"SHARD_GRAD_OP"`` (ZeRO-2), ``"SHARD_OPTIMIZER"`` (ZeRO-1),
-            ``"NO_SHARD"`` (DDP-like), and on a 2-D mesh ``"HYBRID_SHARD"`` (the default
-            there) and ``"HYBRID_SHARD_GRAD_OP"``; torch's ``ShardingStrategy``,
-            Megatron-LM's names (``"optim"``, ...), or raw
-            ``megatron_fsdp.experimental.Placements`` for anything else (see
-            :mod:`~lightning_megatron_fsdp.megatron.sharding_modes`). Checkpoints of every mode load
-            into every other, at any world size.
-        mixed_precision_policy: Megatron-FSDP main weight/gradient dtypes; derived from
-            the Trainer's ``precision`` when ``None`` (see
-            :class:`~lightning_megatron_fsdp.common.precision.MegatronFSDPPrecision`).
-        process_group_backend: ``"nccl"``, ``"gloo"``, ...; by device type when ``None``.
-        timeout: Timeout of every collective of the process groups this strategy creates.
         init_weights_from: Full (unsharded) weights to initialise the model with, right
             after sharding and before optimizers are created: a ``torch.save`` state dict
             (``.pt``/``.pth``/``.bin``), a Lightning ``.ckpt`` file, a ``.safetensors``
@@ -111,11 +86,6 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
             :class:`~lightning_megatron_fsdp.weights.pretrained.PretrainedWeights` for key prefixes
             and non-strict loading. Applied once per model; a ``ckpt_path`` restore
             overrides it.
-        check_replicas: After setup and after each checkpoint load, compare a checksum of
-            every replicated tensor (main weights of the replicated modes, buffers) across
-            its replica group and raise :class:`~lightning_megatron_fsdp.megatron.replicas.
-            ReplicaMismatchError` on every rank, naming the first that differs. Off by
-            default: one round per replica group, a few percent of a small model's step.
         allow_weights_only_resume: Let ``fit(ckpt_path=...)`` resume from a checkpoint
             without optimizer state (saved with ``weights_only=True``): weights and the
             training position load, the optimizers start fresh. Off by default, so such a
@@ -127,9 +97,9 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
         precision_plugin: Set by the Trainer from ``precision=...``.
 
     Raises:
-        TypeError: If ``auto_wrap_policy``, ``device_mesh``, ``timeout``,
-            ``mixed_precision_policy``, ``check_replicas``, ``allow_weights_only_resume`` or
-            ``init_weights_from`` has the wrong type.
+        TypeError: If an option is unknown, or ``auto_wrap_policy``, ``device_mesh``,
+            ``timeout``, ``mixed_precision_policy``, ``check_replicas``,
+            ``allow_weights_only_resume`` or ``init_weights_from`` has the wrong type.
         ValueError: If ``device_mesh`` has a non-positive size, or ``sharding_strategy`` is
             unknown, does not fit ``device_mesh``, or needs another megatron-fsdp version.
     """
@@ -142,23 +112,18 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
     # load_checkpoint() already loaded optimizer state in place, by FQN.
     lightning_restore_optimizer = False
 
+    @takes_sharding_options
     def __init__(
         self,
         *,
-        auto_wrap_policy: AutoWrapPolicy | None = None,
-        device_mesh: tuple[int, int] | DeviceMesh | None = None,
-        sharding_strategy: str | Placements | ShardingMode | None = None,
-        mixed_precision_policy: MixedPrecisionPolicy | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
         init_weights_from: _lightning.PATH | PretrainedWeights | None = None,
-        check_replicas: bool = False,
         allow_weights_only_resume: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        **options: Unpack[ShardingOptions],
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -168,16 +133,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
             precision_plugin=precision_plugin,
         )
         self.checkpoint_io = checkpoint_io  # through the setter, which validates it
-        self._options = StrategyOptions.validate(
-            _STRATEGY,
-            auto_wrap_policy=auto_wrap_policy,
-            device_mesh=device_mesh,
-            sharding_strategy=sharding_strategy,
-            mixed_precision_policy=mixed_precision_policy,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            check_replicas=check_replicas,
-        )
+        self._take_options(_STRATEGY, options)
         if not isinstance(allow_weights_only_resume, bool):
             raise TypeError(
                 f"{_STRATEGY}: allow_weights_only_resume must be a bool, got "
@@ -185,9 +141,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
             )
         self._init_weights_from = as_pretrained_weights(init_weights_from)
         self.allow_weights_only_resume = allow_weights_only_resume
-        self._sharder = ModelSharder(_STRATEGY)
         self._join: UnevenBatchJoin | None = None
-        self._exact_resume = ExactResume(_STRATEGY)
         self._buffer_sync = BufferSync()
         self.num_nodes = 1
 

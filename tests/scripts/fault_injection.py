@@ -317,6 +317,12 @@ def target_state(world_size: int, *, num_blocks: int = 2) -> tuple[nn.Module, An
     """A fresh all-zero model and Adam (state zeroed, lr 0) and their state as targets."""
     enable_cpu_execution()
     model, optimizer = sharded_packed_lm(world_size, None, lr=LR, num_blocks=num_blocks)
+    return model, optimizer, zeroed_targets(model, optimizer)
+
+
+def zeroed_targets(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """:func:`live_state` of ``model`` and ``optimizer`` as load targets, the optimizer's
+    state zeroed and its lr 0, so a load must write every value a test compares."""
     state = live_state(model, optimizer)
     with torch.no_grad():
         for entries in state["optimizer_states"][0]["state"].values():
@@ -324,7 +330,7 @@ def target_state(world_size: int, *, num_blocks: int = 2) -> tuple[nn.Module, An
                 tensor.zero_()
     for group in state["optimizer_states"][0]["param_groups"]:
         group["lr"] = 0.0
-    return model, optimizer, state
+    return state
 
 
 def resume_optimizer(
