@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from lightning_megatron_fsdp.storage.location import locate
+from lightning_megatron_fsdp.storage.store_location import locate
 
 __all__ = ["CheckpointStorage", "LocationStorage"]
 
