@@ -26,6 +26,8 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from typing_extensions import override
+
 from lightning_megatron_fsdp.errors import (
     CheckpointError,
     CheckpointSaveError,
@@ -33,6 +35,7 @@ from lightning_megatron_fsdp.errors import (
 )
 from lightning_megatron_fsdp.storage.checksums import stream_digest
 from lightning_megatron_fsdp.storage.commit import reach
+from lightning_megatron_fsdp.storage.confined_files import SeekableStream
 from lightning_megatron_fsdp.storage.format import (
     DCP_METADATA_FILE,
     MANIFEST_FILE,
@@ -263,38 +266,26 @@ _READ_BLOCK = 4 << 20
 """Read-ahead of a file :meth:`DeadlineFileSystem.open` gives, where the caller names none."""
 
 
-class _DeadlineReads(io.RawIOBase):
+class _DeadlineReads(SeekableStream):
     """One object, read-only and seekable, each read one ranged ``cat_file`` of a
     :class:`DeadlineFileSystem` (so under its deadline)."""
 
     def __init__(self, fs: DeadlineFileSystem, path: str, size: int) -> None:
         super().__init__()
-        self._fs, self._path, self.size, self._at = fs, path, size, 0
+        self._fs, self._path, self.size = fs, path, size
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._at
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self.size}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._at = base + offset
-        return self._at
+    @override
+    def _end(self) -> int:
+        return self.size
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        stop = min(self._at + view.nbytes, self.size)
-        if stop <= self._at:
+        stop = min(self._position + view.nbytes, self.size)
+        if stop <= self._position:
             return 0
-        data = self._fs.cat_file(self._path, start=self._at, end=stop)
+        data = self._fs.cat_file(self._path, start=self._position, end=stop)
         view[: len(data)] = data
-        self._at += len(data)
+        self._position += len(data)
         return len(data)
 
 
