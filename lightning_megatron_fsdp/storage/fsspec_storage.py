@@ -71,13 +71,17 @@ rank's resident state."""
 
 _RANGE = 4 << 20
 """Bytes per ranged GET of a load: consecutive records are read together up to this size,
-a larger record in pieces of it; a read holds at most :data:`_WINDOW` of these beyond its
-targets."""
+a larger record in pieces of it; memory beyond the targets: see :data:`_READ_SHARE`."""
 
 _WINDOW = 4
-"""Ranged GETs of a load in flight at once: a GET's latency (the server's seek, the first
-byte's round trip) is hidden behind the others' transfers, and memory beyond the targets
-stays within ``_WINDOW * _RANGE``."""
+"""The most ranged GETs of a load in flight at once: a GET's latency (the server's seek,
+the first byte's round trip) and the checks of the bytes before it overlap the others'
+transfers."""
+
+_READ_SHARE = 10
+"""The GETs in flight hold at most ``1 / _READ_SHARE`` of the bytes a rank reads (at least
+one GET, at most :data:`_WINDOW`), each about twice its range (the client's received
+pieces and their join), so a load's peak memory stays close to the rank's state."""
 
 
 class _Part(io.BytesIO):
@@ -473,9 +477,9 @@ class VerifyingFsspecReader(VerifyingFileSystemReader):
     @override
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """The bytes of every file this rank reads, each run of adjacent records as one
-        stream of ranged GETs of :data:`_RANGE` bytes, :data:`_WINDOW` of them in flight at
-        once across runs and files; each batch's records are checked and handed on, in
-        order, as their bytes arrive."""
+        stream of ranged GETs of :data:`_RANGE` bytes, up to :data:`_WINDOW` of them in
+        flight at once across runs and files (:data:`_READ_SHARE`); each batch's records
+        are checked and handed on, in order, as their bytes arrive."""
         self.progress = ReadProgress(started=True, total=len(plan.items))
         batches: list[tuple[str, list[ReadItem]]] = []
         spans: list[list[Any]] = []  # [path, start, end] of each run of adjacent records
@@ -495,7 +499,9 @@ class VerifyingFsspecReader(VerifyingFileSystemReader):
             for path, start, end in spans
             for at in range(start, end, _RANGE)
         ]
-        with contextlib.closing(read_ranges(self.store.fs, ranges, window=_WINDOW)) as pieces:
+        total = sum(end - start for _, start, end in ranges)
+        window = max(1, min(_WINDOW, total // _READ_SHARE // (2 * _RANGE)))
+        with contextlib.closing(read_ranges(self.store.fs, ranges, window=window)) as pieces:
             stream = _RangeStream(ranges, pieces)
             for name, batch in batches:
                 path = posixpath.join(self.path, name)

@@ -259,7 +259,8 @@ ByteRange = tuple[str, int, int]
 
 def read_ranges(fs: Any, ranges: Iterable[ByteRange], *, window: int) -> Iterator[bytes]:
     """The bytes of each of ``ranges``, in order, with up to ``window`` ranged GETs in
-    flight at once (``fs.cat_file`` one at a time where ``fs`` is not asynchronous).
+    flight at once, the next sent as each is handed out (``fs.cat_file`` one at a time
+    where ``fs`` is not asynchronous).
 
     A read is not retried or padded: a range past an object's end yields the bytes there
     are (short), for the caller to refuse naming the object. Memory: at most ``window``
@@ -276,7 +277,9 @@ def read_ranges(fs: Any, ranges: Iterable[ByteRange], *, window: int) -> Iterato
 
     inner = unwrapped(fs)
     ranges = iter(ranges)
-    if window <= 1 or not getattr(inner, "async_impl", False):
+    if window < 1:
+        raise ValueError(f"read_ranges: expected a window of at least 1 GET, got {window}")
+    if not getattr(inner, "async_impl", False):
         for path, start, end in ranges:
             yield fs.cat_file(path, start=start, end=end)
         return
@@ -306,7 +309,7 @@ def read_ranges(fs: Any, ranges: Iterable[ByteRange], *, window: int) -> Iterato
             except (asyncio.TimeoutError, concurrent.futures.TimeoutError) as err:
                 if deadline is None:
                     raise
-                raise fs.gave_up(fs._url(path), "a ranged GetObject") from err
+                raise fs.gave_up(fs._url(path), "cat_file") from err
             submit()
             yield data
     finally:
