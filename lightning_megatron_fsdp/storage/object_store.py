@@ -198,8 +198,8 @@ class DeadlineFileSystem:
         if name.startswith("__") or "wrapped" not in self.__dict__:
             raise AttributeError(name)  # pickling and copying look these up on a bare object
         attribute = getattr(self.wrapped, name)
-        coroutine = getattr(self.wrapped, f"_{name}", None)
-        if not (callable(attribute) and inspect.iscoroutinefunction(coroutine)):
+        coroutine = coroutine_of(self.wrapped, name)
+        if not callable(attribute) or coroutine is None:
             return attribute
 
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -253,6 +253,14 @@ class DeadlineFileSystem:
         return self._url(str(path))
 
 
+def coroutine_of(fs: Any, name: str) -> Any:
+    """The coroutine behind the method ``name`` of an asynchronous fsspec filesystem
+    (fsspec's async API: ``cat_file`` runs ``_cat_file`` on the filesystem's loop), or
+    ``None``."""
+    coroutine = getattr(fs, f"_{name}", None)
+    return coroutine if inspect.iscoroutinefunction(coroutine) else None
+
+
 ByteRange = tuple[str, int, int]
 """An object's path and the bytes ``[start, end)`` to read of it."""
 
@@ -279,7 +287,8 @@ def read_ranges(fs: Any, ranges: Iterable[ByteRange], *, window: int) -> Iterato
     ranges = iter(ranges)
     if window < 1:
         raise ValueError(f"read_ranges: expected a window of at least 1 GET, got {window}")
-    if not getattr(inner, "async_impl", False):
+    cat_file = coroutine_of(inner, "cat_file")
+    if cat_file is None:
         for path, start, end in ranges:
             yield fs.cat_file(path, start=start, end=end)
         return
@@ -293,7 +302,7 @@ def read_ranges(fs: Any, ranges: Iterable[ByteRange], *, window: int) -> Iterato
         path, start, end = taken
         if deadline is not None:
             fs.check_answering(fs._url(path))
-        read = inner._cat_file(path, start=start, end=end)
+        read = cat_file(path, start=start, end=end)
         if deadline is not None:
             read = asyncio.wait_for(read, deadline)
         pending.append((path, asyncio.run_coroutine_threadsafe(read, inner.loop)))
