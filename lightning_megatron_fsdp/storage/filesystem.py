@@ -651,7 +651,7 @@ class VerifyingFileSystemReader(FileSystemReader):
 
     # Storage access: the local filesystem here (confined), ``self.fs`` when the user
     # replaced it; ``fsspec_storage`` overrides ``_display``, ``_file_digest``, ``_file_size``,
-    # ``_read_whole`` and ``_opened``.
+    # ``_read_whole`` and ``read_data`` (its reads, not its checks).
 
     def _display(self, name: str) -> str:
         """``name`` inside the checkpoint, as messages show it."""
@@ -778,18 +778,23 @@ class VerifyingFileSystemReader(FileSystemReader):
     @override
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self.progress = ReadProgress(started=True, total=len(plan.items))
-        per_file: dict[str, list[ReadItem]] = {}
-        for item in plan.items:
-            name = self.storage_data[item.storage_index].relative_path
-            per_file.setdefault(name, []).append(item)
-        for name, items in per_file.items():
-            items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
+        for name, items in self._per_file(plan).items():
             with self._opened(name) as read_at:
                 for batch in self._batches(items):
                     self._read_batch(read_at, name, batch, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _per_file(self, plan: LoadPlan) -> dict[str, list[ReadItem]]:
+        """``plan``'s items by the file holding their records, each file's by offset."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            name = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(name, []).append(item)
+        for items in per_file.values():
+            items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
+        return per_file
 
     def _batches(self, items: list[ReadItem]) -> Iterator[list[ReadItem]]:
         """``items`` (sorted by offset) in runs of adjacent records of at most

@@ -16,19 +16,27 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import io
+import itertools
 import math
 import os
 import posixpath
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from fsspec.asyn import sync
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from typing_extensions import override
@@ -36,11 +44,17 @@ from typing_extensions import override
 from lightning_megatron_fsdp.errors import NotACheckpointError
 from lightning_megatron_fsdp.storage.filesystem import (
     ChecksummingFileSystemWriter,
+    ReadProgress,
     VerifyingFileSystemReader,
     byte_view,
 )
 from lightning_megatron_fsdp.storage.format import DCP_METADATA_FILE, Manifest
-from lightning_megatron_fsdp.storage.object_store import ObjectStore, abort_upload, unwrapped
+from lightning_megatron_fsdp.storage.object_store import (
+    ObjectStore,
+    abort_upload,
+    read_ranges,
+    unwrapped,
+)
 
 __all__ = ["ChecksummingFsspecWriter", "VerifyingFsspecReader"]
 
@@ -58,8 +72,17 @@ rank's resident state."""
 
 _RANGE = 4 << 20
 """Bytes per ranged GET of a load: consecutive records are read together up to this size,
-a larger record in pieces of it; a read holds at most about twice this beyond its
-targets."""
+a larger record in pieces of it; memory beyond the targets: see :data:`_READ_SHARE`."""
+
+_WINDOW = 4
+"""The most ranged GETs of a load in flight at once: a GET's latency (the server's seek,
+the first byte's round trip) and the checks of the bytes before it overlap the others'
+transfers."""
+
+_READ_SHARE = 10
+"""The GETs in flight hold at most ``1 / _READ_SHARE`` of the bytes a rank reads (at least
+one GET, at most :data:`_WINDOW`), each about twice its range (the client's received
+pieces and their join), so a load's peak memory stays close to the rank's state."""
 
 
 class _Part(io.BytesIO):
@@ -453,27 +476,84 @@ class VerifyingFsspecReader(VerifyingFileSystemReader):
         return self.store.digest(posixpath.join(self.path, name), algorithm)
 
     @override
-    @contextlib.contextmanager
-    def _opened(self, name: str) -> Iterator[Callable[[list[Any], int], int]]:
-        self._expected_size(name)  # only files the manifest lists
-        path = posixpath.join(self.path, name)
-        fs = self.store.fs
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """The bytes of every file this rank reads, each run of adjacent records as one
+        stream of ranged GETs of about :data:`_RANGE` bytes (:func:`_cut`), up to
+        :data:`_WINDOW` of them in flight at once across runs and files
+        (:data:`_READ_SHARE`); each batch's records are checked and handed on, in order, as
+        their bytes arrive."""
+        self.progress = ReadProgress(started=True, total=len(plan.items))
+        batches: list[tuple[str, list[ReadItem]]] = []
+        spans: list[list[Any]] = []  # [path, start, end] of each run of adjacent records
+        for name, items in self._per_file(plan).items():
+            self._expected_size(name)  # only files the manifest lists
+            path = posixpath.join(self.path, name)
+            for batch in self._batches(items):
+                batches.append((name, batch))
+                start = self.storage_data[batch[0].storage_index].offset
+                last = self.storage_data[batch[-1].storage_index]
+                if spans and spans[-1][0] == path and spans[-1][2] == start:
+                    spans[-1][2] = last.offset + last.length
+                else:
+                    spans.append([path, start, last.offset + last.length])
+        ranges = [piece for path, start, end in spans for piece in _cut(path, start, end)]
+        total = sum(end - start for _, start, end in ranges)
+        window = max(1, min(_WINDOW, total // _READ_SHARE // (2 * _RANGE)))
+        with contextlib.closing(read_ranges(self.store.fs, ranges, window=window)) as pieces:
+            stream = _RangeStream(ranges, pieces)
+            for name, batch in batches:
+                path = posixpath.join(self.path, name)
+                self._read_batch(functools.partial(stream.read_at, path), name, batch, planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
-        def read_at(buffers: list[Any], offset: int) -> int:
-            views = [memoryview(b).cast("B") for b in buffers]
-            views = [v for v in views if v.nbytes]
-            total = sum(v.nbytes for v in views)
-            done = 0
-            while done < total:
-                want = min(_RANGE, total - done)
-                data = fs.cat_file(path, start=offset + done, end=offset + done + want)
-                _scatter(views, done, data)
-                done += len(data)
-                if len(data) < want:
-                    break
-            return done
 
-        yield read_at
+def _cut(path: str, start: int, end: int) -> list[tuple[str, int, int]]:
+    """``[start, end)`` of ``path`` in the whole number of about equal ranges nearest to
+    :data:`_RANGE` bytes each (at most 1.5 times it): no GET for a few bytes left over."""
+    count = max(1, round((end - start) / _RANGE))
+    bounds = [start + (end - start) * k // count for k in range(count + 1)]
+    return [(path, a, b) for a, b in itertools.pairwise(bounds)]
+
+
+class _RangeStream:
+    """The bytes of ``ranges``, fetched as ``pieces`` (one per range, in order), handed
+    out in that order to reads that ask for them in that order."""
+
+    def __init__(self, ranges: list[tuple[str, int, int]], pieces: Iterator[bytes]) -> None:
+        self._ranges = iter(ranges)
+        self._pieces = pieces
+        self._path = ""
+        self._at = self._end = 0
+        self._data = memoryview(b"")
+
+    def read_at(self, path: str, buffers: list[Any], offset: int) -> int:
+        """Fill ``buffers`` with the bytes of ``path`` from ``offset`` (where the previous
+        read ended, or where a range starts); returns the bytes filled, short where the
+        object ended."""
+        done = 0
+        for buffer in buffers:
+            view = memoryview(buffer).cast("B")
+            while view.nbytes:
+                if not self._data.nbytes:
+                    if self._at < self._end:
+                        return done  # the last piece was short: the object ends there
+                    self._path, self._at, self._end = next(self._ranges)
+                    self._data = memoryview(next(self._pieces))
+                    if not self._data.nbytes:
+                        return done
+                if (self._path, self._at) != (path, offset + done):
+                    raise AssertionError(
+                        f"read of {path} at {offset + done} where the ranges planned "
+                        f"{self._path} at {self._at}"
+                    )
+                n = min(view.nbytes, self._data.nbytes)
+                view[:n] = self._data[:n]
+                view, self._data = view[n:], self._data[n:]
+                self._at += n
+                done += n
+        return done
 
 
 def _plan_bytes(plan: SavePlan) -> int:
@@ -484,18 +564,3 @@ def _plan_bytes(plan: SavePlan) -> int:
             sizes = item.tensor_data.chunk.sizes
             total += math.prod(sizes) * item.tensor_data.properties.dtype.itemsize
     return total
-
-
-def _scatter(views: list[memoryview], at: int, data: bytes) -> None:
-    """Copy ``data`` into the concatenation of ``views`` starting at byte ``at``."""
-    source = memoryview(data)
-    for view in views:
-        if at >= view.nbytes:
-            at -= view.nbytes
-            continue
-        n = min(view.nbytes - at, source.nbytes)
-        view[at : at + n] = source[:n]
-        source = source[n:]
-        at = 0
-        if not source.nbytes:
-            return

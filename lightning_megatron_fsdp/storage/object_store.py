@@ -13,6 +13,8 @@ storage".
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import fnmatch
@@ -23,7 +25,7 @@ import logging
 import posixpath
 import re
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from typing_extensions import override
@@ -51,6 +53,7 @@ __all__ = [
     "is_url",
     "local_path",
     "open_store",
+    "read_ranges",
     "unwrapped",
     "url_protocol",
 ]
@@ -199,7 +202,7 @@ class DeadlineFileSystem:
         if name.startswith("__") or "wrapped" not in self.__dict__:
             raise AttributeError(name)  # pickling and copying look these up on a bare object
         attribute = getattr(self.wrapped, name)
-        coroutine = self._coroutine(name)
+        coroutine = coroutine_of(self.wrapped, name)
         if not callable(attribute) or coroutine is None:
             return attribute
 
@@ -208,12 +211,6 @@ class DeadlineFileSystem:
 
         return call
 
-    def _coroutine(self, name: str) -> Any:
-        """The filesystem's coroutine behind its method ``name`` (fsspec's ``_name``), or
-        ``None`` where it has none (a synchronous filesystem)."""
-        coroutine = getattr(self.wrapped, f"_{name}", None)
-        return coroutine if inspect.iscoroutinefunction(coroutine) else None
-
     def open(
         self, path: str, mode: str = "rb", block_size: int | None = None, **kwargs: Any
     ) -> Any:
@@ -221,7 +218,7 @@ class DeadlineFileSystem:
         (the filesystem's own file reads through the filesystem's loop directly, past any
         deadline: a whole-file read of a stopped store would wait out every retry). Other
         modes, and synchronous filesystems, get the filesystem's own file."""
-        if mode != "rb" or self._coroutine("cat_file") is None:
+        if mode != "rb" or coroutine_of(self.wrapped, "cat_file") is None:
             return self.wrapped.open(path, mode, block_size=block_size, **kwargs)
         ranges = _DeadlineReads(self, path, int(self.size(path)))
         return io.BufferedReader(ranges, buffer_size=block_size or _READ_BLOCK)
@@ -233,24 +230,34 @@ class DeadlineFileSystem:
         target = self._target(name, args, kwargs)
         if name == "call_s3" and args:
             name = str(args[0])  # the S3 operation: put_object, upload_part, ...
+        self.check_answering(target)
+        try:
+            return sync(self.wrapped.loop, coroutine, *args, timeout=self.deadline, **kwargs)
+        except FSTimeoutError as err:
+            raise self.gave_up(target, name) from err
+
+    def check_answering(self, target: str) -> None:
+        """Raise at once if an earlier request ran past the deadline (see the class)."""
         if self.unanswered is not None:
             raise TimeoutError(
                 f"{target}: not sent, the object store did not answer an earlier request "
                 f"({self.unanswered})"
             )
-        try:
-            return sync(self.wrapped.loop, coroutine, *args, timeout=self.deadline, **kwargs)
-        except FSTimeoutError as err:
+
+    def gave_up(self, target: str, name: str) -> TimeoutError:
+        """The error of the request ``name`` about ``target`` that ran past the deadline;
+        every later request fails at once (:meth:`check_answering`)."""
+        if self.unanswered is None:
             self.unanswered = (
                 f"{target}: the object store did not answer {name} within {self.deadline:g} s "
                 "(half the process group's timeout)"
             )
-            raise TimeoutError(
-                f"{self.unanswered}. It is down, stopped or unreachable: check the store "
-                "(its endpoint, the network, the server's health) and save or load again; "
-                "for a store that is alive but this slow, raise the process group's "
-                "timeout (the strategy's `timeout`)"
-            ) from err
+        return TimeoutError(
+            f"{self.unanswered}. It is down, stopped or unreachable: check the store "
+            "(its endpoint, the network, the server's health) and save or load again; "
+            "for a store that is alive but this slow, raise the process group's "
+            "timeout (the strategy's `timeout`)"
+        )
 
     def _target(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         """The URL a request is about (s3fs's ``call_s3``: its bucket and key)."""
@@ -287,6 +294,79 @@ class _DeadlineReads(SeekableStream):
         view[: len(data)] = data
         self._position += len(data)
         return len(data)
+
+
+def coroutine_of(fs: Any, name: str) -> Any:
+    """The coroutine behind the method ``name`` of an asynchronous fsspec filesystem
+    (fsspec's async API: ``cat_file`` runs ``_cat_file`` on the filesystem's loop), or
+    ``None``."""
+    coroutine = getattr(fs, f"_{name}", None)
+    return coroutine if inspect.iscoroutinefunction(coroutine) else None
+
+
+ByteRange = tuple[str, int, int]
+"""An object's path and the bytes ``[start, end)`` to read of it."""
+
+
+def read_ranges(fs: Any, ranges: Iterable[ByteRange], *, window: int) -> Iterator[bytes]:
+    """The bytes of each of ``ranges``, in order, with up to ``window`` ranged GETs in
+    flight at once, the next sent as each is handed out (``fs.cat_file`` one at a time
+    where ``fs`` is not asynchronous).
+
+    A read is not retried or padded: a range past an object's end yields the bytes there
+    are (short), for the caller to refuse naming the object. Memory: at most ``window``
+    ranges' bytes are held, received or in flight, besides the one handed out. A
+    :class:`DeadlineFileSystem`'s deadline applies to each GET, and a GET past it fails
+    the read (and every later request) with its :class:`TimeoutError`. Closing the
+    iterator (or an error) cancels the GETs still in flight.
+
+    Rejected: ``fs.cat_ranges`` (every range in memory at once, and no order to check
+    records in as they arrive); a thread per range (each needs its own event loop for the
+    same client).
+    """
+    import asyncio
+
+    inner = unwrapped(fs)
+    ranges = iter(ranges)
+    if window < 1:
+        raise ValueError(f"read_ranges: expected a window of at least 1 GET, got {window}")
+    cat_file = coroutine_of(inner, "cat_file")
+    if cat_file is None:
+        for path, start, end in ranges:
+            yield fs.cat_file(path, start=start, end=end)
+        return
+    deadline = fs.deadline if isinstance(fs, DeadlineFileSystem) else None
+    pending: collections.deque[tuple[str, concurrent.futures.Future[bytes]]] = collections.deque()
+
+    def submit() -> bool:
+        taken = next(ranges, None)
+        if taken is None:
+            return False
+        path, start, end = taken
+        if deadline is not None:
+            fs.check_answering(fs._url(path))
+        read = cat_file(path, start=start, end=end)
+        if deadline is not None:
+            read = asyncio.wait_for(read, deadline)
+        pending.append((path, asyncio.run_coroutine_threadsafe(read, inner.loop)))
+        return True
+
+    try:
+        while len(pending) < window and submit():
+            pass
+        while pending:
+            path, future = pending.popleft()
+            try:
+                data = future.result()
+            except (asyncio.TimeoutError, concurrent.futures.TimeoutError) as err:
+                if deadline is None:
+                    raise
+                raise fs.gave_up(fs._url(path), "cat_file") from err
+            submit()
+            yield data
+    finally:
+        for _, future in pending:
+            future.cancel()
 
 
 def unwrapped(fs: Any) -> Any:
