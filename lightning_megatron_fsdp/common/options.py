@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_megatron_fsdp import _lightning
+from lightning_megatron_fsdp.checkpoint import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.common.exact_resume import ExactResume
 from lightning_megatron_fsdp.common.model_setup import ModelSharder, join_process_group
 from lightning_megatron_fsdp.common.precision import MegatronFSDPPrecision
@@ -243,13 +244,29 @@ class StrategyOptionsMixin:
     global_rank: int
     cluster_environment: ClusterEnvironment | None
     accelerator: Accelerator | None
-    checkpoint_io: CheckpointIO
     _checkpoint_io: CheckpointIO | None
     _exact_resume: ExactResume
 
     @property
     def _megatron_precision(self) -> MegatronFSDPPrecision:
         raise NotImplementedError
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """``MegatronFSDPCheckpointIO()`` unless one was given (also inside a Lightning
+        wrapper given without one)."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = MegatronFSDPCheckpointIO()
+        elif (
+            isinstance(self._checkpoint_io, _lightning.WrappingCheckpointIO)
+            and self._checkpoint_io.checkpoint_io is None
+        ):
+            self._checkpoint_io.checkpoint_io = MegatronFSDPCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
 
     def _take_options(self, where: str, options: ShardingOptions) -> None:
         """Validate the constructor's sharding ``options`` (see

@@ -12,8 +12,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins import CheckpointIO, Precision
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.utilities.distributed import ReduceOp
 from torch import Tensor, nn
@@ -22,7 +21,6 @@ from typing_extensions import Unpack, override
 
 from lightning_megatron_fsdp import _lightning
 from lightning_megatron_fsdp.agreement import peer_failures_explained
-from lightning_megatron_fsdp.checkpoint import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.common import (
     ExactResume,
     ShardingOptions,
@@ -68,10 +66,10 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
 
     Args:
         checkpoint_io: Defaults to ``MegatronFSDPCheckpointIO()``.
-        accelerator: Set by Fabric.
-        parallel_devices: Set by Fabric.
-        cluster_environment: Set by Fabric (``torchrun``, SLURM, Lightning, ...).
         precision: Set by Fabric from ``precision=...``.
+
+    The accelerator, devices and cluster environment are Fabric's to set (``accelerator=``,
+    ``devices=``, ``plugins=[environment]``), as for Lightning's ``ModelParallelStrategy``.
 
     Raises:
         TypeError: If an option is unknown, or ``auto_wrap_policy``, ``device_mesh``,
@@ -87,19 +85,10 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
         self,
         *,
         checkpoint_io: CheckpointIO | None = None,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
         **options: Unpack[ShardingOptions],
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-        )
+        super().__init__(checkpoint_io=checkpoint_io, precision=precision)
         self._take_options(_STRATEGY, options)
         self._num_nodes = 1
         self._models: list[nn.Module] = []
@@ -121,18 +110,6 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, ParallelStrategy):
 
     precision = precision_property("_precision", MegatronFSDPFabricPrecision, _STRATEGY)
     _megatron_precision = precision
-
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        if self._checkpoint_io is None:
-            self._checkpoint_io = MegatronFSDPCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    @override
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
 
     # ------------------------------------------------------------------ processes
 

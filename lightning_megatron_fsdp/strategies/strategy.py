@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
@@ -90,11 +90,12 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
             without optimizer state (saved with ``weights_only=True``): weights and the
             training position load, the optimizers start fresh. Off by default, so such a
             resume is refused on every rank instead of silently changing the run.
-        accelerator: Set by the Trainer.
-        parallel_devices: Set by the Trainer.
-        cluster_environment: Set by the Trainer (``torchrun``, SLURM, Lightning, ...).
         checkpoint_io: Defaults to ``MegatronFSDPCheckpointIO``.
         precision_plugin: Set by the Trainer from ``precision=...``.
+
+    The accelerator, devices and cluster environment are the Trainer's to set
+    (``accelerator=``, ``devices=``, ``plugins=[environment]``), as for Lightning's
+    ``ModelParallelStrategy``.
 
     Raises:
         TypeError: If an option is unknown, or ``auto_wrap_policy``, ``device_mesh``,
@@ -118,20 +119,11 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
         *,
         init_weights_from: _lightning.PATH | PretrainedWeights | None = None,
         allow_weights_only_resume: bool = False,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         **options: Unpack[ShardingOptions],
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.checkpoint_io = checkpoint_io  # through the setter, which validates it
         self._take_options(_STRATEGY, options)
         if not isinstance(allow_weights_only_resume, bool):
@@ -155,20 +147,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
     precision_plugin = precision_property("_precision_plugin", MegatronFSDPPrecision, _STRATEGY)
     _megatron_precision = precision_plugin
 
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        if self._checkpoint_io is None:
-            self._checkpoint_io = _default_checkpoint_io()
-        elif (
-            isinstance(self._checkpoint_io, _lightning.WrappingCheckpointIO)
-            and self._checkpoint_io.checkpoint_io is None
-        ):
-            self._checkpoint_io.checkpoint_io = _default_checkpoint_io()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    @override
+    @StrategyOptionsMixin.checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
         if isinstance(io, AsyncCheckpointIO):
             raise TypeError(
@@ -510,10 +489,6 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _default_checkpoint_io() -> CheckpointIO:
-    return MegatronFSDPCheckpointIO()
 
 
 def _trainer_of(strategy: MegatronFSDPStrategy) -> pl.Trainer:
