@@ -200,6 +200,11 @@ def test_a_crafted_file_name_or_table_shape_is_refused_naming_the_key() -> None:
         _assembled(
             _sent(dataclasses.replace(slices, keys={**slices.keys, key: cut_short})), {key: None}
         )
+    emptied = dataclasses.replace(table, rows=b"")
+    with pytest.raises(CheckpointCorruptedError, match=r"'model\.layer\.tall': no chunk of"):
+        _assembled(
+            _sent(dataclasses.replace(slices, keys={**slices.keys, key: emptied})), {key: None}
+        )
 
 
 # ----------------------------------------------------- the index a save writes (.metadata.keys)
@@ -364,16 +369,33 @@ def test_verify_refuses_an_index_that_disagrees_with_the_metadata(
         assert repr(key) in problems[0] or "files" in problems[0], problems
 
 
+def _nested_header(data: bytes) -> bytes:
+    """The index with its JSON header replaced by one nested too deep to parse."""
+    magic = metadata_index._MAGIC
+    header = b"[" * 100_000 + b"]" * 100_000
+    return magic + len(header).to_bytes(8, "little") + header + data[len(magic) + 8 :]
+
+
+@pytest.mark.parametrize(
+    ("craft", "says"),
+    [
+        (lambda data: data + b"\0" * 8, "8 bytes"),
+        (_nested_header, "its header is not JSON (RecursionError"),
+    ],
+    ids=["trailing bytes", "nested header"],
+)
 def test_verify_refuses_a_malformed_index_naming_it(
     checkpoints: dict[str, Path],  # noqa: F811
     tmp_path: Path,
+    craft: Any,
+    says: str,
 ) -> None:
     path = Path(shutil.copytree(checkpoints["intact"], tmp_path / "crafted"))
     data = (path / DCP_METADATA_KEYS_FILE).read_bytes()
-    (path / DCP_METADATA_KEYS_FILE).write_bytes(data + b"\0" * 8)
+    (path / DCP_METADATA_KEYS_FILE).write_bytes(craft(data))
     reseal(path)
     (problem,) = _verified(path)
-    assert problem.startswith(f"{DCP_METADATA_KEYS_FILE}: malformed index of .metadata: 8 bytes")
+    assert problem.startswith(f"{DCP_METADATA_KEYS_FILE}: malformed index of .metadata: {says}")
 
 
 def test_a_later_save_fills_the_cached_layout_as_a_fresh_cut_would() -> None:

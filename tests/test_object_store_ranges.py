@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from lightning_megatron_fsdp.storage.fsspec_storage import _RangeStream
+from lightning_megatron_fsdp.storage.fsspec_storage import _cut, _RangeStream
 from lightning_megatron_fsdp.storage.object_store import DeadlineFileSystem, read_ranges
 from tests.object_store import SeaweedServer
 
@@ -82,6 +82,16 @@ def test_a_range_past_the_end_comes_back_short_and_the_stream_fills_short(
     first, second = bytearray(100), bytearray(len(data) + half - 100)
     assert stream.read_at(path, [first, second], 0) == len(data)
     assert bytes(first + second[: len(data) - 100]) == data
+
+
+def test_a_span_is_cut_into_ranges_that_tile_it_and_an_empty_one_into_none() -> None:
+    """An empty span sends no GET: S3 answers an empty ``Range`` with the whole object."""
+    assert _cut("b/o", 7, 7) == []
+    for start, end in [(0, 1), (3, (4 << 20) + 3), (0, 10 << 20), (5, (13 << 20) + 1)]:
+        pieces = _cut("b/o", start, end)
+        assert pieces[0][1] == start and pieces[-1][2] == end
+        assert all(a[2] == b[1] for a, b in itertools.pairwise(pieces))
+        assert all(0 < stop - begin <= 6 << 20 for _, begin, stop in pieces)
 
 
 def test_ranged_reads_of_a_stopped_server_fail_within_the_deadline(

@@ -25,6 +25,7 @@ rank (whole-table tensor operations cost more than the few rows a rank builds).
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -170,9 +171,11 @@ class MetadataSlices:
             or table.ndim != ndim
             or not isinstance(table.rows, bytes)
             or len(table.rows) % (8 * width)
-            or (not tensor and len(table.rows) > 8 * width)
+            or (not tensor and len(table.rows) != 8 * width)
         ):
             raise self._malformed(key, "its table of chunks is malformed")
+        if tensor and not table.rows and math.prod(entry.size):
+            raise self._malformed(key, f"no chunk of its {list(entry.size)} elements")
         rows = torch.frombuffer(bytearray(table.rows), dtype=torch.int64).view(-1, width)
         if tensor and local is not None and ndim:
             rows = rows[_overlapping(rows, local, ndim)]

@@ -272,8 +272,8 @@ def decode_key_index(data: bytes, *, source: str) -> tuple[bytes, KeyTables] | N
         raise refuse(f"a header of {length} bytes in a file of {len(data)}")
     try:
         header = json.loads(data[start : start + length])
-    except ValueError as err:
-        raise refuse(f"its header is not JSON ({err})") from err
+    except (ValueError, RecursionError) as err:
+        raise refuse(f"its header is not JSON ({type(err).__name__}: {err})") from err
     if not (
         isinstance(header, dict)
         and header.keys() == {"byteorder", "files", "transforms", "keys", "skeleton"}

@@ -357,7 +357,8 @@ def read_ranges(fs: Any, ranges: Iterable[ByteRange], *, window: int) -> Iterato
         while pending:
             path, future = pending.popleft()
             try:
-                data = future.result()
+                # The caller's own limit too, should the loop not honour the cancellation.
+                data = future.result(timeout=None if deadline is None else deadline + 5)
             except (asyncio.TimeoutError, concurrent.futures.TimeoutError) as err:
                 if deadline is None:
                     raise
