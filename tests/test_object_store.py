@@ -53,6 +53,7 @@ from tests.scripts.fault_injection import (
     die,
     init_group,
     live_state,
+    saved_on_store,
     step,
     target_state,
     trained,
@@ -120,25 +121,11 @@ class _KillingWriter(ChecksummingFsspecWriter):
         return written
 
 
-def _saved_at_step_2(
-    rank: int, world_size: int, env: dict[str, str], url: str
-) -> tuple[Any, Any, MegatronFSDPCheckpointIO, str]:
-    """Join the group (the store's variables set), train, save step 2 as ``last.ckpt``:
-    the model, its Adam, the plugin and the checkpoint's URL."""
-    os.environ.update(env)
-    init_group(rank, world_size)
-    model, adam = trained(world_size)
-    plugin = MegatronFSDPCheckpointIO()
-    path = f"{url}/last.ckpt"
-    plugin.save_checkpoint(checkpoint_dict(model, adam, 2), path)
-    return model, adam, plugin, path
-
-
 def _crash(
     rank: int, world_size: int, env: dict[str, str], url: str, victim: int, after: int | None
 ) -> str:
     """Save step 2, train, save step 3 with ``victim`` killed while uploading."""
-    model, adam, plugin, path = _saved_at_step_2(rank, world_size, env, url)
+    model, adam, plugin, path = saved_on_store(rank, world_size, env, url, 2)
     step(model, adam, 2)
     dist.barrier()
 
@@ -172,7 +159,7 @@ def _server_lost(
     rank: int, world_size: int, env: dict[str, str], url: str, server_pid: int
 ) -> dict[str, Any]:
     """Save step 2; then save step 3 while rank 0 kills the server as the upload starts."""
-    model, adam, plugin, path = _saved_at_step_2(rank, world_size, env, url)
+    model, adam, plugin, path = saved_on_store(rank, world_size, env, url, 2)
     saved = facts(live_state(model, adam))
     step(model, adam, 2)
     dist.barrier()

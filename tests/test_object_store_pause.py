@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
+from lightning_megatron_fsdp import load_full_weights
 from lightning_megatron_fsdp.errors import CheckpointError
 from lightning_megatron_fsdp.storage import locate
 from tests.harness import run_distributed
@@ -38,9 +38,9 @@ from tests.s3_fault_proxy import Fault, FaultProxy
 from tests.scripts.fault_injection import (
     checkpoint_dict,
     live_state,
+    saved_on_store,
     step,
     target_state,
-    trained,
 )
 from tests.shard_facts import assert_same_facts, facts
 
@@ -84,12 +84,7 @@ def _saves_and_loads_while_paused(
     """Save ``last.ckpt``; save and load it again while ``server`` is stopped (or the proxy
     hangs); then load it into zeroed targets. Returns the two errors with their times and
     the loaded facts vs the first save's."""
-    os.environ.update(env)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
-    model, adam = trained(world_size)
-    plugin = MegatronFSDPCheckpointIO()
-    path = f"{url}/last.ckpt"
-    plugin.save_checkpoint(checkpoint_dict(model, adam, 1), path)
+    model, adam, plugin, path = saved_on_store(rank, world_size, env, url, 1, timeout=GROUP_TIMEOUT)
     saved = facts(live_state(model, adam))
     step(model, adam, 11)
 
@@ -218,16 +213,52 @@ def test_reads_through_a_file_of_a_stopped_store_fail_within_the_deadline(
         ), where
 
 
+def _weights_while_paused(
+    rank: int, world_size: int, env: dict[str, str], url: str, server: int
+) -> tuple[str | None, float]:
+    """Save ``last.ckpt``, then fill the model from it as full weights
+    (``load_full_weights``, as ``init_weights_from`` does) while ``server`` is stopped."""
+    model, _, _, path = saved_on_store(rank, world_size, env, url, 1, timeout=GROUP_TIMEOUT)
+    outcome = _paused(rank, server, lambda: load_full_weights(model, path))
+    dist.destroy_process_group()
+    return outcome
+
+
+def test_full_weights_from_a_stopped_store_fail_within_the_timeout(
+    seaweed: SeaweedServer,
+) -> None:
+    """SIGSTOP during ``load_full_weights`` from the bucket: every rank raises one clear
+    error within the group's timeout, naming the checkpoint and the deadline (without one,
+    each rank waits on s3fs's and botocore's retries for many minutes)."""
+    url = f"s3://{seaweed.new_bucket()}/run"
+    assert seaweed.process is not None
+    try:
+        outcomes = run_distributed(
+            _weights_while_paused,
+            2,
+            seaweed.env,
+            url,
+            seaweed.process.pid,
+            init_process_group=False,
+            timeout=180.0,
+        )
+    finally:
+        seaweed.resume()
+    for rank, (error, took) in enumerate(outcomes):
+        where = f"rank {rank} ({took:.1f} s): {error}"
+        assert error is not None and took < GROUP_TIMEOUT.total_seconds() + MARGIN, where
+        assert re.search(
+            rf"{re.escape(url)}/last\.ckpt\S*: the object store did not answer \w+ within "
+            rf"{DEADLINE}",
+            error,
+        ), where
+
+
 def _a_late_manifest(rank: int, world_size: int, env: dict[str, str], url: str) -> dict[str, Any]:
     """Save ``last.ckpt``; save it again while the proxy holds the manifest PUT past the
     deadline; once the held PUT has reached the server, load (the second save), save a
     third time and list the versions left."""
-    os.environ.update(env)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
-    model, adam = trained(world_size)
-    plugin = MegatronFSDPCheckpointIO()
-    path = f"{url}/last.ckpt"
-    plugin.save_checkpoint(checkpoint_dict(model, adam, 1), path)
+    model, adam, plugin, path = saved_on_store(rank, world_size, env, url, 1, timeout=GROUP_TIMEOUT)
     step(model, adam, 11)
     report: dict[str, Any] = {"want_facts": facts(live_state(model, adam))}
     checkpoint = checkpoint_dict(model, adam, 2)

@@ -235,7 +235,8 @@ def load_full_weights(
         weights_only: See :class:`PretrainedWeights`.
         storage_options: See :class:`PretrainedWeights`.
         process_group: Ranks that load together; the default group when ``None``. Its
-            timeout bounds every collective here.
+            timeout bounds every collective here, and half of it every request to an
+            object store.
 
     Returns:
         What was loaded, identical on every rank.
@@ -273,8 +274,11 @@ def load_full_weights(
                 f"got {type(optimizer).__name__}."
             )
     comm = Ranks.of(process_group)
+    # On an object store each request gives up after half the group's timeout (as a
+    # checkpoint load's do), so a stopped store fails every rank before its collectives do.
+    deadline = None if comm.group is None else _torch.group_timeout(comm.group).total_seconds() / 2
     try:
-        location: Location | None = locate(source, storage_options).absolute()
+        location: Location | None = locate(source, storage_options, deadline=deadline).absolute()
         path: Path | str = location.returned()
     except (ImportError, ValueError) as err:  # agreed on below, like any unreadable source
         location, path, not_located = None, os.fspath(source), SourceError(str(err))

@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 import lightning_megatron_fsdp.storage.commit as commit
 from lightning_megatron_fsdp import (
+    MegatronFSDPCheckpointIO,
     attach_uneven_dtensor_metadata,
     enable_cpu_execution,
     ensure_optimizer_state,
@@ -311,6 +312,26 @@ def checkpoint_dict(
         "epoch": 0,
         "loops": {"fit_loop": {"global_step": global_step}},
     }
+
+
+def saved_on_store(
+    rank: int,
+    world_size: int,
+    env: Mapping[str, str],
+    url: str,
+    global_step: int,
+    *,
+    timeout: timedelta = PG_TIMEOUT,
+) -> tuple[nn.Module, torch.optim.Optimizer, MegatronFSDPCheckpointIO, str]:
+    """Join the gloo group (the store's variables ``env`` set), train, and save
+    ``global_step`` as ``<url>/last.ckpt``: the model, its Adam, the plugin and that URL."""
+    os.environ.update(env)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
+    model, adam = trained(world_size)
+    plugin = MegatronFSDPCheckpointIO()
+    path = f"{url}/last.ckpt"
+    plugin.save_checkpoint(checkpoint_dict(model, adam, global_step), path)
+    return model, adam, plugin, path
 
 
 def target_state(world_size: int, *, num_blocks: int = 2) -> tuple[nn.Module, Any, dict]:
