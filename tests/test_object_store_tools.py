@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from lightning_megatron_fsdp import (
     CheckpointError,
+    CheckpointMismatchError,
     NotACheckpointError,
     PretrainedWeights,
     attach_uneven_dtensor_metadata,
@@ -120,19 +121,26 @@ def _train_and_save(rank: int, world_size: int, env: dict[str, str], local: str,
 
 
 class _FetchCounter:
-    """Counts the bytes of the ranged reads (``cat_file``) of the process's s3fs client:
-    the real call, only measured."""
+    """Counts the bytes of the ranged reads of the process's s3fs client, through its
+    blocking ``cat_file`` and its coroutine ``_cat_file`` (which reads under a deadline
+    take): the real calls, only measured."""
 
     def __init__(self) -> None:
         import fsspec
 
-        self.fs = fsspec.filesystem("s3")
-        self.inner = self.fs.cat_file
+        fs = fsspec.filesystem("s3")
+        blocking, coroutine = fs.cat_file, fs._cat_file  # cat_file never calls fs._cat_file
         self.fetched: dict[str, int] = {}
-        self.fs.cat_file = self
 
-    def __call__(self, path: str, start: int | None = None, end: int | None = None, **kw: Any):
-        data = self.inner(path, start=start, end=end, **kw)
+        def cat_file(path: str, start: int | None = None, end: int | None = None, **kw: Any):
+            return self._count(path, blocking(path, start=start, end=end, **kw))
+
+        async def _cat_file(path: str, start: int | None = None, end: int | None = None, **kw):
+            return self._count(path, await coroutine(path, start=start, end=end, **kw))
+
+        fs.cat_file, fs._cat_file = cat_file, _cat_file
+
+    def _count(self, path: str, data: bytes) -> bytes:
         key = path.rsplit("/", 1)[-1]
         self.fetched[key] = self.fetched.get(key, 0) + len(data)
         return data
@@ -146,6 +154,14 @@ def _load_weights(
     enable_cpu_execution()
     counter = _FetchCounter()
     result: dict[str, Any] = {}
+    # What reading the layout alone fetches (torch.save's pickle and zip directory): a load
+    # whose every key mismatches, refused before any value is read.
+    try:
+        load_full_weights(
+            shard_packed_lit(PackedLit(seed=None)), sources["torch"][1], add_prefix="x."
+        )
+    except CheckpointMismatchError:
+        result["layout"] = counter.fetched.pop("plain.pt")
     for name, (local, url) in sources.items():
         for where, path in (("local", local), ("bucket", url)):
             model = shard_packed_lit(PackedLit(seed=None))
@@ -437,19 +453,22 @@ def test_weights_from_the_bucket_match_the_local_load_at_two_ranks(
     assert any(r["torch", "bucket"]["params"]["lm.head.bias"][1].shape[0] == 0 for r in results)
 
     # Each rank fetched only the byte ranges of its rows (ranged reads of the data, counted
-    # without the layout reads: the safetensors header, torch.save's pickle): less than the
-    # data, and all of it together.
+    # without the layout reads: the safetensors header; torch.save's pickle and zip
+    # directory, what a load that reads no value fetched): less than the data, and all of
+    # it together.
     header = (
         8
         + struct.unpack("<Q", fs.cat_file(f"{bucket}/weights/model.safetensors", start=0, end=8))[0]
     )
     storages = {t.untyped_storage().data_ptr(): t.nbytes for t in plain.state_dict().values()}
     data = {
-        "plain.pt": (sum(storages.values()), 0),
+        "plain.pt": (sum(storages.values()), None),
         "model.safetensors": (fs.size(f"{bucket}/weights/model.safetensors") - header, header),
     }
     for name, (size, layout) in data.items():
-        fetched = [r["fetched"][name] - layout for r in results]
+        fetched = [
+            r["fetched"][name] - (r["layout"] if layout is None else layout) for r in results
+        ]
         assert all(0 < f < size for f in fetched) and sum(fetched) >= size, (name, fetched, size)
 
     for result in results:  # every rank raises the same clear error
