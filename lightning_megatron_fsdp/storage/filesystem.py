@@ -479,8 +479,8 @@ class ReadProgress:
     current: str | None = None
     """The record being read when the reader stopped: its target may hold part of it."""
     also: int = 0
-    """Records after :attr:`current` read in the same request, whose targets may hold
-    unchecked bytes too."""
+    """Records after :attr:`current` read in the same request (or, on a store, already
+    requested), whose targets may hold unchecked bytes too."""
     bytes_read: int = 0
     """Bytes of records read from storage and checked (tensor and byte records)."""
     tensor_bytes_read: int = 0

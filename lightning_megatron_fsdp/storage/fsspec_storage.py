@@ -8,9 +8,9 @@ S3 a multipart upload handed to the client without a copy), the CRC32C of every 
 taken from the bytes as they go out; a load must not pay a request per record nor hold
 copies of what it reads, so each run of adjacent records is read with a few concurrent
 ranged GETs (on S3 received straight into the records' targets) and each record is
-checked before it is handed on. The objects are byte for byte what the local writer writes, so a
-checkpoint copied between a disk and a bucket loads either way (docs/DESIGN.md, "Object
-storage": the mechanism and the alternatives).
+checked before it is handed on. The objects are byte for byte what the local writer
+writes, so a checkpoint copied between a disk and a bucket loads either way
+(docs/DESIGN.md, "Object storage": the mechanism and the alternatives).
 """
 
 from __future__ import annotations
@@ -432,7 +432,6 @@ class VerifyingFsspecReader(VerifyingFileSystemReader):
     """
 
     batch_bytes = _RANGE  # one GET per run of adjacent records: requests cost, bytes less
-    read_chunk_bytes = 0  # a batch's bytes in that one GET
 
     def __init__(
         self, store: ObjectStore, path: str, *, verify: bool = True, trust_checkpoint: bool = False
