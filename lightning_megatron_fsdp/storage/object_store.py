@@ -379,7 +379,7 @@ def read_ranges(fs: Any, ranges: Iterable[Landing], *, window: int) -> Iterator[
         while len(pending) < window and submit():
             pass
         while pending:
-            path, sink, future = pending.popleft()
+            path, _, future = pending[0]  # left in pending until it succeeded: see finally
             try:
                 # The caller's own limit too, should the loop not honour the cancellation.
                 filled = future.result(timeout=None if deadline is None else deadline + 5)
@@ -387,6 +387,7 @@ def read_ranges(fs: Any, ranges: Iterable[Landing], *, window: int) -> Iterator[
                 if deadline is None:
                     raise
                 raise fs.gave_up(fs._url(path), "cat_file") from err
+            pending.popleft()
             submit()
             yield filled
     finally:
