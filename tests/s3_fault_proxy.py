@@ -39,9 +39,11 @@ class Fault:
 
     Args:
         kind: ``"503"`` (SlowDown), ``"500"`` (InternalError), ``"reset"`` (the connection
-            is reset, no answer), ``"hang"`` (no answer until the proxy resumes or stops) or
-            ``"late"`` (no answer ever; the request reaches the server after ``delay``
-            seconds, long after the client gave up: recorded ``"landed"`` then).
+            is reset, no answer), ``"cut"`` (the server's answer, its headers whole, the
+            connection reset halfway through its body), ``"hang"`` (no answer until the
+            proxy resumes or stops) or ``"late"`` (no answer ever; the request reaches the
+            server after ``delay`` seconds, long after the client gave up: recorded
+            ``"landed"`` then).
         delay: Seconds a ``"late"`` request is held before it is sent to the server.
         times: How many matching requests get the fault, in a row; then they pass.
         method: The HTTP method to match (``None``: any).
@@ -58,9 +60,9 @@ class Fault:
     seen: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("503", "500", "reset", "hang", "late"):
+        if self.kind not in ("503", "500", "reset", "cut", "hang", "late"):
             raise ValueError(
-                f"Fault: kind must be 503, 500, reset, hang or late, got {self.kind!r}"
+                f"Fault: kind must be 503, 500, reset, cut, hang or late, got {self.kind!r}"
             )
 
     def take(self, method: str, path: str) -> bool:
@@ -207,20 +209,26 @@ class FaultProxy:
                 self._record(method, path, "landed" if status == 200 else str(status))
             request.close_connection = True  # never answered: the client gave up long ago
             return
-        if fault is not None:
+        if fault is not None and fault.kind != "cut":
             self._record(method, path, fault.kind)
             _answer_fault(request, fault.kind, self)
             return
         status, headers, data = self._forward(request, body)
-        self._record(method, path, str(status))
+        self._record(method, path, "cut" if fault is not None else str(status))
         request.send_response(status)
         for name, value in headers:
             if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
                 request.send_header(name, value)
         request.send_header("Content-Length", str(len(data)))
         request.end_headers()
-        if method != "HEAD":
+        if method == "HEAD":
+            return
+        if fault is None:
             request.wfile.write(data)
+            return
+        request.wfile.write(data[: len(data) // 2])
+        request.wfile.flush()
+        _answer_fault(request, "reset", self)
 
     def _forward(
         self, request: BaseHTTPRequestHandler, body: bytes

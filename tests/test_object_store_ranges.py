@@ -1,9 +1,11 @@
 """The load's concurrent ranged reads against a real S3-compatible server (SeaweedFS,
-``tests/object_store.py``): ``read_ranges`` hands back each range's bytes exactly and in
-the order asked, never has more than its window of GETs taken, hands back a range past an
-object's end short (and the load's stream then fills short, which ``_read_batch`` refuses
-naming the object), and a stopped server fails it within the deadline with one
-:class:`TimeoutError` naming the object, after which nothing more is sent.
+``tests/object_store.py``): ``read_ranges`` fills each range's buffers exactly and hands
+the ranges back in the order asked, never has more than its window of GETs taken, fills a
+range past an object's end short (which the load refuses naming the object), requests a
+body cut off midway again from where it stopped (and fails naming the object once cut
+off more often than the client retries), and a stopped server fails it within the
+deadline with one :class:`TimeoutError` naming the object, after which nothing more is
+sent.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import time
 from typing import Any
 
 import pytest
+import s3fs
 
-from lightning_megatron_fsdp.storage.fsspec_storage import _cut, _RangeStream
+from lightning_megatron_fsdp.storage.fsspec_storage import _cut
 from lightning_megatron_fsdp.storage.object_store import DeadlineFileSystem, read_ranges
-from tests.object_store import SeaweedServer
+from tests.object_store import ACCESS_KEY, SECRET_KEY, SeaweedServer
+from tests.s3_fault_proxy import Fault, FaultProxy
 
 
 def _objects(seaweed: SeaweedServer, sizes: list[int]) -> tuple[Any, dict[str, bytes]]:
@@ -47,6 +51,21 @@ def _ranges(objects: dict[str, bytes], seed: int) -> list[tuple[str, int, int]]:
     return ranges
 
 
+def _landings(ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, list[bytearray]]]:
+    """Each range with empty buffers for its bytes: two where it has more than one byte."""
+    landings = []
+    for path, start, end in ranges:
+        size = end - start
+        cut = size // 3
+        buffers = [bytearray(cut), bytearray(size - cut)] if cut else [bytearray(size)]
+        landings.append((path, start, buffers))
+    return landings
+
+
+def _filled(landing: tuple[str, int, list[bytearray]]) -> bytes:
+    return b"".join(landing[2])
+
+
 @pytest.mark.parametrize("window", [1, 3, 8])
 def test_ranged_reads_return_each_range_in_order_within_the_window(
     seaweed: SeaweedServer, window: int
@@ -57,31 +76,68 @@ def test_ranged_reads_return_each_range_in_order_within_the_window(
 
     def counted() -> Any:
         nonlocal taken
-        for byte_range in ranges:
+        for landing in landings:
             taken += 1
-            yield byte_range
+            yield landing
 
+    landings = _landings(ranges)
     got = []
-    for index, data in enumerate(read_ranges(fs, counted(), window=window)):
+    for index, filled in enumerate(read_ranges(fs, counted(), window=window)):
         # the range handed back, the one after it being read, and at most window - 1 more
         assert taken <= index + 1 + window, (taken, index, window)
-        got.append(data)
-    assert len(got) == len(ranges)
-    for (path, start, end), data in zip(ranges, got, strict=True):
-        assert data == objects[path][start:end], (path, start, end)
+        got.append(filled)
+    assert got == [end - start for _, start, end in ranges]
+    for (path, start, end), landing in zip(ranges, landings, strict=True):
+        assert _filled(landing) == objects[path][start:end], (path, start, end)
 
 
-def test_a_range_past_the_end_comes_back_short_and_the_stream_fills_short(
-    seaweed: SeaweedServer,
-) -> None:
+def test_a_range_past_the_end_is_filled_short(seaweed: SeaweedServer) -> None:
     fs, objects = _objects(seaweed, [1 << 20])
     ((path, data),) = objects.items()
     half = len(data) // 2
-    ranges = [(path, 0, half), (path, half, half + len(data))]  # the second: past the end
-    stream = _RangeStream(ranges, read_ranges(fs, ranges, window=2))
-    first, second = bytearray(100), bytearray(len(data) + half - 100)
-    assert stream.read_at(path, [first, second], 0) == len(data)
-    assert bytes(first + second[: len(data) - 100]) == data
+    landings = _landings([(path, 0, half), (path, half, half + len(data))])  # past the end
+    assert list(read_ranges(fs, landings, window=2)) == [half, len(data) - half]
+    assert (_filled(landings[0]) + _filled(landings[1]))[: len(data)] == data
+
+
+def _through(proxy: FaultProxy) -> Any:
+    return s3fs.S3FileSystem(
+        key=ACCESS_KEY, secret=SECRET_KEY, endpoint_url=proxy.endpoint, skip_instance_cache=True
+    )
+
+
+def test_a_body_cut_off_midway_is_read_again_from_where_it_stopped(
+    seaweed: SeaweedServer,
+) -> None:
+    """Each of the first GETs answered with half its body, then a reset connection: the
+    bytes still missing are requested again, and every range holds its bytes exactly."""
+    _, objects = _objects(seaweed, [6 << 20, 3 << 20])
+    ranges = [
+        (p, a, a + (1 << 20)) for p, data in objects.items() for a in range(0, len(data), 1 << 20)
+    ]
+    cuts = s3fs.S3FileSystem.retries - 1  # one range cut that often, then read whole
+    with FaultProxy(seaweed.ports["s3.port"], [Fault("cut", cuts, method="GET")]) as proxy:
+        landings = _landings(ranges)
+        assert list(read_ranges(_through(proxy), landings, window=3)) == [1 << 20] * len(ranges)
+        assert proxy.answered("cut") == cuts, proxy.log
+    for (path, start, end), landing in zip(ranges, landings, strict=True):
+        assert _filled(landing) == objects[path][start:end], (path, start, end)
+
+
+def test_a_body_cut_off_more_often_than_retried_fails_naming_the_object(
+    seaweed: SeaweedServer,
+) -> None:
+    _, objects = _objects(seaweed, [2 << 20])
+    ((path, data),) = objects.items()
+    retries = s3fs.S3FileSystem.retries
+    with FaultProxy(seaweed.ports["s3.port"], [Fault("cut", retries, method="GET")]) as proxy:
+        landings = _landings([(path, 0, len(data))])
+        with pytest.raises(
+            OSError,
+            match=rf"s3://{path}: reading bytes \[0, {len(data)}\) failed {retries} times",
+        ):
+            list(read_ranges(_through(proxy), landings, window=1))
+        assert proxy.answered("cut") == retries, proxy.log
 
 
 def test_a_span_is_cut_into_ranges_that_tile_it_and_an_empty_one_into_none() -> None:
@@ -101,13 +157,15 @@ def test_ranged_reads_of_a_stopped_server_fail_within_the_deadline(
     ((path, data),) = objects.items()
     ranges = [(path, at, at + (1 << 20)) for at in range(0, len(data), 1 << 20)]
     deadline = DeadlineFileSystem(fs, 3.0, lambda p: f"s3://{p}")
-    assert b"".join(read_ranges(deadline, ranges, window=4)) == data  # connections made
+    landings = _landings(ranges)
+    assert list(read_ranges(deadline, landings, window=4)) == [1 << 20] * 8  # connections made
+    assert b"".join(_filled(landing) for landing in landings) == data
     outcome: dict[str, Any] = {}
 
     def read() -> None:
         start = time.monotonic()
         try:
-            b"".join(read_ranges(deadline, ranges, window=4))
+            list(read_ranges(deadline, _landings(ranges), window=4))
         except Exception as err:
             outcome["error"] = err
         outcome["seconds"] = time.monotonic() - start
@@ -126,4 +184,4 @@ def test_ranged_reads_of_a_stopped_server_fail_within_the_deadline(
     assert f"s3://{path}: the object store did not answer cat_file within 3 s" in str(error)
     assert outcome["seconds"] < 3.0 + 5.0, outcome
     with pytest.raises(TimeoutError, match="not sent, the object store did not answer"):
-        next(read_ranges(deadline, ranges, window=4))
+        next(read_ranges(deadline, _landings(ranges), window=4))

@@ -71,6 +71,7 @@ from lightning_megatron_fsdp.storage.safe_unpickling import (
 
 __all__ = [
     "RECORD_ATTR",
+    "BatchRead",
     "ChecksummingFileSystemWriter",
     "ReadProgress",
     "Record",
@@ -478,8 +479,8 @@ class ReadProgress:
     current: str | None = None
     """The record being read when the reader stopped: its target may hold part of it."""
     also: int = 0
-    """Records after :attr:`current` read in the same request, whose targets may hold
-    unchecked bytes too."""
+    """Records after :attr:`current` read in the same request (or, on a store, already
+    requested), whose targets may hold unchecked bytes too."""
     bytes_read: int = 0
     """Bytes of records read from storage and checked (tensor and byte records)."""
     tensor_bytes_read: int = 0
@@ -511,6 +512,32 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if nbytes == 0:
         return memoryview(bytearray())
     return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+@dataclasses.dataclass
+class BatchRead:
+    """A run of adjacent records of one file being read: the buffers its bytes go to, in
+    file order, and what checks and hands on each record once they are there."""
+
+    name: str
+    items: list[ReadItem]
+    start: int
+    """The file offset of the first record."""
+    pieces: list[tuple[int, memoryview]] = dataclasses.field(default_factory=list)
+    """(record index, buffer) in file order: together they hold the run's bytes."""
+    finishers: list[Callable[[int], None]] = dataclasses.field(default_factory=list)
+    checked: list[bool] = dataclasses.field(default_factory=list)
+    crcs: list[int] = dataclasses.field(default_factory=list)
+
+    def checksum(self, pieces: list[tuple[int, memoryview]], n: int) -> None:
+        """Take the first ``n`` bytes of ``pieces`` (in order, as just read) into each
+        checked record's CRC32C."""
+        for index, view in pieces:
+            if n <= 0:
+                break
+            if self.checked[index]:
+                self.crcs[index] = _crc32c_update(view[:n], self.crcs[index])
+            n -= view.nbytes
 
 
 _ReadAt = Callable[[list[Any], int], int]
@@ -821,37 +848,42 @@ class VerifyingFileSystemReader(FileSystemReader):
     ) -> None:
         """Read a run of adjacent records, CRC32C each piece as it arrives, then check each
         record and hand it to its target, in order."""
-        progress = self.progress
-        progress.current, progress.also = batch[0].dest_index.fqn, len(batch) - 1
-        buffers: list[tuple[int, memoryview]] = []  # (record in batch, piece)
-        finishers, checked = [], []
-        for index, item in enumerate(batch):
-            pieces, expected, finish = self._prepare(name, item, planner)
-            buffers += [(index, byte_view(piece)) for piece in pieces]
-            finishers.append(finish)
-            checked.append(expected is not None)
-        crcs = [0] * len(batch)
-        start = self.storage_data[batch[0].storage_index].offset
+        self.progress.current, self.progress.also = batch[0].dest_index.fqn, len(batch) - 1
+        reading = self._prepare_batch(name, batch, planner)
         got = 0
-        for chunk in _chunks(buffers, self.read_chunk_bytes):
+        for chunk in _chunks(reading.pieces, self.read_chunk_bytes):
             wanted = sum(view.nbytes for _, view in chunk)
-            n = read_at([view for _, view in chunk], start + got)
+            n = read_at([view for _, view in chunk], reading.start + got)
+            reading.checksum(chunk, n)
             got += n
-            left = n
-            for index, view in chunk:
-                if left <= 0:
-                    break
-                if checked[index]:
-                    crcs[index] = _crc32c_update(view[:left], crcs[index])
-                left -= view.nbytes
             if n < wanted:
                 break  # the file ended
-        for index, (item, finish) in enumerate(zip(batch, finishers, strict=True)):
-            progress.current, progress.also = item.dest_index.fqn, len(batch) - 1 - index
+        self._finish_batch(reading, got)
+
+    def _prepare_batch(self, name: str, batch: list[ReadItem], planner: LoadPlanner) -> BatchRead:
+        """Where each of a run of adjacent records of ``name`` is to be read, and how each
+        is then checked and handed on (:meth:`_finish_batch`)."""
+        reading = BatchRead(name, batch, self.storage_data[batch[0].storage_index].offset)
+        for index, item in enumerate(batch):
+            pieces, expected, finish = self._prepare(name, item, planner)
+            reading.pieces += [(index, byte_view(piece)) for piece in pieces]
+            reading.finishers.append(finish)
+            reading.checked.append(expected is not None)
+        reading.crcs = [0] * len(batch)
+        return reading
+
+    def _finish_batch(self, reading: BatchRead, got: int, *, after: int = 0) -> None:
+        """Check each record of ``reading`` (``got`` bytes of it read, CRC32Ced) and hand
+        it to its target, in order; ``after``: records prepared beyond it whose targets
+        may already hold unchecked bytes (what a failure reports)."""
+        progress = self.progress
+        batch = reading.items
+        for index, (item, finish) in enumerate(zip(batch, reading.finishers, strict=True)):
+            progress.current, progress.also = item.dest_index.fqn, len(batch) - 1 - index + after
             info = self.storage_data[item.storage_index]
-            if got < info.offset + info.length - start:
-                raise self._truncated(name, item)
-            finish(crcs[index])
+            if got < info.offset + info.length - reading.start:
+                raise self._truncated(reading.name, item)
+            finish(reading.crcs[index])
             progress.written += 1
             progress.bytes_read += info.length
             if item.type == LoadItemType.TENSOR:

@@ -5,18 +5,19 @@ reader of :mod:`~lightning_megatron_fsdp.storage.filesystem` with their file acc
 an fsspec filesystem. A save must not need much more memory than the state it writes, so
 each rank's shard objects go up in parts filled from a bounded, reused set of buffers (on
 S3 a multipart upload handed to the client without a copy), the CRC32C of every record
-taken from the bytes as they go out; a load must not pay a request per record, so adjacent
-records are read with one ranged GET straight into their targets and each is checked
-before it is handed on. The objects are byte for byte what the local writer writes, so a
-checkpoint copied between a disk and a bucket loads either way (docs/DESIGN.md, "Object
-storage": the mechanism and the alternatives).
+taken from the bytes as they go out; a load must not pay a request per record nor hold
+copies of what it reads, so each run of adjacent records is read with a few concurrent
+ranged GETs (on S3 received straight into the records' targets) and each record is
+checked before it is handed on. The objects are byte for byte what the local writer
+writes, so a checkpoint copied between a disk and a bucket loads either way
+(docs/DESIGN.md, "Object storage": the mechanism and the alternatives).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
-import functools
 import io
 import itertools
 import math
@@ -43,6 +44,7 @@ from typing_extensions import override
 
 from lightning_megatron_fsdp.errors import NotACheckpointError
 from lightning_megatron_fsdp.storage.filesystem import (
+    BatchRead,
     ChecksummingFileSystemWriter,
     ReadProgress,
     VerifyingFileSystemReader,
@@ -50,9 +52,11 @@ from lightning_megatron_fsdp.storage.filesystem import (
 )
 from lightning_megatron_fsdp.storage.format import DCP_METADATA_FILE, Manifest
 from lightning_megatron_fsdp.storage.object_store import (
+    Landing,
     ObjectStore,
     abort_upload,
     read_ranges,
+    reads_in_place,
     unwrapped,
 )
 
@@ -72,7 +76,7 @@ rank's resident state."""
 
 _RANGE = 4 << 20
 """Bytes per ranged GET of a load: consecutive records are read together up to this size,
-a larger record in pieces of it; memory beyond the targets: see :data:`_READ_SHARE`."""
+a larger record in pieces of it."""
 
 _WINDOW = 4
 """The most ranged GETs of a load in flight at once: a GET's latency (the server's seek,
@@ -80,9 +84,11 @@ the first byte's round trip) and the checks of the bytes before it overlap the o
 transfers."""
 
 _READ_SHARE = 10
-"""The GETs in flight hold at most ``1 / _READ_SHARE`` of the bytes a rank reads (at least
-one GET, at most :data:`_WINDOW`), each about twice its range (the client's received
-pieces and their join), so a load's peak memory stays close to the rank's state."""
+"""Where a GET's bytes arrive whole before they are copied into their buffers (every
+filesystem but s3fs: ``object_store.reads_in_place``), each GET in flight holds about twice
+its range, so there the GETs in flight hold at most ``1 / _READ_SHARE`` of the bytes a
+rank reads (at least one GET, at most :data:`_WINDOW`) and a load's peak memory stays close
+to the rank's state. On S3 a GET holds none: its body lands in the targets."""
 
 
 class _Part(io.BytesIO):
@@ -426,7 +432,6 @@ class VerifyingFsspecReader(VerifyingFileSystemReader):
     """
 
     batch_bytes = _RANGE  # one GET per run of adjacent records: requests cost, bytes less
-    read_chunk_bytes = 0  # a batch's bytes in that one GET
 
     def __init__(
         self, store: ObjectStore, path: str, *, verify: bool = True, trust_checkpoint: bool = False
@@ -478,35 +483,153 @@ class VerifyingFsspecReader(VerifyingFileSystemReader):
     @override
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """The bytes of every file this rank reads, each run of adjacent records as one
-        stream of ranged GETs of about :data:`_RANGE` bytes (:func:`_cut`), up to
-        :data:`_WINDOW` of them in flight at once across runs and files
-        (:data:`_READ_SHARE`); each batch's records are checked and handed on, in order, as
-        their bytes arrive."""
+        span of ranged GETs of about :data:`_RANGE` bytes (:func:`_cut`) that fill the
+        records' buffers (on S3 straight into the targets: see :class:`_Landing`), up to
+        :data:`_WINDOW` of them in flight at once across spans and files; each batch's
+        records are checked and handed on, in order, once their bytes are there."""
         self.progress = ReadProgress(started=True, total=len(plan.items))
-        batches: list[tuple[str, list[ReadItem]]] = []
+        batches: list[tuple[int, str, list[ReadItem]]] = []  # (span, file, batch)
         spans: list[list[Any]] = []  # [path, start, end] of each run of adjacent records
         for name, items in self._per_file(plan).items():
             self._expected_size(name)  # only files the manifest lists
             path = posixpath.join(self.path, name)
             for batch in self._batches(items):
-                batches.append((name, batch))
                 start = self.storage_data[batch[0].storage_index].offset
                 last = self.storage_data[batch[-1].storage_index]
                 if spans and spans[-1][0] == path and spans[-1][2] == start:
                     spans[-1][2] = last.offset + last.length
                 else:
                     spans.append([path, start, last.offset + last.length])
-        ranges = [piece for path, start, end in spans for piece in _cut(path, start, end)]
-        total = sum(end - start for _, start, end in ranges)
-        window = max(1, min(_WINDOW, total // _READ_SHARE // (2 * _RANGE)))
-        with contextlib.closing(read_ranges(self.store.fs, ranges, window=window)) as pieces:
-            stream = _RangeStream(ranges, pieces)
-            for name, batch in batches:
-                path = posixpath.join(self.path, name)
-                self._read_batch(functools.partial(stream.read_at, path), name, batch, planner)
+                batches.append((len(spans) - 1, name, batch))
+        window = _WINDOW
+        if not reads_in_place(self.store.fs):
+            total = sum(end - start for _, start, end in spans)
+            window = max(1, min(_WINDOW, total // _READ_SHARE // (2 * _RANGE)))
+        landing = _Landing(self, planner, batches, [tuple(span) for span in spans])
+        with contextlib.closing(read_ranges(self.store.fs, landing.ranges(), window=window)) as got:
+            while True:
+                landing.waiting()
+                filled = next(got, None)
+                if filled is None:
+                    break
+                landing.arrived(filled)
+        landing.finish()
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+
+class _Landing:
+    """A rank's batches of records, prepared (their buffers: the targets themselves where a
+    record is its target's exact chunk) as the ranged GETs that fill them are sent, and
+    each checked and handed on, in order, once every byte of it has arrived.
+
+    Records are prepared in file order, only as far as the GETs sent need (so at most
+    ``window`` ranges' worth of buffers are held ahead of the checks); the reader's
+    progress names the first record not yet handed on and counts every prepared one after
+    it, whose targets may hold unchecked bytes if a read fails.
+    """
+
+    def __init__(
+        self,
+        reader: VerifyingFsspecReader,
+        planner: LoadPlanner,
+        batches: list[tuple[int, str, list[ReadItem]]],
+        spans: list[tuple[str, int, int]],
+    ) -> None:
+        self._reader, self._planner = reader, planner
+        self._batches = iter(batches)
+        self._spans = spans
+        self._landed = [start for _, start, _ in spans]
+        """Per span, the file offset up to which its bytes have arrived."""
+        self._prepared: collections.deque[tuple[int, int, BatchRead]] = collections.deque()
+        """(span, end offset, batch) of the batches prepared and not yet handed on."""
+        self._records = 0
+        """Records of :attr:`_prepared`."""
+        self._free: collections.deque[memoryview] = collections.deque()
+        """Buffers of prepared batches not yet given to a GET, in file order."""
+        self._sent: collections.deque[tuple[int, int, int]] = collections.deque()
+        """(span, start, end) of each range given to a GET and not yet arrived."""
+
+    def ranges(self) -> Iterator[Landing]:
+        """Every span's ranges with the buffers they fill, the batches under each prepared
+        as it is taken."""
+        for index, (path, start, end) in enumerate(self._spans):
+            for _, begin, stop in _cut(path, start, end):
+                buffers = self._buffers(stop - begin)
+                self._sent.append((index, begin, stop))
+                yield path, begin, buffers
+
+    def _buffers(self, size: int) -> list[memoryview]:
+        """The next ``size`` bytes of buffers, in file order."""
+        taken = []
+        while size:
+            if not self._free:
+                self._prepare_next()
+                continue
+            view = self._free.popleft()
+            if view.nbytes > size:
+                self._free.appendleft(view[size:])
+                view = view[:size]
+            taken.append(view)
+            size -= view.nbytes
+        return taken
+
+    def _prepare_next(self) -> BatchRead:
+        span, name, batch = next(self._batches)
+        info = self._reader.storage_data[batch[-1].storage_index]
+        self._records += len(batch)
+        self._point(batch)
+        reading = self._reader._prepare_batch(name, batch, self._planner)
+        self._prepared.append((span, info.offset + info.length, reading))
+        self._free.extend(view for _, view in reading.pieces if view.nbytes)
+        return reading
+
+    def _point(self, batch: list[ReadItem] | None = None) -> None:
+        """The progress a failure now reports: the first record not handed on, and every
+        prepared one after it."""
+        if self._prepared:
+            first = self._prepared[0][2].items[0]
+        elif batch:
+            first = batch[0]
+        else:
+            return
+        progress = self._reader.progress
+        progress.current, progress.also = first.dest_index.fqn, self._records - 1
+
+    def waiting(self) -> None:
+        """About to wait for the next range."""
+        self._point()
+
+    def arrived(self, filled: int) -> None:
+        """The oldest range sent filled ``filled`` bytes (fewer than asked: its object ended
+        there); check and hand on every batch whose bytes are now all there, and the one
+        the object ended inside (which refuses it)."""
+        span, start, end = self._sent.popleft()
+        self._landed[span] = start + filled
+        short = filled < end - start
+        while self._prepared:
+            at, stop, _ = self._prepared[0]
+            if at > span or (at == span and stop > self._landed[span] and not short):
+                break
+            self._hand_on()
+
+    def _hand_on(self) -> None:
+        span, stop, reading = self._prepared.popleft()
+        self._records -= len(reading.items)
+        got = min(self._landed[span], stop) - reading.start
+        reading.checksum(reading.pieces, got)
+        self._reader._finish_batch(reading, got, after=self._records)
+
+    def finish(self) -> None:
+        """Every range has arrived: hand on what is left (batches of no bytes)."""
+        while True:
+            try:
+                self._prepare_next()
+            except StopIteration:
+                break
+        while self._prepared:
+            self._hand_on()
 
 
 def _cut(path: str, start: int, end: int) -> list[tuple[str, int, int]]:
@@ -517,45 +640,6 @@ def _cut(path: str, start: int, end: int) -> list[tuple[str, int, int]]:
     count = max(1, round((end - start) / _RANGE))
     bounds = [start + (end - start) * k // count for k in range(count + 1)]
     return [(path, a, b) for a, b in itertools.pairwise(bounds)]
-
-
-class _RangeStream:
-    """The bytes of ``ranges``, fetched as ``pieces`` (one per range, in order), handed
-    out in that order to reads that ask for them in that order."""
-
-    def __init__(self, ranges: list[tuple[str, int, int]], pieces: Iterator[bytes]) -> None:
-        self._ranges = iter(ranges)
-        self._pieces = pieces
-        self._path = ""
-        self._at = self._end = 0
-        self._data = memoryview(b"")
-
-    def read_at(self, path: str, buffers: list[Any], offset: int) -> int:
-        """Fill ``buffers`` with the bytes of ``path`` from ``offset`` (where the previous
-        read ended, or where a range starts); returns the bytes filled, short where the
-        object ended."""
-        done = 0
-        for buffer in buffers:
-            view = memoryview(buffer).cast("B")
-            while view.nbytes:
-                if not self._data.nbytes:
-                    if self._at < self._end:
-                        return done  # the last piece was short: the object ends there
-                    self._path, self._at, self._end = next(self._ranges)
-                    self._data = memoryview(next(self._pieces))
-                    if not self._data.nbytes:
-                        return done
-                if (self._path, self._at) != (path, offset + done):
-                    raise AssertionError(
-                        f"read of {path} at {offset + done} where the ranges planned "
-                        f"{self._path} at {self._at}"
-                    )
-                n = min(view.nbytes, self._data.nbytes)
-                view[:n] = self._data[:n]
-                view, self._data = view[n:], self._data[n:]
-                self._at += n
-                done += n
-        return done
 
 
 def _plan_bytes(plan: SavePlan) -> int:

@@ -24,6 +24,7 @@ import json
 import logging
 import posixpath
 import re
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -47,6 +48,7 @@ from lightning_megatron_fsdp.storage.format import (
 
 __all__ = [
     "DeadlineFileSystem",
+    "Landing",
     "ObjectStore",
     "StoreVersion",
     "abort_upload",
@@ -54,6 +56,7 @@ __all__ = [
     "local_path",
     "open_store",
     "read_ranges",
+    "reads_in_place",
     "unwrapped",
     "url_protocol",
 ]
@@ -304,24 +307,39 @@ def coroutine_of(fs: Any, name: str) -> Any:
     return coroutine if inspect.iscoroutinefunction(coroutine) else None
 
 
-ByteRange = tuple[str, int, int]
-"""An object's path and the bytes ``[start, end)`` to read of it."""
+Landing = tuple[str, int, list[memoryview]]
+"""An object's path, the byte to start at, and the buffers its bytes fill, in order (a
+range of as many bytes as they hold)."""
 
 
-def read_ranges(fs: Any, ranges: Iterable[ByteRange], *, window: int) -> Iterator[bytes]:
-    """The bytes of each of ``ranges``, in order, with up to ``window`` ranged GETs in
-    flight at once, the next sent as each is handed out (``fs.cat_file`` one at a time
-    where ``fs`` is not asynchronous).
+def reads_in_place(fs: Any) -> bool:
+    """Whether :func:`read_ranges` on ``fs`` receives each GET's body straight into its
+    buffers (S3 through s3fs: a GET holds no copy of its range); elsewhere a GET's bytes
+    arrive whole from ``cat_file`` and are copied, so a GET in flight holds about twice its
+    range."""
+    return _get_object(unwrapped(fs)) is not None
 
-    A read is not retried or padded: a range past an object's end yields the bytes there
-    are (short), for the caller to refuse naming the object. Memory: at most ``window``
-    ranges' bytes are held, received or in flight, besides the one handed out. A
-    :class:`DeadlineFileSystem`'s deadline applies to each GET, and a GET past it fails
-    the read (and every later request) with its :class:`TimeoutError`. Closing the
-    iterator (or an error) cancels the GETs still in flight.
 
-    Rejected: ``fs.cat_ranges`` (every range in memory at once, and no order to check
-    records in as they arrive); a thread per range (each needs its own event loop for the
+def read_ranges(fs: Any, ranges: Iterable[Landing], *, window: int) -> Iterator[int]:
+    """Fill each of ``ranges``' buffers, with up to ``window`` ranged GETs in flight at
+    once, the next sent as each is handed out; yields how many bytes each range filled,
+    in order (short only where the object ended: for the caller to refuse naming it).
+
+    On S3 (s3fs) a GET's body is received straight into its buffers, and a body cut off
+    midway (a reset connection, a short body) is requested again from the byte where it
+    stopped, up to the filesystem's ``retries`` times; the error then names the object
+    and the bytes. Other asynchronous filesystems read each range with ``cat_file`` and
+    copy it in; synchronous ones one at a time, in this thread.
+
+    Buffers are written on the filesystem's event loop thread until their range is
+    handed out; closing the iterator (or an error) cancels the GETs in flight and, before
+    it returns, stops every write into buffers, so the caller may free them. A
+    :class:`DeadlineFileSystem`'s deadline applies to each GET, its retries included, and
+    a GET past it fails the read (and every later request) with its
+    :class:`TimeoutError`.
+
+    Rejected: ``fs.cat_ranges`` (every range in memory at once, twice: the received
+    pieces and their join); a thread per range (each needs its own event loop for the
     same client).
     """
     import asyncio
@@ -330,44 +348,166 @@ def read_ranges(fs: Any, ranges: Iterable[ByteRange], *, window: int) -> Iterato
     ranges = iter(ranges)
     if window < 1:
         raise ValueError(f"read_ranges: expected a window of at least 1 GET, got {window}")
-    cat_file = coroutine_of(inner, "cat_file")
-    if cat_file is None:
-        for path, start, end in ranges:
-            yield fs.cat_file(path, start=start, end=end)
+    get = _get_object(inner) or _cat_file_into(inner)
+    if get is None:
+        for path, start, buffers in ranges:
+            sink = _Sink(buffers, threading.Lock())
+            sink.write(fs.cat_file(path, start=start, end=start + sink.size))
+            yield sink.filled
         return
     deadline = fs.deadline if isinstance(fs, DeadlineFileSystem) else None
-    pending: collections.deque[tuple[str, concurrent.futures.Future[bytes]]] = collections.deque()
+    gate = threading.Lock()  # held while a buffer is written; see _Sink
+    pending: collections.deque[tuple[str, _Sink, concurrent.futures.Future[int]]] = (
+        collections.deque()
+    )
 
     def submit() -> bool:
         taken = next(ranges, None)
         if taken is None:
             return False
-        path, start, end = taken
+        path, start, buffers = taken
         if deadline is not None:
             fs.check_answering(fs._url(path))
-        read = cat_file(path, start=start, end=end)
+        sink = _Sink(buffers, gate)
+        read = get(path, start, sink)
         if deadline is not None:
             read = asyncio.wait_for(read, deadline)
-        pending.append((path, asyncio.run_coroutine_threadsafe(read, inner.loop)))
+        pending.append((path, sink, asyncio.run_coroutine_threadsafe(read, inner.loop)))
         return True
 
     try:
         while len(pending) < window and submit():
             pass
         while pending:
-            path, future = pending.popleft()
+            path, _, future = pending[0]  # left in pending until it succeeded: see finally
             try:
                 # The caller's own limit too, should the loop not honour the cancellation.
-                data = future.result(timeout=None if deadline is None else deadline + 5)
+                filled = future.result(timeout=None if deadline is None else deadline + 5)
             except (asyncio.TimeoutError, concurrent.futures.TimeoutError) as err:
                 if deadline is None:
                     raise
                 raise fs.gave_up(fs._url(path), "cat_file") from err
+            pending.popleft()
             submit()
-            yield data
+            yield filled
     finally:
-        for _, future in pending:
+        for _, sink, future in pending:
             future.cancel()
+            sink.close()
+
+
+class _Sink:
+    """The buffers of one range, filled in order (on the event loop thread); a chunk that
+    does not fit is refused.
+
+    Every write holds ``gate`` (shared by the GETs of one :func:`read_ranges`) and
+    :meth:`close` takes it too, so once ``close`` returns no write is under way and none
+    follows, whether or not the loop has yet honoured the GET's cancellation.
+    """
+
+    def __init__(self, buffers: list[Any], gate: threading.Lock) -> None:
+        self._views = [memoryview(b).cast("B") for b in buffers]
+        self.size = sum(view.nbytes for view in self._views)
+        self.filled = 0
+        self._gate = gate
+        self._index = 0
+        self._open = True
+
+    def write(self, data: Any) -> None:
+        import asyncio
+
+        data = memoryview(data).cast("B")
+        with self._gate:
+            if not self._open:  # its GET was cancelled while this chunk arrived
+                raise asyncio.CancelledError
+            if data.nbytes > self.size - self.filled:
+                raise ValueError(
+                    f"{data.nbytes} bytes received where {self.size - self.filled} were asked"
+                )
+            self.filled += data.nbytes
+            while data.nbytes:
+                view = self._views[self._index]
+                n = min(view.nbytes, data.nbytes)
+                view[:n] = data[:n]
+                data = data[n:]
+                if n == view.nbytes:
+                    self._index += 1
+                else:
+                    self._views[self._index] = view[n:]
+
+    def close(self) -> None:
+        with self._gate:
+            self._open = False
+
+
+def _get_object(fs: Any) -> Callable[[str, int, _Sink], Any] | None:
+    """s3fs's ranged GET received straight into a :class:`_Sink`, a body cut off midway
+    requested again from where it stopped; ``None`` for any other filesystem.
+
+    s3fs's own ``cat_file`` retries a cut-off body too, but holds the whole body twice
+    (the received pieces, then their join) before a caller can copy it anywhere. The GET
+    itself (status, headers, throttling) is retried by botocore and s3fs's ``_call_s3``;
+    only reading the body is retried here.
+    """
+    call_s3 = coroutine_of(fs, "call_s3")
+    if call_s3 is None or not hasattr(fs, "split_path"):
+        return None
+    import asyncio
+
+    from botocore.exceptions import IncompleteReadError
+    from s3fs.core import S3_RETRYABLE_ERRORS, version_id_kw
+
+    retryable = (*S3_RETRYABLE_ERRORS, IncompleteReadError)
+    attempts = max(1, int(getattr(fs, "retries", 5)))
+
+    async def get(path: str, start: int, sink: _Sink) -> int:
+        bucket, key, version = fs.split_path(path)
+        failures = 0
+        while sink.filled < sink.size:
+            at, end = start + sink.filled, start + sink.size
+            response = await call_s3(
+                "get_object",
+                Bucket=bucket,
+                Key=key,
+                Range=f"bytes={at}-{end - 1}",
+                **version_id_kw(version),
+            )
+            body = response["Body"]
+            try:
+                while sink.filled < sink.size:
+                    data = await body.read(sink.size - sink.filled)
+                    if not data:
+                        return sink.filled  # the object ends here (its length checked)
+                    sink.write(data)
+            except retryable as err:
+                failures += 1
+                if failures >= attempts:
+                    raise OSError(
+                        f"{fs.unstrip_protocol(path)}: reading bytes [{start}, {end}) failed "
+                        f"{failures} times (each time the bytes still missing were asked "
+                        f"again; the last stopped at byte {start + sink.filled}): "
+                        f"{type(err).__name__}: {err}"
+                    ) from err
+                await asyncio.sleep(min(1.7**failures * 0.1, 15))  # s3fs's backoff
+            finally:
+                body.close()
+        return sink.filled
+
+    return get
+
+
+def _cat_file_into(fs: Any) -> Callable[[str, int, _Sink], Any] | None:
+    """An asynchronous filesystem's ranged ``cat_file``, copied into a :class:`_Sink`;
+    ``None`` for a synchronous one."""
+    cat_file = coroutine_of(fs, "cat_file")
+    if cat_file is None:
+        return None
+
+    async def get(path: str, start: int, sink: _Sink) -> int:
+        sink.write(await cat_file(path, start=start, end=start + sink.size))
+        return sink.filled
+
+    return get
 
 
 def unwrapped(fs: Any) -> Any:
