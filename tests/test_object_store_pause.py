@@ -125,15 +125,13 @@ def _check(reports: list[dict[str, Any]], url: str, objects: tuple[str, str]) ->
         assert_same_facts(report["facts"], report["want_facts"], f"rank {rank}")
 
 
-def test_a_stopped_store_fails_save_and_load_within_the_timeout(seaweed: SeaweedServer) -> None:
-    """SIGSTOP: the save's first request and the load's (rank 0 lists the checkpoint's
-    versions, or a version's objects) go unanswered."""
-    bucket = seaweed.new_bucket()
-    url = f"s3://{bucket}/run"
+def _run_paused(seaweed: SeaweedServer, function: Any, url: str) -> list[Any]:
+    """``function(rank, world_size, env, url, server_pid)`` on 2 ranks (it stops the
+    server, see :func:`_paused`); the server runs again afterwards, whatever happened."""
     assert seaweed.process is not None
     try:
-        reports = run_distributed(
-            _saves_and_loads_while_paused,
+        return run_distributed(
+            function,
             2,
             seaweed.env,
             url,
@@ -143,6 +141,13 @@ def test_a_stopped_store_fails_save_and_load_within_the_timeout(seaweed: Seaweed
         )
     finally:
         seaweed.resume()
+
+
+def test_a_stopped_store_fails_save_and_load_within_the_timeout(seaweed: SeaweedServer) -> None:
+    """SIGSTOP: the save's first request and the load's (rank 0 lists the checkpoint's
+    versions, or a version's objects) go unanswered."""
+    url = f"s3://{seaweed.new_bucket()}/run"
+    reports = _run_paused(seaweed, _saves_and_loads_while_paused, url)
     _check(reports, url, (r"(/v\d+-\w+)?", r"(/v\d+-\w+)?"))
 
 
@@ -231,19 +236,7 @@ def test_full_weights_from_a_stopped_store_fail_within_the_timeout(
     error within the group's timeout, naming the checkpoint and the deadline (without one,
     each rank waits on s3fs's and botocore's retries for many minutes)."""
     url = f"s3://{seaweed.new_bucket()}/run"
-    assert seaweed.process is not None
-    try:
-        outcomes = run_distributed(
-            _weights_while_paused,
-            2,
-            seaweed.env,
-            url,
-            seaweed.process.pid,
-            init_process_group=False,
-            timeout=180.0,
-        )
-    finally:
-        seaweed.resume()
+    outcomes = _run_paused(seaweed, _weights_while_paused, url)
     for rank, (error, took) in enumerate(outcomes):
         where = f"rank {rank} ({took:.1f} s): {error}"
         assert error is not None and took < GROUP_TIMEOUT.total_seconds() + MARGIN, where
