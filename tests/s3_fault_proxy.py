@@ -40,7 +40,9 @@ class Fault:
     Args:
         kind: ``"503"`` (SlowDown), ``"500"`` (InternalError), ``"reset"`` (the connection
             is reset, no answer), ``"cut"`` (the server's answer, its headers whole, the
-            connection reset halfway through its body), ``"hang"`` (no answer until the
+            connection reset halfway through its body), ``"bare"`` (the server's answer
+            as a plain ``200`` without its ``Content-Range``, as a store or proxy that
+            ignores ``Range`` answers), ``"hang"`` (no answer until the
             proxy resumes or stops) or ``"late"`` (no answer ever; the request reaches the
             server after ``delay`` seconds, long after the client gave up: recorded
             ``"landed"`` then).
@@ -60,9 +62,9 @@ class Fault:
     seen: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("503", "500", "reset", "cut", "hang", "late"):
+        if self.kind not in ("503", "500", "reset", "cut", "bare", "hang", "late"):
             raise ValueError(
-                f"Fault: kind must be 503, 500, reset, cut, hang or late, got {self.kind!r}"
+                f"Fault: kind must be 503, 500, reset, cut, bare, hang or late, got {self.kind!r}"
             )
 
     def take(self, method: str, path: str) -> bool:
@@ -209,21 +211,23 @@ class FaultProxy:
                 self._record(method, path, "landed" if status == 200 else str(status))
             request.close_connection = True  # never answered: the client gave up long ago
             return
-        if fault is not None and fault.kind != "cut":
+        if fault is not None and fault.kind not in ("cut", "bare"):
             self._record(method, path, fault.kind)
             _answer_fault(request, fault.kind, self)
             return
         status, headers, data = self._forward(request, body)
-        self._record(method, path, "cut" if fault is not None else str(status))
-        request.send_response(status)
+        self._record(method, path, str(status) if fault is None else fault.kind)
+        bare = fault is not None and fault.kind == "bare"
+        request.send_response(200 if bare and status == 206 else status)
+        dropped = {"content-length", "content-range"} if bare else {"content-length"}
         for name, value in headers:
-            if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
+            if name.lower() not in _HOP_BY_HOP and name.lower() not in dropped:
                 request.send_header(name, value)
         request.send_header("Content-Length", str(len(data)))
         request.end_headers()
         if method == "HEAD":
             return
-        if fault is None:
+        if fault is None or bare:
             request.wfile.write(data)
             return
         request.wfile.write(data[: len(data) // 2])

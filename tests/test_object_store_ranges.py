@@ -134,7 +134,7 @@ def test_a_body_cut_off_more_often_than_retried_fails_naming_the_object(
         landings = _landings([(path, 0, len(data))])
         with pytest.raises(
             OSError,
-            match=rf"s3://{path}: reading bytes \[0, {len(data)}\) failed {retries} times",
+            match=rf"s3://{path}: bytes \[0, {len(data)}\): reading failed {retries} times",
         ):
             list(read_ranges(_through(proxy), landings, window=1))
         assert proxy.answered("cut") == retries, proxy.log
@@ -185,3 +185,23 @@ def test_ranged_reads_of_a_stopped_server_fail_within_the_deadline(
     assert outcome["seconds"] < 3.0 + 5.0, outcome
     with pytest.raises(TimeoutError, match="not sent, the object store did not answer"):
         next(read_ranges(deadline, _landings(ranges), window=4))
+
+
+def test_an_answer_that_is_not_the_range_asked_for_is_refused_naming_it(
+    seaweed: SeaweedServer,
+) -> None:
+    """A store (or proxy) that ignores ``Range`` answers ``200`` without ``Content-Range``:
+    its bytes may be any part of the object, so none is written anywhere and the read
+    fails naming the object and the bytes asked for."""
+    _, objects = _objects(seaweed, [2 << 20])
+    ((path, data),) = objects.items()
+    with FaultProxy(seaweed.ports["s3.port"], [Fault("bare", 1, method="GET")]) as proxy:
+        landings = _landings([(path, 1 << 20, len(data))])
+        with pytest.raises(
+            OSError,
+            match=rf"s3://{path}: bytes \[{1 << 20}, {len(data)}\): asked for bytes "
+            rf"{1 << 20}-{len(data) - 1}, the store answered without a Content-Range",
+        ):
+            list(read_ranges(_through(proxy), landings, window=1))
+        assert proxy.answered("bare") == 1, proxy.log
+    assert _filled(landings[0]) == bytes(len(data) - (1 << 20)), "bytes were written"

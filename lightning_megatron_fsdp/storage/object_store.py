@@ -24,6 +24,7 @@ import json
 import logging
 import posixpath
 import re
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -351,7 +352,7 @@ def read_ranges(fs: Any, ranges: Iterable[Landing], *, window: int) -> Iterator[
     get = _get_object(inner) or _cat_file_into(inner)
     if get is None:
         for path, start, buffers in ranges:
-            sink = _Sink(buffers, threading.Lock())
+            sink = _Sink(buffers, threading.Lock(), inner.unstrip_protocol(path), start)
             sink.write(fs.cat_file(path, start=start, end=start + sink.size))
             yield sink.filled
         return
@@ -368,7 +369,7 @@ def read_ranges(fs: Any, ranges: Iterable[Landing], *, window: int) -> Iterator[
         path, start, buffers = taken
         if deadline is not None:
             fs.check_answering(fs._url(path))
-        sink = _Sink(buffers, gate)
+        sink = _Sink(buffers, gate, inner.unstrip_protocol(path), start)
         read = get(path, start, sink)
         if deadline is not None:
             read = asyncio.wait_for(read, deadline)
@@ -405,9 +406,11 @@ class _Sink:
     follows, whether or not the loop has yet honoured the GET's cancellation.
     """
 
-    def __init__(self, buffers: list[Any], gate: threading.Lock) -> None:
+    def __init__(self, buffers: list[Any], gate: threading.Lock, url: str, start: int) -> None:
         self._views = [memoryview(b).cast("B") for b in buffers]
         self.size = sum(view.nbytes for view in self._views)
+        self.where = f"{url}: bytes [{start}, {start + self.size})"
+        """The object and the range, for errors."""
         self.filled = 0
         self._gate = gate
         self._index = 0
@@ -422,7 +425,8 @@ class _Sink:
                 raise asyncio.CancelledError
             if data.nbytes > self.size - self.filled:
                 raise ValueError(
-                    f"{data.nbytes} bytes received where {self.size - self.filled} were asked"
+                    f"{self.where}: {data.nbytes} bytes received where "
+                    f"{self.size - self.filled} were asked (does the store ignore Range?)"
                 )
             self.filled += data.nbytes
             while data.nbytes:
@@ -442,16 +446,22 @@ class _Sink:
 
 def _get_object(fs: Any) -> Callable[[str, int, _Sink], Any] | None:
     """s3fs's ranged GET received straight into a :class:`_Sink`, a body cut off midway
-    requested again from where it stopped; ``None`` for any other filesystem.
+    requested again from where it stopped; ``None`` for any other filesystem (and for an
+    ``S3FileSystem`` subclass with reads of its own). An answer that is not the range asked
+    for (no ``Content-Range`` of it: a store or proxy that ignores ``Range``) is refused
+    before a byte of it is written.
 
     s3fs's own ``cat_file`` retries a cut-off body too, but holds the whole body twice
     (the received pieces, then their join) before a caller can copy it anywhere. The GET
     itself (status, headers, throttling) is retried by botocore and s3fs's ``_call_s3``;
     only reading the body is retried here.
     """
-    call_s3 = coroutine_of(fs, "call_s3")
-    if call_s3 is None or not hasattr(fs, "split_path"):
+    s3fs = sys.modules.get("s3fs")  # not imported: ``fs`` is no S3FileSystem
+    if s3fs is None or not isinstance(fs, s3fs.S3FileSystem):
         return None
+    if coroutine_of(type(fs), "cat_file") is not coroutine_of(s3fs.S3FileSystem, "cat_file"):
+        return None  # a subclass's own reads (decryption, a cache) are kept
+    call_s3 = coroutine_of(fs, "call_s3")
     import asyncio
 
     from botocore.exceptions import IncompleteReadError
@@ -473,6 +483,14 @@ def _get_object(fs: Any) -> Callable[[str, int, _Sink], Any] | None:
                 **version_id_kw(version),
             )
             body = response["Body"]
+            answered = response.get("ContentRange", "")
+            if not answered.startswith(f"bytes {at}-"):
+                body.close()
+                raise OSError(
+                    f"{sink.where}: asked for bytes {at}-{end - 1}, the store answered "
+                    f"{answered or 'without a Content-Range (the whole object?)'}. A store "
+                    "or proxy that ignores Range requests cannot serve checkpoint loads."
+                )
             try:
                 while sink.filled < sink.size:
                     data = await body.read(sink.size - sink.filled)
@@ -483,9 +501,9 @@ def _get_object(fs: Any) -> Callable[[str, int, _Sink], Any] | None:
                 failures += 1
                 if failures >= attempts:
                     raise OSError(
-                        f"{fs.unstrip_protocol(path)}: reading bytes [{start}, {end}) failed "
-                        f"{failures} times (each time the bytes still missing were asked "
-                        f"again; the last stopped at byte {start + sink.filled}): "
+                        f"{sink.where}: reading failed {failures} times (each time the "
+                        f"bytes still missing were asked again; the last stopped at byte "
+                        f"{start + sink.filled}): "
                         f"{type(err).__name__}: {err}"
                     ) from err
                 await asyncio.sleep(min(1.7**failures * 0.1, 15))  # s3fs's backoff
