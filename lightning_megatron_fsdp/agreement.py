@@ -11,10 +11,12 @@ import dataclasses
 import traceback
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
+from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
 
+from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.errors import (
     CheckpointError,
     error_category,
@@ -209,6 +211,11 @@ class Ranks:
             return cls(None, 0, 1)
         group = group if group is not None else dist.group.WORLD
         return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    @property
+    def timeout(self) -> timedelta | None:
+        """The group's collective timeout (``None`` without a group)."""
+        return None if self.group is None else _torch.group_timeout(self.group)
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, by rank.

@@ -227,8 +227,7 @@ class MegatronFSDPCheckpointIO(CheckpointIO):
     def _group_timeout(self) -> timedelta | None:
         """The timeout of the group that saves and loads (``None`` without one): bounds
         each request to an object store (``ObjectStores``)."""
-        ranks = Ranks.of(self.process_group)
-        return None if ranks.group is None else _torch.group_timeout(ranks.group)
+        return Ranks.of(self.process_group).timeout
 
     @property
     def load_options(self) -> LoadOptions:

@@ -68,7 +68,7 @@ _EXPORTS = {
         "load_dcp_metadata",
         "load_weights_only",
     ),
-    "store_location": ("ObjectStores", "locate"),
+    "store_location": ("ObjectStores", "locate", "request_deadline"),
     "streaming_reader": ("raw_bytes",),
     "upstream_checkpoint": (
         "UPSTREAM_FORMAT_NAME",

@@ -36,7 +36,14 @@ from lightning_megatron_fsdp.storage.object_store import (
     open_store,
 )
 
-__all__ = ["ObjectStores", "RangedObject", "StoreCommit", "StoreLocation", "locate"]
+__all__ = [
+    "ObjectStores",
+    "RangedObject",
+    "StoreCommit",
+    "StoreLocation",
+    "locate",
+    "request_deadline",
+]
 
 log = logging.getLogger(__name__)
 
@@ -464,6 +471,14 @@ def locate(
     return LocalLocation(Path(local_path(os.fspath(path))))
 
 
+def request_deadline(group_timeout: timedelta | None) -> float | None:
+    """Seconds each request to an object store may take, its retries included, for ranks
+    whose collectives time out after ``group_timeout`` (``None``: no group, no deadline):
+    half of it, so a rank whose request gives up still reaches the next collective before
+    its peers there time out, and every rank raises the same error."""
+    return None if group_timeout is None else group_timeout.total_seconds() / 2
+
+
 class ObjectStores:
     """The plugin's :class:`~lightning_megatron_fsdp.storage.commit.CheckpointStore`:
     URLs go to :class:`StoreCommit` (the versioned layout of :class:`ObjectStore`), every
@@ -509,8 +524,9 @@ class ObjectStores:
         if not is_url(path):
             return self.local.location(local_path(path))
         timeout = None if self.group_timeout is None else self.group_timeout()
-        deadline = None if timeout is None else timeout.total_seconds() / 2
-        return StoreLocation.from_url(path, self.storage_options, deadline=deadline)
+        return StoreLocation.from_url(
+            path, self.storage_options, deadline=request_deadline(timeout)
+        )
 
     def _of(self, location: Any) -> Any:
         """The commit backend of a location :meth:`location` made."""

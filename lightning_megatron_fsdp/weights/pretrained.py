@@ -31,7 +31,13 @@ from lightning_megatron_fsdp.megatron import (
     chunk_metadata_by_fqn,
     ensure_optimizer_state,
 )
-from lightning_megatron_fsdp.storage import OPTIMIZER_PREFIX, Location, listed, locate
+from lightning_megatron_fsdp.storage import (
+    OPTIMIZER_PREFIX,
+    Location,
+    listed,
+    locate,
+    request_deadline,
+)
 from lightning_megatron_fsdp.weights.weight_sources import (
     SourceError,
     SourceTensorSpec,
@@ -274,9 +280,9 @@ def load_full_weights(
                 f"got {type(optimizer).__name__}."
             )
     comm = Ranks.of(process_group)
-    # On an object store each request gives up after half the group's timeout (as a
-    # checkpoint load's do), so a stopped store fails every rank before its collectives do.
-    deadline = None if comm.group is None else _torch.group_timeout(comm.group).total_seconds() / 2
+    # On an object store each request gives up in time for the collectives (as a checkpoint
+    # load's do), so a stopped store fails every rank before its collectives do.
+    deadline = request_deadline(comm.timeout)
     try:
         location: Location | None = locate(source, storage_options, deadline=deadline).absolute()
         path: Path | str = location.returned()
