@@ -59,12 +59,6 @@ from lightning_megatron_fsdp.storage import (
 
 __all__ = ["KeyTable", "MetadataSlices", "SlicedLoadPlanner"]
 
-_RECORD = Column.COUNT
-_PRESENT, _FILE, _OFFSET, _LENGTH = Column.PRESENT, Column.FILE, Column.OFFSET, Column.LENGTH
-_TRANSFORMS, _ANNOTATED, _CRC = Column.TRANSFORMS, Column.ANNOTATED, Column.CRC
-_PAYLOAD, _PAYLOAD_END, _BYTEORDER = Column.PAYLOAD, Column.PAYLOAD_END, Column.BYTEORDER
-_BYTEORDERS, _RECORD_ATTR = BYTEORDERS, RECORD_ATTR
-
 
 @dataclasses.dataclass(frozen=True)
 class MetadataSlices:
@@ -165,7 +159,7 @@ class MetadataSlices:
         if not tensor and not isinstance(entry, BytesStorageMetadata):
             raise self._malformed(key, "a table for a key the skeleton does not hold")
         ndim = len(entry.size) if tensor else 0
-        width = 2 * ndim + _RECORD
+        width = 2 * ndim + Column.COUNT
         if (
             type(table) is not KeyTable
             or table.ndim != ndim
@@ -187,9 +181,9 @@ class MetadataSlices:
                 offsets = torch.Size(row[:ndim])
                 chunks.append(ChunkStorageMetadata(offsets, torch.Size(row[ndim : 2 * ndim])))
             record = row[2 * ndim :]
-            if record[_PRESENT] not in (0, 1):
+            if record[Column.PRESENT] not in (0, 1):
                 raise self._malformed(key, "its table of chunks is malformed")
-            if record[_PRESENT]:
+            if record[Column.PRESENT]:
                 storage[MetadataIndex(key, offsets)] = self._storage_info(key, record)
         filled = dataclasses.replace(entry, chunks=chunks) if tensor else entry
         # What the allow-list reader checks of these chunks and entries.
@@ -204,25 +198,27 @@ class MetadataSlices:
     def _storage_info(self, key: str, record: list[int]) -> Any:
         """The storage entry ``record`` (a row's record columns) describes."""
         if not (
-            0 <= record[_FILE] < len(self.files)
-            and -1 <= record[_TRANSFORMS] < len(self.transforms)
-            and record[_ANNOTATED] in (0, 1)
-            and -1 <= record[_BYTEORDER] < len(_BYTEORDERS)
-            and (record[_ANNOTATED] or record[_CRC : _BYTEORDER + 1] == [-1] * 4)
+            0 <= record[Column.FILE] < len(self.files)
+            and -1 <= record[Column.TRANSFORMS] < len(self.transforms)
+            and record[Column.ANNOTATED] in (0, 1)
+            and -1 <= record[Column.BYTEORDER] < len(BYTEORDERS)
+            and (record[Column.ANNOTATED] or record[Column.CRC : Column.BYTEORDER + 1] == [-1] * 4)
         ):
             raise self._malformed(key, "a storage entry is malformed")
-        info = _torch.storage_info(self.files[record[_FILE]], record[_OFFSET], record[_LENGTH])
-        if record[_TRANSFORMS] >= 0:
-            info.transform_descriptors = list(self.transforms[record[_TRANSFORMS]])
-        if record[_ANNOTATED]:
+        info = _torch.storage_info(
+            self.files[record[Column.FILE]], record[Column.OFFSET], record[Column.LENGTH]
+        )
+        if record[Column.TRANSFORMS] >= 0:
+            info.transform_descriptors = list(self.transforms[record[Column.TRANSFORMS]])
+        if record[Column.ANNOTATED]:
             annotation: dict[str, Any] = {}
-            if record[_CRC] != -1:
-                annotation["crc32c"] = record[_CRC]
-            if record[_PAYLOAD] != -1 or record[_PAYLOAD_END] != -1:
-                annotation["payload"] = [record[_PAYLOAD], record[_PAYLOAD_END]]
-            if record[_BYTEORDER] != -1:
-                annotation["byteorder"] = _BYTEORDERS[record[_BYTEORDER]]
-            setattr(info, _RECORD_ATTR, annotation)
+            if record[Column.CRC] != -1:
+                annotation["crc32c"] = record[Column.CRC]
+            if record[Column.PAYLOAD] != -1 or record[Column.PAYLOAD_END] != -1:
+                annotation["payload"] = [record[Column.PAYLOAD], record[Column.PAYLOAD_END]]
+            if record[Column.BYTEORDER] != -1:
+                annotation["byteorder"] = BYTEORDERS[record[Column.BYTEORDER]]
+            setattr(info, RECORD_ATTR, annotation)
         return info
 
     def _malformed(self, key: str, problem: str) -> CheckpointCorruptedError:

@@ -635,8 +635,11 @@ def check_directory(
         problems += _tiling_problems(metadata)
         if manifest is not None:
             problems += _fingerprint_problems(manifest, metadata)
-        keys_file = DCP_METADATA_KEYS_FILE
-        if manifest is not None and keys_file in set(manifest.files) - listed_missing - damaged:
+        if (
+            manifest is not None
+            and DCP_METADATA_KEYS_FILE in manifest.files
+            and DCP_METADATA_KEYS_FILE not in listed_missing | damaged
+        ):
             problems += _key_index_problems(
                 path, manifest, metadata, digest=checksums, trust=trust, records=records
             )
