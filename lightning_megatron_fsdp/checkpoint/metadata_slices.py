@@ -55,6 +55,7 @@ from lightning_megatron_fsdp.storage import (
     encode_key_index,
     key_tables,
     load_dcp_metadata,
+    without_chunks,
 )
 
 __all__ = ["KeyTable", "MetadataSlices", "SlicedLoadPlanner"]
@@ -85,12 +86,7 @@ class MetadataSlices:
         key; with ``cache``, keeping the layout's chunk columns for the next save
         (``storage.metadata_index.key_tables``)."""
         tables = key_tables(metadata, cache=cache)
-        skeleton = {
-            key: dataclasses.replace(entry, chunks=[])
-            if isinstance(entry, TensorStorageMetadata)
-            else entry
-            for key, entry in metadata.state_dict_metadata.items()
-        }
+        skeleton = {key: without_chunks(e) for key, e in metadata.state_dict_metadata.items()}
         common = dataclasses.replace(metadata, state_dict_metadata=skeleton, storage_data={})
         return cls(
             source,

@@ -59,6 +59,7 @@ _EXPORTS = {
         "decode_key_index",
         "encode_key_index",
         "key_tables",
+        "without_chunks",
     ),
     "safe_unpickling": (
         "check_dcp_metadata",

@@ -106,6 +106,12 @@ class _Layout:
 _last_layout: list[_Layout] = []  # at most one: the last layout a save cut
 
 
+def without_chunks(entry: Any) -> Any:
+    """A key's entry as the skeleton beside the tables holds it: a tensor's without its
+    chunks (its table has them), a byte record's as it is."""
+    return dataclasses.replace(entry, chunks=[]) if is_tensor_entry(entry) else entry
+
+
 def key_tables(metadata: Any, *, cache: bool = False) -> KeyTables:
     """``metadata`` (DCP's classes or ``metadata_records``') cut into tables by key.
 

@@ -43,6 +43,7 @@ from lightning_megatron_fsdp.storage import (
     load_weights_only,
     locate,
     summarise,
+    without_chunks,
 )
 
 if TYPE_CHECKING:
@@ -283,7 +284,7 @@ def _key_index_problems(
         for key in dict.fromkeys([*keys, *tables.keys, *skeleton.state_dict_metadata])
         if key not in entries
         or tables.keys.get(key) != expected.keys[key]
-        or skeleton.state_dict_metadata.get(key) != _without_chunks(entries[key])
+        or skeleton.state_dict_metadata.get(key) != without_chunks(entries[key])
     ]
     if tables.files != expected.files or tables.transforms != expected.transforms:
         differ.append("the record files or transforms its tables index")
@@ -301,10 +302,6 @@ def _key_index_problems(
             differ,
         )
     ]
-
-
-def _without_chunks(entry: Any) -> Any:
-    return dataclasses.replace(entry, chunks=[]) if is_tensor_entry(entry) else entry
 
 
 def _read_meta(
