@@ -16,7 +16,6 @@ from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
 
-from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.errors import (
     CheckpointError,
     error_category,
@@ -215,7 +214,13 @@ class Ranks:
     @property
     def timeout(self) -> timedelta | None:
         """The group's collective timeout (``None`` without a group)."""
-        return None if self.group is None else _torch.group_timeout(self.group)
+        if self.group is None:
+            return None
+        # Here, not at the top: ``_torch`` imports DCP and DTensor, which the console
+        # script's offline commands never load (tests/test_cli_imports.py).
+        from lightning_megatron_fsdp import _torch
+
+        return _torch.group_timeout(self.group)
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, by rank.
