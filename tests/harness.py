@@ -20,7 +20,9 @@ the command itself left children behind -- is killed, grandchildren included.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import fcntl
 import itertools
 import multiprocessing as mp
 import os
@@ -29,11 +31,13 @@ import queue
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -74,20 +78,44 @@ PROCESS_GROUP_TIMEOUT = timedelta(seconds=45)
 
 _PORT_RANGE = (20000, 32000)  # below Linux's ephemeral range (32768-60999)
 _ports_taken = itertools.count()
+# A port handed out is also locked (``flock``) in a folder every test session on this host
+# shares, until this process exits or has handed out this many more.
+_PORT_LOCKS = Path(tempfile.gettempdir()) / "lightning-megatron-fsdp-test-ports"
+_ports_held: collections.deque[int] = collections.deque()
+_PORTS_HELD = 512
+
+
+def _lock_port(port: int) -> bool:
+    """Whether ``port``'s lock was free and is now this process's."""
+    _PORT_LOCKS.mkdir(exist_ok=True)
+    fd = os.open(_PORT_LOCKS / str(port), os.O_CREAT | os.O_RDWR, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    _ports_held.append(fd)
+    if len(_ports_held) > _PORTS_HELD:
+        os.close(_ports_held.popleft())
+    return True
 
 
 def free_port() -> int:
-    """Return a TCP port on loopback that was free a moment ago, for a rendezvous.
+    """Return a TCP port on loopback that was free a moment ago, for a server a test starts
+    (SeaweedFS, a launched script's rank 0).
 
     Not one the kernel picks (``bind(0)``): that comes from the ephemeral range, which every
     outgoing connection (gloo opens many) also draws from, so it can be taken again between
-    this call and the rendezvous binding it. Ports below that range are taken only by
-    explicit binds; each process (a pytest-xdist worker, a parallel session) walks its own
-    sequence through them, so two callers do not race for one port.
+    this call and the server binding it. Ports below that range are taken only by explicit
+    binds; each process walks its own sequence through them, and a port locked by another
+    test session on this host (the CI's passes run side by side) is skipped, so two callers
+    are not handed one port.
     """
     low, high = _PORT_RANGE
     for _ in range(high - low):
         port = low + (os.getpid() * 7919 + next(_ports_taken) * 127) % (high - low)
+        if not _lock_port(port):
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
@@ -200,6 +228,8 @@ def _worker(
     results: Any,
 ) -> None:
     os.environ.update(_rank_env(rank, world_size, port))
+    # Join the store ``run_distributed`` holds, as torchelastic's workers join their agent's.
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     import torch
 
     torch.set_num_threads(1)
@@ -246,7 +276,13 @@ def run_distributed(
     Raises:
         AssertionError: If any rank raised, died or did not finish in time.
     """
-    port = free_port()
+    # The rendezvous store is served from here, on a port the kernel picked and that stays
+    # bound for the whole run: no rank binds a port that another test, or another session
+    # on this host, was handed too (two such rendezvous join each other's ranks).
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=PROCESS_GROUP_TIMEOUT
+    )
+    port = store.port
     results = _CONTEXT.Queue()
     processes = [
         _CONTEXT.Process(
