@@ -27,6 +27,7 @@ import torch
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.errors import CheckpointError
 from lightning_megatron_fsdp.storage.fsspec_storage import _PartBudget, _S3Upload
+from lightning_megatron_fsdp.storage.records import _tensor_view
 from tests.harness import run_distributed
 from tests.object_store import ACCESS_KEY, SECRET_KEY, SeaweedServer
 from tests.s3_fault_proxy import Fault, FaultProxy
@@ -83,6 +84,29 @@ def test_an_upload_sends_its_whole_body_after_botocore_gives_up(
         upload.close()
         assert proxy.answered("503") == burst
     assert seaweed.filesystem().cat(f"{bucket}/obj") == data
+
+
+def test_a_part_of_kept_views_and_copies_is_sent_whole_after_botocore_gives_up(
+    seaweed: SeaweedServer,
+) -> None:
+    """Tensor payloads are kept by reference (``write_kept``), the bytes around them
+    copied: parts mixing both, cut across a view, are sent byte for byte, also when
+    resent after botocore gave up, and the views stay valid after their tensor's name is
+    gone."""
+    bucket = seaweed.new_bucket()
+    tensor = torch.arange(1_600_000, dtype=torch.float32)  # 6.4 MB: crosses part 1's end
+    expected = b"h" * 1000 + tensor.numpy().tobytes() + b"t" * 10 + b"k" * 3_000_000
+    faults = [Fault("503", ATTEMPTS, path=r"partNumber=2")]
+    with FaultProxy(seaweed.ports["s3.port"], faults) as proxy:
+        upload = _S3Upload(_client(proxy, ATTEMPTS), f"{bucket}/obj", _PartBudget(PART, 1))
+        upload.write(b"h" * 1000)
+        upload.write_kept(_tensor_view(tensor))
+        del tensor
+        upload.write(bytearray(b"t" * 10))
+        upload.write_kept(b"k" * 3_000_000)
+        upload.close()
+        assert proxy.answered("503") == ATTEMPTS
+    assert seaweed.filesystem().cat(f"{bucket}/obj") == expected
 
 
 def test_a_burst_past_every_retry_says_it_was_throttled(seaweed: SeaweedServer) -> None:

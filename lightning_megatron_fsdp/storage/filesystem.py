@@ -156,6 +156,7 @@ class RecordStream(io.RawIOBase):
     def __init__(self, file: Any, checksum: bool, *, write_behind: bool = False) -> None:
         super().__init__()
         self._file = file
+        self._write_kept = getattr(file, "write_kept", file.write)
         self._checksum = checksum
         self._fd = _regular_fd(file) if write_behind and _SYNC_FILE_RANGE else None
         self._behind = 0  # bytes up to here were handed to the kernel's writeback
@@ -185,10 +186,12 @@ class RecordStream(io.RawIOBase):
 
     def write_raw(self, data: Any) -> None:
         """Write a piece of a record that :class:`~lightning_megatron_fsdp.storage.records.
-        TensorRecords` built itself (no sniffing: it reports the payload's place)."""
+        TensorRecords` built itself (no sniffing: it reports the payload's place). Each
+        piece is ``bytes`` or a view that keeps its tensor alive, so a file that sends
+        pieces later may keep it instead of a copy (``write_kept``)."""
         if self._checksum:
             self._crc = _crc32c_update(data, self._crc)
-        self._file.write(data)
+        self._write_kept(data)
         self._position += len(data) if isinstance(data, bytes) else memoryview(data).nbytes
         if self._fd is not None and self._position - self._behind >= _WRITE_BEHIND:
             self._write_behind()

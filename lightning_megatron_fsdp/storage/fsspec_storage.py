@@ -15,6 +15,7 @@ writes, so a checkpoint copied between a disk and a bucket loads either way
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import errno
@@ -70,9 +71,9 @@ _MAX_PARTS = 10_000
 """S3's most parts per object."""
 
 _PART_SHARE = 5
-"""The parts in flight hold at most ``1 / _PART_SHARE`` of the bytes the rank writes (at
-least one part, at most ``thread_count``), so a save's peak memory stays close to the
-rank's resident state."""
+"""The parts in flight could hold copies of at most ``1 / _PART_SHARE`` of the bytes the
+rank writes (at least one part, at most ``thread_count``), so a save's peak memory stays
+close to the rank's resident state even where no record's payload is sent by reference."""
 
 _RANGE = 4 << 20
 """Bytes per ranged GET of a load: consecutive records are read together up to this size,
@@ -91,37 +92,108 @@ rank reads (at least one GET, at most :data:`_WINDOW`) and a load's peak memory 
 to the rank's state. On S3 a GET holds none: its body lands in the targets."""
 
 
-class _Part(io.BytesIO):
-    """One upload part's buffer, allocated once at the part size and reused: the client
-    reads it as a file (no copy) and closes it when sent, which here does nothing.
+class _Part(io.RawIOBase):
+    """One upload part, read by the client as one file: pieces the writer keeps (a tensor
+    record's payload and its template's bytes, by reference) and bytes copied into the
+    part's own buffer (everything else).
 
     Every call of the client that sends it starts from its first byte
     (:func:`_rewind_parts`); botocore rewinds it itself between its own attempts."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.calls = 0
         """How many times the client was called to send it (s3fs's attempts)."""
-        self.reset(size)
+        self.length = 0
+        """Bytes written since it was taken."""
+        self._copied = bytearray()
+        self._pieces: list[memoryview | tuple[int, int]] = []
+        """Kept views, and ``(start, end)`` ranges of :attr:`_copied`, in order."""
+        self._views: list[memoryview] = []
+        self._ends: list[int] = []
+        self._at = 0
 
-    def reset(self, size: int) -> None:
-        """Empty, with room for ``size`` bytes allocated (no growth while it fills)."""
-        if self.seek(0, io.SEEK_END) < size:
-            self.seek(size - 1)
-            self.write(b"\0")
-        self.seek(0)
+    def reset(self) -> None:
+        """Empty (its copied bytes' buffer freed, its kept views dropped)."""
+        for view in self._views:
+            view.release()
+        self._views, self._ends, self._pieces = [], [], []
+        self._copied = bytearray()
+        self.length = self._at = 0
 
-    @override
-    def close(self) -> None:
-        """Kept open for the next part (see the class docstring)."""
+    def copy(self, view: memoryview) -> None:
+        """Append a copy of ``view``'s bytes."""
+        start = len(self._copied)
+        self._copied += view
+        last = self._pieces[-1] if self._pieces else None
+        if isinstance(last, tuple) and last[1] == start:
+            self._pieces[-1] = (last[0], len(self._copied))
+        else:
+            self._pieces.append((start, len(self._copied)))
+        self.length += view.nbytes
+
+    def keep(self, view: memoryview) -> None:
+        """Append ``view`` itself (its bytes must not change until the part is sent)."""
+        self._pieces.append(view)
+        self.length += view.nbytes
 
     def body(self) -> _Part:
         """The part as a request body: exactly the bytes written since it was taken."""
-        length = self.tell()
-        self.truncate(length)
-        self.seek(0)
+        copied = memoryview(self._copied)
+        self._views = [copied[p[0] : p[1]] if isinstance(p, tuple) else p for p in self._pieces]
+        copied.release()
+        self._ends = list(itertools.accumulate(view.nbytes for view in self._views))
+        self._at = 0
         self.calls = 0
         return self
+
+    @override
+    def readable(self) -> bool:
+        return True
+
+    @override
+    def seekable(self) -> bool:
+        return True
+
+    def _slices(self, size: int) -> Iterator[memoryview]:
+        """The next ``size`` bytes (all that are left if negative), as views; advances."""
+        end = self.length if size < 0 else min(self.length, self._at + size)
+        index = bisect.bisect_right(self._ends, self._at)
+        while self._at < end:
+            view = self._views[index]
+            start = self._at - (self._ends[index] - view.nbytes)
+            piece = view[start : start + end - self._at]
+            self._at += piece.nbytes
+            index += 1
+            yield piece
+
+    @override
+    def read(self, size: int | None = -1) -> bytes:
+        """Bytes copied once from the pieces (``RawIOBase`` would copy twice)."""
+        return b"".join(self._slices(-1 if size is None else size))
+
+    @override
+    def readinto(self, buffer: Any) -> int:
+        out = byte_view(buffer)
+        done = 0
+        for piece in self._slices(out.nbytes):
+            out[done : done + piece.nbytes] = piece
+            done += piece.nbytes
+        return done
+
+    @override
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self.length}[whence]
+        self._at = max(0, base + offset)
+        return self._at
+
+    @override
+    def tell(self) -> int:
+        return self._at
+
+    @override
+    def close(self) -> None:
+        """Kept open for the next part (the client closes a body once it is sent)."""
 
 
 _REWIND_ID = "lightning_megatron_fsdp.rewind_parts"
@@ -148,8 +220,7 @@ class _PartBudget:
     buffers.
 
     A thread takes a part when it starts filling one and gives it back once it is
-    uploaded, so the bytes buffered for uploads never exceed ``slots * size``; the
-    buffers are reused, so a save allocates each once.
+    uploaded, so the bytes copied for uploads never exceed ``slots * size``.
     """
 
     def __init__(self, size: int, slots: int) -> None:
@@ -172,12 +243,10 @@ class _PartBudget:
         self._free.acquire()
         with self._lock:
             part = self._parts.pop() if self._parts else None
-        if part is None:
-            return _Part(self.size)
-        part.reset(self.size)
-        return part
+        return _Part() if part is None else part
 
     def give(self, part: _Part) -> None:
+        part.reset()
         with self._lock:
             self._parts.append(part)
         self._free.release()
@@ -201,15 +270,22 @@ class _S3Upload(io.RawIOBase):
 
     @override
     def write(self, data: Any) -> int:
-        view = byte_view(data)
+        return self._add(byte_view(data), keep=False)
+
+    def write_kept(self, data: Any) -> int:
+        """Write ``data`` by reference: an immutable object (``bytes``), or a view that
+        keeps its memory alive and whose bytes do not change until :meth:`close`."""
+        return self._add(byte_view(data), keep=True)
+
+    def _add(self, view: memoryview, keep: bool) -> int:
         size = view.nbytes
         while view.nbytes:
             if self._part is None:
                 self._part = self._budget.take()
-            room = self._budget.size - self._part.tell()
-            self._part.write(view[:room])
-            view = view[room:]
-            if self._part.tell() >= self._budget.size:
+            piece = view[: self._budget.size - self._part.length]
+            (self._part.keep if keep else self._part.copy)(piece)
+            view = view[piece.nbytes :]
+            if self._part.length >= self._budget.size:
                 self._send()
         return size
 

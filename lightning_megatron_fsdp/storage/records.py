@@ -239,10 +239,12 @@ def _kind(tensor: torch.Tensor) -> tuple[Any, ...] | None:
 
 
 def _tensor_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor of at least one element (the tensor must
-    outlive the view)."""
+    """The bytes of a contiguous CPU tensor of at least one element; the view (and each
+    slice of it) keeps the tensor alive."""
     nbytes = tensor.numel() * tensor.element_size()
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+    array = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
+    array.tensor = tensor  # type: ignore[attr-defined]
+    return memoryview(array).cast("B")
 
 
 class TensorRecords:
