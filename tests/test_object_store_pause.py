@@ -13,7 +13,9 @@ through a proxy (``tests/s3_fault_proxy.py``) that never answers one rank's shar
 then the first ranged reads of the shards: the requests a stopped server leaves hanging
 mid-save and mid-load. And reads through a file (``fs.open``: a streamed digest, as a
 load of a format-1 checkpoint or ``inspect --verify`` takes one, and a stream opened
-before the stop): each fails within its deadline, naming the object. Last, a manifest PUT
+before the stop): each fails within its deadline, naming the object; so does
+``fit(ckpt_path="last")``'s lookup of the newest complete checkpoint, made before any
+process group exists. Last, a manifest PUT
 that times out and reaches the server later: the failed save's checkpoint, complete, loads
 bit for bit, and the next save retires it.
 """
@@ -28,11 +30,13 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_megatron_fsdp import load_full_weights
+from lightning_megatron_fsdp import MegatronFSDPStrategy, load_full_weights
 from lightning_megatron_fsdp.errors import CheckpointError
 from lightning_megatron_fsdp.storage import locate
 from tests.harness import run_distributed
+from tests.models import PackedBlock
 from tests.object_store import SeaweedServer
 from tests.s3_fault_proxy import Fault, FaultProxy
 from tests.scripts.fault_injection import (
@@ -43,6 +47,7 @@ from tests.scripts.fault_injection import (
     target_state,
 )
 from tests.shard_facts import assert_same_facts, facts
+from tests.test_trainer_checkpointing import CheckpointedLM, make_trainer, token_loader
 
 GROUP_TIMEOUT = timedelta(seconds=20)
 MARGIN = 5.0
@@ -57,7 +62,7 @@ def _timed(action: Any) -> tuple[str | None, float]:
     error = None
     try:
         action()
-    except CheckpointError as err:
+    except (CheckpointError, TimeoutError) as err:
         error = f"{type(err).__name__}: {err}"
     return error, time.monotonic() - start
 
@@ -243,6 +248,50 @@ def test_full_weights_from_a_stopped_store_fail_within_the_timeout(
         assert re.search(
             rf"{re.escape(url)}/last\.ckpt\S*: the object store did not answer \w+ within "
             rf"{DEADLINE}",
+            error,
+        ), where
+
+
+def _fit(
+    rank: int, world_size: int, env: dict[str, str], url: str, ckpt_path: str | None
+) -> tuple[str | None, float]:
+    """2 steps of the Trainer with ``ModelCheckpoint(dirpath=url, save_last=True)`` and a
+    strategy whose group times out after :data:`GROUP_TIMEOUT`, from ``ckpt_path``;
+    returns what :func:`_timed` does."""
+    os.environ.update(env)
+    checkpoints = ModelCheckpoint(dirpath=url, save_last=True, every_n_train_steps=1)
+    trainer = make_trainer(
+        world_size,
+        strategy=MegatronFSDPStrategy(auto_wrap_policy={PackedBlock}, timeout=GROUP_TIMEOUT),
+        max_steps=2,
+        callbacks=[checkpoints],
+    )
+    return _timed(
+        lambda: trainer.fit(CheckpointedLM(), token_loader(world_size), ckpt_path=ckpt_path)
+    )
+
+
+def test_resuming_from_last_on_a_stopped_store_fails_within_the_timeout(
+    seaweed: SeaweedServer,
+) -> None:
+    """``fit(ckpt_path="last")`` looks for the newest complete ``last`` checkpoint in the
+    bucket before any process group exists; with the server stopped, every rank raises one
+    clear error within the strategy's timeout, naming the checkpoint and the deadline."""
+    url = f"s3://{seaweed.new_bucket()}/run"
+    saved = run_distributed(_fit, 2, seaweed.env, url, None, init_process_group=False)
+    assert saved == [(None, saved[0][1]), (None, saved[1][1])], saved
+    seaweed.pause()
+    try:
+        outcomes = run_distributed(
+            _fit, 2, seaweed.env, url, "last", init_process_group=False, timeout=180.0
+        )
+    finally:
+        seaweed.resume()
+    for rank, (error, took) in enumerate(outcomes):
+        where = f"rank {rank} ({took:.1f} s): {error}"
+        assert error is not None and took < GROUP_TIMEOUT.total_seconds() + MARGIN, where
+        assert re.search(
+            rf"{re.escape(url)}\S*: the object store did not answer \w+ within {DEADLINE}",
             error,
         ), where
 

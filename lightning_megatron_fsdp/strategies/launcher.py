@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,28 +23,37 @@ from lightning_megatron_fsdp.storage import (
     MANIFEST_FILE,
     latest_complete_checkpoint,
     locate,
+    request_deadline,
 )
 
 __all__ = ["resolving_last_launcher"]
 
 
-def resolving_last_launcher(inner: _lightning.Launcher | None) -> _lightning.Launcher | None:
+def resolving_last_launcher(
+    inner: _lightning.Launcher | None, timeout: timedelta | None
+) -> _lightning.Launcher | None:
     """Wrap Lightning's launcher so ``ckpt_path="last"`` means a complete checkpoint.
 
     Args:
         inner: The launcher Lightning configured: ``None`` when processes are created
             externally (torchrun, SLURM, ...), else its script launcher.
+        timeout: The strategy's collective timeout: each object-store request of the
+            lookup gives up after half of it, as the checkpoint's load would.
 
     Returns:
         The wrapping launcher, or ``inner`` itself for a launcher this does not know.
     """
+    launcher: _ResolvesLast
     if inner is None:
-        return _ResolvingLastLauncher()
-    if type(inner) is _lightning.SubprocessScriptLauncher:
-        return _ResolvingLastSubprocessScriptLauncher(
+        launcher = _ResolvingLastLauncher()
+    elif type(inner) is _lightning.SubprocessScriptLauncher:
+        launcher = _ResolvingLastSubprocessScriptLauncher(
             inner.cluster_environment, inner.num_processes, inner.num_nodes
         )
-    return inner
+    else:
+        return inner
+    launcher.deadline = request_deadline(timeout)
+    return launcher
 
 
 def _with_last_resolved(
@@ -51,6 +61,7 @@ def _with_last_resolved(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     trainer: pl.Trainer | None,
+    deadline: float | None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``function``'s arguments with ``ckpt_path="last"`` replaced by a complete checkpoint.
 
@@ -66,14 +77,14 @@ def _with_last_resolved(
         return args, kwargs
     if bound.arguments.get("ckpt_path") != "last":
         return args, kwargs
-    resolved = _latest_complete_last_checkpoint(trainer)
+    resolved = _latest_complete_last_checkpoint(trainer, deadline)
     if resolved is None:
         return args, kwargs
     bound.arguments["ckpt_path"] = str(resolved)
     return bound.args, bound.kwargs
 
 
-def _latest_complete_last_checkpoint(trainer: pl.Trainer) -> str | None:
+def _latest_complete_last_checkpoint(trainer: pl.Trainer, deadline: float | None) -> str | None:
     """The most recently written complete checkpoint Lightning's ``"last"`` could mean.
 
     Candidates are Lightning's: the ``last*`` entries of every ``ModelCheckpoint``
@@ -89,7 +100,8 @@ def _latest_complete_last_checkpoint(trainer: pl.Trainer) -> str | None:
         if dirpath is None:
             continue
         pattern = f"{callback.CHECKPOINT_NAME_LAST}*{callback.FILE_EXTENSION}"
-        latest = locate(dirpath, options).latest(pattern, on_restored=rank_zero_warn)
+        location = locate(dirpath, options, deadline=deadline)
+        latest = location.latest(pattern, on_restored=rank_zero_warn)
         if latest is not None:
             found.append((latest[0], str(latest[1])))
     crashed = [
@@ -120,6 +132,9 @@ def _checkpoint_dir(callback: ModelCheckpoint, trainer: pl.Trainer) -> _lightnin
 class _ResolvesLast(_lightning.Launcher):
     """Resolves ``ckpt_path="last"``, then launches as the launcher after it in the MRO."""
 
+    deadline: float | None = None
+    """Seconds each object-store request of the lookup may take (``None``: no limit)."""
+
     @override
     def launch(
         self,
@@ -128,7 +143,7 @@ class _ResolvesLast(_lightning.Launcher):
         trainer: pl.Trainer | None = None,
         **kwargs: Any,
     ) -> Any:
-        args, kwargs = _with_last_resolved(function, args, kwargs, trainer)
+        args, kwargs = _with_last_resolved(function, args, kwargs, trainer, self.deadline)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 

@@ -172,7 +172,7 @@ class MegatronFSDPStrategy(StrategyOptionsMixin, StepHooks):
             inner = _lightning.SubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
-        self._launcher = resolving_last_launcher(inner)
+        self._launcher = resolving_last_launcher(inner, self._options.timeout)
 
     @override
     def setup_environment(self) -> None:
