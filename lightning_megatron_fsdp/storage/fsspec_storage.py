@@ -93,9 +93,9 @@ to the rank's state. On S3 a GET holds none: its body lands in the targets."""
 
 
 class _Part(io.RawIOBase):
-    """One upload part, read by the client as one file: pieces the writer keeps (a tensor
-    record's payload and its template's bytes, by reference) and bytes copied into the
-    part's own buffer (everything else).
+    """One upload part, read by the client as one file: views the writer keeps (a tensor
+    record's payload and its template's bytes, by reference) and copies of everything
+    else.
 
     Every call of the client that sends it starts from its first byte
     (:func:`_rewind_parts`); botocore rewinds it itself between its own attempts."""
@@ -106,43 +106,27 @@ class _Part(io.RawIOBase):
         """How many times the client was called to send it (s3fs's attempts)."""
         self.length = 0
         """Bytes written since it was taken."""
-        self._copied = bytearray()
-        self._pieces: list[memoryview | tuple[int, int]] = []
-        """Kept views, and ``(start, end)`` ranges of :attr:`_copied`, in order."""
         self._views: list[memoryview] = []
         self._ends: list[int] = []
         self._at = 0
 
     def reset(self) -> None:
-        """Empty (its copied bytes' buffer freed, its kept views dropped)."""
-        for view in self._views:
-            view.release()
-        self._views, self._ends, self._pieces = [], [], []
-        self._copied = bytearray()
+        """Empty: its views dropped."""
+        self._views, self._ends = [], []
         self.length = self._at = 0
 
     def copy(self, view: memoryview) -> None:
         """Append a copy of ``view``'s bytes."""
-        start = len(self._copied)
-        self._copied += view
-        last = self._pieces[-1] if self._pieces else None
-        if isinstance(last, tuple) and last[1] == start:
-            self._pieces[-1] = (last[0], len(self._copied))
-        else:
-            self._pieces.append((start, len(self._copied)))
-        self.length += view.nbytes
+        self.keep(memoryview(view.tobytes()))
 
     def keep(self, view: memoryview) -> None:
         """Append ``view`` itself (its bytes must not change until the part is sent)."""
-        self._pieces.append(view)
+        self._views.append(view)
         self.length += view.nbytes
+        self._ends.append(self.length)
 
     def body(self) -> _Part:
         """The part as a request body: exactly the bytes written since it was taken."""
-        copied = memoryview(self._copied)
-        self._views = [copied[p[0] : p[1]] if isinstance(p, tuple) else p for p in self._pieces]
-        copied.release()
-        self._ends = list(itertools.accumulate(view.nbytes for view in self._views))
         self._at = 0
         self.calls = 0
         return self
