@@ -86,9 +86,13 @@ _PORTS_HELD = 512
 
 
 def _lock_port(port: int) -> bool:
-    """Whether ``port``'s lock was free and is now this process's."""
-    _PORT_LOCKS.mkdir(exist_ok=True)
-    fd = os.open(_PORT_LOCKS / str(port), os.O_CREAT | os.O_RDWR, 0o666)
+    """Whether ``port``'s lock was free and is now this process's (``True`` also where the
+    folder cannot be used, another user's for example: the bind check alone decides)."""
+    try:
+        _PORT_LOCKS.mkdir(exist_ok=True)
+        fd = os.open(_PORT_LOCKS / str(port), os.O_CREAT | os.O_RDWR, 0o666)
+    except OSError:
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -278,7 +282,9 @@ def run_distributed(
     """
     # The rendezvous store is served from here, on a port the kernel picked and that stays
     # bound for the whole run: no rank binds a port that another test, or another session
-    # on this host, was handed too (two such rendezvous join each other's ranks).
+    # on this host, was handed too (two such rendezvous join each other's ranks). It lives
+    # as long as the run, so a rank that joined a group twice would find the first one's
+    # keys in it.
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=PROCESS_GROUP_TIMEOUT
     )

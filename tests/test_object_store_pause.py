@@ -275,25 +275,35 @@ def test_resuming_from_last_on_a_stopped_store_fails_within_the_timeout(
     seaweed: SeaweedServer,
 ) -> None:
     """``fit(ckpt_path="last")`` looks for the newest complete ``last`` checkpoint in the
-    bucket before any process group exists; with the server stopped, every rank raises one
-    clear error within the strategy's timeout, naming the checkpoint and the deadline."""
+    bucket before any process group exists. With the server stopped, and with a store
+    that answers the listing of the folder and then nothing about ``last.ckpt`` (the
+    proxy), every rank raises one clear error within the strategy's timeout, naming the
+    checkpoint and the deadline: not a checkpoint taken as missing (Lightning would then
+    look again, without a deadline, or start from scratch)."""
     url = f"s3://{seaweed.new_bucket()}/run"
     saved = run_distributed(_fit, 2, seaweed.env, url, None, init_process_group=False)
-    assert saved == [(None, saved[0][1]), (None, saved[1][1])], saved
+    assert [error for error, _ in saved] == [None, None], saved
+    hang = Fault("hang", 1000, method=None, path=r"last\.ckpt")
+    with FaultProxy(seaweed.ports["s3.port"], [hang]) as proxy:
+        hung = run_distributed(
+            _fit, 2, proxy.env(seaweed.env), url, "last", init_process_group=False, timeout=180
+        )
     seaweed.pause()
     try:
-        outcomes = run_distributed(
+        stopped = run_distributed(
             _fit, 2, seaweed.env, url, "last", init_process_group=False, timeout=180.0
         )
     finally:
         seaweed.resume()
-    for rank, (error, took) in enumerate(outcomes):
-        where = f"rank {rank} ({took:.1f} s): {error}"
-        assert error is not None and took < GROUP_TIMEOUT.total_seconds() + MARGIN, where
-        assert re.search(
-            rf"{re.escape(url)}\S*: the object store did not answer \w+ within {DEADLINE}",
-            error,
-        ), where
+    for name, outcomes, target in (("stopped", stopped, ""), ("hung", hung, "/last\\.ckpt")):
+        for rank, (error, took) in enumerate(outcomes):
+            where = f"{name}, rank {rank} ({took:.1f} s): {error}"
+            assert error is not None and took < GROUP_TIMEOUT.total_seconds() + MARGIN, where
+            assert re.search(
+                rf"^TimeoutError: {re.escape(url)}{target}\S*: the object store did not "
+                rf"answer \w+ within {DEADLINE}",
+                error,
+            ), where
 
 
 def _a_late_manifest(rank: int, world_size: int, env: dict[str, str], url: str) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 :class:`ChecksummingFsspecWriter` and :class:`VerifyingFsspecReader` are the local writer and
 reader of :mod:`~lightning_megatron_fsdp.storage.filesystem` with their file access pointed at
 an fsspec filesystem. A save must not need much more memory than the state it writes, so
-each rank's shard objects go up in parts filled from a bounded, reused set of buffers (on
-S3 a multipart upload handed to the client without a copy), the CRC32C of every record
+each rank's shard objects go up in a bounded number of parts at once (on S3 a multipart
+upload whose parts hold the tensors' bytes by reference, not copies), the CRC32C of every record
 taken from the bytes as they go out; a load must not pay a request per record nor hold
 copies of what it reads, so each run of adjacent records is read with a few concurrent
 ranged GETs (on S3 received straight into the records' targets) and each record is
@@ -94,8 +94,8 @@ to the rank's state. On S3 a GET holds none: its body lands in the targets."""
 
 class _Part(io.RawIOBase):
     """One upload part, read by the client as one file: views the writer keeps (a tensor
-    record's payload and its template's bytes, by reference) and copies of everything
-    else.
+    record's payload and its template's bytes, by reference) and, between them, copies of
+    everything else.
 
     Every call of the client that sends it starts from its first byte
     (:func:`_rewind_parts`); botocore rewinds it itself between its own attempts."""
@@ -106,27 +106,33 @@ class _Part(io.RawIOBase):
         """How many times the client was called to send it (s3fs's attempts)."""
         self.length = 0
         """Bytes written since it was taken."""
+        self._pieces: list[memoryview | bytearray] = []
+        """Kept views, and the copies written between them (one buffer per run of them)."""
         self._views: list[memoryview] = []
         self._ends: list[int] = []
         self._at = 0
 
     def reset(self) -> None:
-        """Empty: its views dropped."""
-        self._views, self._ends = [], []
+        """Empty: its views and copies dropped."""
+        self._pieces, self._views, self._ends = [], [], []
         self.length = self._at = 0
 
     def copy(self, view: memoryview) -> None:
         """Append a copy of ``view``'s bytes."""
-        self.keep(memoryview(view.tobytes()))
+        if not self._pieces or not isinstance(self._pieces[-1], bytearray):
+            self._pieces.append(bytearray())
+        self._pieces[-1] += view
+        self.length += view.nbytes
 
     def keep(self, view: memoryview) -> None:
         """Append ``view`` itself (its bytes must not change until the part is sent)."""
-        self._views.append(view)
+        self._pieces.append(view)
         self.length += view.nbytes
-        self._ends.append(self.length)
 
     def body(self) -> _Part:
         """The part as a request body: exactly the bytes written since it was taken."""
+        self._views = [memoryview(piece) for piece in self._pieces]
+        self._ends = list(itertools.accumulate(view.nbytes for view in self._views))
         self._at = 0
         self.calls = 0
         return self
@@ -190,7 +196,7 @@ def _rewind_parts(params: dict[str, Any], **_: Any) -> None:
     botocore rewinds a body between its own attempts, but s3fs retries a throttled call
     (``SlowDown``, after botocore gave up) with the same body, read to its end by then: the
     server would store an empty object and answer 200. Rejected: a ``bytes`` copy of each
-    part (what s3fs's own ``pipe_file`` sends) doubles the upload buffers; retrying here
+    part (what s3fs's own ``pipe_file`` sends) holds every part's bytes twice; retrying here
     with s3fs's retries turned off would change the user's filesystem.
     """
     body = params.get("Body")
@@ -200,8 +206,7 @@ def _rewind_parts(params: dict[str, Any], **_: Any) -> None:
 
 
 class _PartBudget:
-    """The upload parts a rank's writer threads may hold at once, their size, and their
-    buffers.
+    """The upload parts a rank's writer threads may hold at once, and their size.
 
     A thread takes a part when it starts filling one and gives it back once it is
     uploaded, so the bytes copied for uploads never exceed ``slots * size``.
@@ -211,8 +216,6 @@ class _PartBudget:
         self.size = size
         self.slots = slots
         self._free = threading.BoundedSemaphore(slots)
-        self._parts: list[_Part] = []
-        self._lock = threading.Lock()
 
     @classmethod
     def for_bytes(cls, total: int, threads: int) -> _PartBudget:
@@ -223,24 +226,22 @@ class _PartBudget:
         return cls(size, slots)
 
     def take(self) -> _Part:
-        """An empty part buffer; waits while every slot is taken."""
+        """An empty part; waits while every slot is taken."""
         self._free.acquire()
-        with self._lock:
-            part = self._parts.pop() if self._parts else None
-        return _Part() if part is None else part
+        return _Part()
 
     def give(self, part: _Part) -> None:
+        """``part`` was sent or dropped: its slot is free (and its bytes let go)."""
         part.reset()
-        with self._lock:
-            self._parts.append(part)
         self._free.release()
 
 
 class _S3Upload(io.RawIOBase):
-    """One S3 object written as a multipart upload whose parts are filled here and handed
-    to the client as they are (no copy on the way out), each taken from ``budget``; an
-    object smaller than one part is one PUT. Nothing is visible before :meth:`close`;
-    :meth:`discard` aborts the upload."""
+    """One S3 object written as a multipart upload whose parts are filled here (tensor
+    payloads by reference: :meth:`write_kept`) and read by the client as files, each taken
+    from ``budget``; an object smaller than one part is one PUT. Nothing is visible before
+    :meth:`close`; :meth:`discard` aborts the upload. A failed :meth:`close` leaves the
+    upload closed (never tried again by the finaliser): the caller aborts it."""
 
     def __init__(self, fs: Any, path: str, budget: _PartBudget) -> None:
         super().__init__()
@@ -313,24 +314,26 @@ class _S3Upload(io.RawIOBase):
         """Complete the upload: the object appears, whole."""
         if self.closed:
             return
-        if self._upload is None:
-            part, self._part = self._part, None
-            try:
-                self._call("put_object", Body=io.BytesIO() if part is None else part.body())
-            finally:
-                if part is not None:
-                    self._budget.give(part)
-        else:
-            if self._part is not None:
-                self._send()
-            self._call(
-                "complete_multipart_upload",
-                UploadId=self._upload,
-                MultipartUpload={"Parts": self._parts},
-            )
+        try:
+            if self._upload is None:
+                part, self._part = self._part, None
+                try:
+                    self._call("put_object", Body=io.BytesIO() if part is None else part.body())
+                finally:
+                    if part is not None:
+                        self._budget.give(part)
+            else:
+                if self._part is not None:
+                    self._send()
+                self._call(
+                    "complete_multipart_upload",
+                    UploadId=self._upload,
+                    MultipartUpload={"Parts": self._parts},
+                )
+        finally:
+            super().close()
         with contextlib.suppress(Exception):
             self._fs.invalidate_cache(self._path)
-        super().close()
 
     def discard(self) -> None:
         """Abort: give the part's slot back, drop the parts uploaded; nothing appears."""
@@ -397,10 +400,10 @@ class _FsspecFileSystem(FileSystemBase):
             file = self.fs.open(path, "wb", block_size=self.budget.size)
         try:
             yield file
+            file.close()
         except BaseException:
-            abort_upload(file)  # the object never appears
+            abort_upload(file)  # the object never appears (nor a part of it)
             raise
-        file.close()
 
     @override
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:

@@ -898,6 +898,8 @@ class ObjectStore:
                     continue
                 written = self.manifest_time(found)
                 step = self.read_manifest(found).global_step
+            except TimeoutError:
+                raise  # the store stopped answering: no candidate can be judged
             except (OSError, CheckpointError):
                 continue
             key = ((-1 if step is None else step), written) if by == "step" else (written,)
