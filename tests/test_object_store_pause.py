@@ -223,6 +223,17 @@ def test_reads_through_a_file_of_a_stopped_store_fail_within_the_deadline(
         ), where
 
 
+def _assert_gave_up(outcomes: list[tuple[str | None, float]], named: str, case: str = "") -> None:
+    """Every rank failed within the group's timeout, its error naming what matches
+    ``named`` (a regular expression) and the deadline of the request that went unanswered."""
+    for rank, (error, took) in enumerate(outcomes):
+        where = f"{case}rank {rank} ({took:.1f} s): {error}"
+        assert error is not None and took < GROUP_TIMEOUT.total_seconds() + MARGIN, where
+        assert re.search(
+            rf"{named}\S*: the object store did not answer \w+ within {DEADLINE}", error
+        ), where
+
+
 def _weights_while_paused(
     rank: int, world_size: int, env: dict[str, str], url: str, server: int
 ) -> tuple[str | None, float]:
@@ -242,14 +253,7 @@ def test_full_weights_from_a_stopped_store_fail_within_the_timeout(
     each rank waits on s3fs's and botocore's retries for many minutes)."""
     url = f"s3://{seaweed.new_bucket()}/run"
     outcomes = _run_paused(seaweed, _weights_while_paused, url)
-    for rank, (error, took) in enumerate(outcomes):
-        where = f"rank {rank} ({took:.1f} s): {error}"
-        assert error is not None and took < GROUP_TIMEOUT.total_seconds() + MARGIN, where
-        assert re.search(
-            rf"{re.escape(url)}/last\.ckpt\S*: the object store did not answer \w+ within "
-            rf"{DEADLINE}",
-            error,
-        ), where
+    _assert_gave_up(outcomes, rf"{re.escape(url)}/last\.ckpt")
 
 
 def _fit(
@@ -295,15 +299,8 @@ def test_resuming_from_last_on_a_stopped_store_fails_within_the_timeout(
         )
     finally:
         seaweed.resume()
-    for name, outcomes, target in (("stopped", stopped, ""), ("hung", hung, "/last\\.ckpt")):
-        for rank, (error, took) in enumerate(outcomes):
-            where = f"{name}, rank {rank} ({took:.1f} s): {error}"
-            assert error is not None and took < GROUP_TIMEOUT.total_seconds() + MARGIN, where
-            assert re.search(
-                rf"^TimeoutError: {re.escape(url)}{target}\S*: the object store did not "
-                rf"answer \w+ within {DEADLINE}",
-                error,
-            ), where
+    _assert_gave_up(stopped, rf"^TimeoutError: {re.escape(url)}", "stopped, ")
+    _assert_gave_up(hung, rf"^TimeoutError: {re.escape(url)}/last\.ckpt", "hung, ")
 
 
 def _a_late_manifest(rank: int, world_size: int, env: dict[str, str], url: str) -> dict[str, Any]:
