@@ -183,7 +183,8 @@ class _Part(io.RawIOBase):
 
     @override
     def close(self) -> None:
-        """Kept open for the next part (the client closes a body once it is sent)."""
+        """Kept open: a client may close a body it sent, and s3fs's next call of a
+        throttled upload sends the same part again (:func:`_rewind_parts`)."""
 
 
 _REWIND_ID = "lightning_megatron_fsdp.rewind_parts"
