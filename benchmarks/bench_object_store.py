@@ -27,7 +27,7 @@ test suite's: every port given explicitly) and stops; times are barrier to barri
 slowest rank), medians of the repeats after one untimed round. MB/s is per rank: the
 rank's state bytes over the time.
 
-Memory: a sampler thread reads the rank's RSS every 2 ms during each operation; the
+Memory: a sampler process reads the rank's RSS every 2 ms during each operation; the
 ratio is ``(state + peak RSS growth) / state``, the rank's resident state counted once.
 Before each operation the garbage is collected and glibc hands its free pages back
 (``malloc_trim``), so what an earlier operation freed but kept mapped neither hides the
@@ -48,8 +48,9 @@ import ctypes
 import gc
 import io
 import os
+import subprocess
+import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -85,30 +86,62 @@ def _settle() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as file:
-        return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+_SAMPLER = """
+import os, select, sys
+fd = os.open(f"/proc/{sys.argv[1]}/statm", os.O_RDONLY)
+page = os.sysconf("SC_PAGE_SIZE")
+def rss():
+    return int(os.pread(fd, 256, 0).split()[1]) * page
+peak, active = 0, False
+while True:
+    ready, _, _ = select.select([sys.stdin], [], [], 0.002 if active else None)
+    if not ready:
+        peak = max(peak, rss())
+        continue
+    line = sys.stdin.readline()
+    if not line:
+        break
+    if line.startswith("start"):
+        peak, active = rss(), True
+        print(peak, flush=True)
+    else:
+        peak, active = max(peak, rss()), False
+        print(peak, flush=True)
+"""
 
 
 class _Peak:
-    """The highest RSS seen while the block runs (a sampler thread, every 2 ms)."""
+    """The highest RSS of this process while a block runs, read every 2 ms by a sampler
+    process: a sampler thread in the rank would take the GIL 500 times a second from the
+    rank's own threads (the load's event loop and checks), slowing what it measures."""
+
+    def __init__(self) -> None:
+        self._sampler = subprocess.Popen(
+            [sys.executable, "-c", _SAMPLER, str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.before = self.peak = 0
+
+    def _ask(self, what: str) -> int:
+        assert self._sampler.stdin is not None and self._sampler.stdout is not None
+        self._sampler.stdin.write(f"{what}\n")
+        self._sampler.stdin.flush()
+        return int(self._sampler.stdout.readline())
 
     def __enter__(self) -> _Peak:
         _settle()
-        self.before = self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        self.before = self._ask("start")
         return self
 
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, _rss())
-
     def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
+        self.peak = self._ask("stop")
+
+    def close(self) -> None:
+        assert self._sampler.stdin is not None
+        self._sampler.stdin.close()
+        self._sampler.wait()
 
     @property
     def growth(self) -> int:
@@ -171,8 +204,10 @@ def _rank(
     cold: dict[str, int] = {}
     read_bytes: list[int] = []
 
+    peak = _Peak()
+
     def measure(name: str, fn: Any, first: bool) -> None:
-        with _Peak() as peak:
+        with peak:
             elapsed = timed(fn)
         if first:  # the process's first: clients, templates, caches made once
             cold[name] = peak.growth
@@ -206,6 +241,7 @@ def _rank(
         for name in saves[shift:] + saves[:shift] + loads[shift:] + loads[:shift]:
             run(name, repeat < 0)
     dist.barrier()
+    peak.close()
     return {
         "state": state_bytes,
         "blob": len(blob),

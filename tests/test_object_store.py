@@ -203,6 +203,20 @@ def test_s3fs_reaches_the_server_through_the_standard_variables(seaweed: Seaweed
     assert out.returncode != 0 and "PermissionError" in out.stderr, out.stderr
 
 
+def test_a_read_of_a_known_size_refuses_an_object_of_another_size(
+    seaweed: SeaweedServer,
+) -> None:
+    """A whole-object read given its size (a manifest's, a listing's) is one ranged GET;
+    an object that is shorter or longer than that is refused naming it, not cut to fit."""
+    store = ObjectStore(seaweed.filesystem(), "s3")
+    path = f"{seaweed.new_bucket()}/ckpt/meta.pt"
+    store.write_bytes(path, b"0123456789")
+    assert store.read_bytes(path, size=10) == b"0123456789"
+    for size, found in ((9, "more than 9 bytes"), (11, "10 bytes")):
+        with pytest.raises(OSError, match=f"meta.pt: {found} stored where {size} were expected"):
+            store.read_bytes(path, size=size)
+
+
 def test_saved_at_three_ranks_loads_bit_exactly_at_two_and_three(seaweed: SeaweedServer) -> None:
     bucket = seaweed.new_bucket()
     url = f"s3://{bucket}/run"

@@ -16,14 +16,18 @@ ranged GETs are cut off midway reads the missing bytes again and loads bit-exact
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import posixpath
+import urllib.parse
 from collections import Counter
 from typing import Any
 
 import pytest
 import s3fs
 import torch
+import torch.distributed as dist
 
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.errors import CheckpointError
@@ -271,3 +275,67 @@ def test_a_load_whose_gets_are_cut_off_midway_is_bit_exact(seaweed: SeaweedServe
     for rank, report in enumerate(reports):
         assert report["step"] == 3, rank
         assert_same_facts(report["facts"], report["want"], f"rank {rank}")
+
+
+def _save_then_load(rank: int, world_size: int, env: dict[str, str], url: str) -> Any:
+    """Save, then load into zeroed targets in the same processes (each rank's s3fs still
+    holds the listings its save took), everything through the proxy; rank 0 reads a marker
+    object between the two, so the proxy's log tells the load's requests apart."""
+    os.environ.update(env)
+    init_group(rank, world_size)
+    model, adam = trained(world_size)
+    plugin = MegatronFSDPCheckpointIO()
+    plugin.save_checkpoint(checkpoint_dict(model, adam, 3), url)
+    if rank == 0:
+        with contextlib.suppress(FileNotFoundError):
+            s3fs.S3FileSystem(skip_instance_cache=True).cat_file(f"{url}-{_LOAD_BEGINS}")
+    dist.barrier()
+    _, _, state = target_state(world_size)
+    loaded = plugin.load_checkpoint(url, state=state)
+    return {
+        "step": loaded["global_step"],
+        "facts": facts(state),
+        "want": facts(live_state(model, adam)),
+    }
+
+
+_LOAD_BEGINS = "load-begins"
+
+
+def _request(method: str, path: str) -> str:
+    """``"LIST <last part of the prefix>"`` for a listing, else ``"<method> <name>"``."""
+    parts = urllib.parse.urlsplit(path)
+    query = urllib.parse.parse_qs(parts.query)
+    if method == "GET" and "list-type" in query:
+        return f"LIST {posixpath.basename(query['prefix'][0].rstrip('/'))}"
+    return f"{method} {posixpath.basename(parts.path)}"
+
+
+def test_a_load_asks_the_store_once_for_each_thing_it_needs(seaweed: SeaweedServer) -> None:
+    """2 ranks, through the proxy with no fault, the requests of a load right after a save
+    in the same processes: rank 0 lists the checkpoint's versions and the newest one once
+    and reads the manifest and ``.metadata.keys`` once (the other ranks take the listing
+    and manifest from it: a complete version never changes); each rank reads ``meta.pt``
+    with one GET; nothing asks an object's size (HEAD), and no rank trips over what its
+    own save listed. Counts are exact: nothing is retried on a healthy loopback server."""
+    url = f"s3://{seaweed.new_bucket()}/run/last.ckpt"
+    with FaultProxy(seaweed.ports["s3.port"]) as proxy:
+        env = proxy.env(seaweed.env)
+        reports = run_distributed(
+            _save_then_load, 2, env, url, init_process_group=False, timeout=TIMEOUT
+        )
+        log = list(proxy.log)
+    for rank, report in enumerate(reports):
+        assert report["step"] == 3, rank
+        assert_same_facts(report["facts"], report["want"], f"rank {rank}")
+    begins = max(i for i, (_, path, _) in enumerate(log) if _LOAD_BEGINS in path)
+    asked = Counter(_request(method, path) for method, path, _ in log[begins + 1 :])
+    assert sum(n for key, n in asked.items() if key.startswith("GET __")) >= 2, log
+    version = next(key.split()[1] for key in asked if key.startswith("LIST v"))
+    assert {k: n for k, n in asked.items() if not k.startswith("GET __")} == {
+        "LIST last.ckpt": 1,
+        f"LIST {version}": 1,
+        "GET manifest.json": 1,
+        "GET .metadata.keys": 1,
+        "GET meta.pt": 2,
+    }, log[begins + 1 :]

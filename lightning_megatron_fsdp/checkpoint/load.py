@@ -352,9 +352,10 @@ def _validate(
     ``meta.pt`` (empty if it could not be read), and the targets (built here from
     ``meta.pt`` when ``state`` is a :data:`TargetsFactory`).
 
-    Sizes always; with ``verify_checksums``, ``meta.pt``'s digest on every rank (it is read
-    here anyway) and, unless ``reader`` verifies as it reads, this rank's share of the other
-    files' digests.
+    Sizes always (on a store, those of rank 0's look at the version that
+    ``open_checkpoint`` found complete); with ``verify_checksums``, ``meta.pt``'s digest on
+    every rank (it is read here anyway) and, unless ``reader`` verifies as it reads, this
+    rank's share of the other files' digests.
     """
     if state is not None and not callable(state):
         shape_error = _state_shape_error(state)

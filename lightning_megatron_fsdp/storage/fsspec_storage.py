@@ -537,8 +537,8 @@ class VerifyingFsspecReader(VerifyingFileSystemReader):
 
     @override
     def _read_whole(self, name: str) -> bytes:
-        self._expected_size(name)  # only files the manifest lists
-        return self.store.read_bytes(posixpath.join(self.path, name))
+        size = self._expected_size(name)  # only files the manifest lists
+        return self.store.read_bytes(posixpath.join(self.path, name), size=size)
 
     @override
     def _file_digest(self, name: str, algorithm: str) -> str:

@@ -48,6 +48,7 @@ from lightning_megatron_fsdp.storage.format import (
 )
 
 __all__ = [
+    "CompleteVersion",
     "DeadlineFileSystem",
     "Landing",
     "ObjectStore",
@@ -167,6 +168,22 @@ class StoreVersion:
     @property
     def name(self) -> str:
         return posixpath.basename(self.path)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CompleteVersion:
+    """A complete checkpoint under one prefix as one look at the store found it: its
+    manifest, and the listing that showed every object it names at its recorded size.
+
+    A complete version is never written again (a save writes a new version; retiring
+    deletes the manifest first), so a load may take these instead of asking the store
+    again a moment later."""
+
+    path: str
+    manifest: Manifest
+    sizes: Mapping[str, int]
+    newer: tuple[str, ...]
+    """Names of the versions newer than this one, none of them complete."""
 
 
 def version_name(number: int, token: str) -> str:
@@ -600,8 +617,24 @@ class ObjectStore:
         """One object, written with one PUT (visible whole or not at all)."""
         self.fs.pipe_file(path, bytes(data))
 
-    def read_bytes(self, path: str) -> bytes:
-        return self.fs.cat_file(path)
+    def read_bytes(self, path: str, *, size: int | None = None) -> bytes:
+        """The object ``path``. With its ``size`` known (a manifest's, a listing's), one
+        ranged GET: no request for the size first, and no listing fsspec cached consulted
+        (another rank's writes since may have made it stale).
+
+        Raises:
+            OSError: If the object does not hold exactly ``size`` bytes.
+        """
+        if not size:  # a Range of an empty object is refused
+            return self.fs.cat_file(path)
+        data = self.fs.cat_file(path, start=0, end=size + 1)  # one byte more: a longer one
+        if len(data) != size:
+            raise OSError(
+                f"{self.url(path)}: {'more than ' if len(data) > size else ''}"
+                f"{min(len(data), size)} bytes stored where {size} were expected (it "
+                "changed after it was listed or recorded)."
+            )
+        return data
 
     def digest(self, path: str, algorithm: str) -> str:
         """The digest of the object ``path``, streamed in bounded blocks."""
@@ -621,15 +654,16 @@ class ObjectStore:
                 )
         return sorted(found, key=lambda v: (v.number, v.token))
 
-    def read_manifest(self, prefix: str) -> Manifest:
-        """The manifest of the checkpoint files directly under ``prefix``.
+    def read_manifest(self, prefix: str, *, size: int | None = None) -> Manifest:
+        """The manifest of the checkpoint files directly under ``prefix`` (``size``: its
+        size in a listing just taken, as for :meth:`read_bytes`).
 
         Raises:
             NotACheckpointError: None there, or it does not parse.
         """
         path = self.join(prefix, MANIFEST_FILE)
         try:
-            data = self.read_bytes(path)
+            data = self.read_bytes(path, size=size)
         except FileNotFoundError as err:
             raise NotACheckpointError(self._describe_missing(prefix)) from err
         try:
@@ -656,9 +690,13 @@ class ObjectStore:
             )
         return f"{self.url(prefix)} holds no {MANIFEST_FILE}: not a checkpoint."
 
-    def check_files(self, prefix: str, manifest: Manifest) -> list[str]:
-        """One line per object the manifest lists that is missing or has another size."""
-        sizes = self.sizes(prefix)
+    def check_files(
+        self, prefix: str, manifest: Manifest, *, sizes: Mapping[str, int] | None = None
+    ) -> list[str]:
+        """One line per object the manifest lists that is missing or has another size;
+        ``sizes``: the prefix's listing, if already taken."""
+        if sizes is None:
+            sizes = self.sizes(prefix)
         problems = []
         for name, record in sorted(manifest.files.items()):
             if name not in sizes:
@@ -669,25 +707,41 @@ class ObjectStore:
                 )
         return problems
 
+    def _complete(self, prefix: str, newer: tuple[str, ...]) -> CompleteVersion | None:
+        """``prefix``'s checkpoint (``newer``: the names of the incomplete versions after
+        it) if it holds a manifest that parses and every object it lists, at its recorded
+        size; else ``None``. One listing, then one GET of the manifest it shows."""
+        sizes = self.sizes(prefix)
+        if MANIFEST_FILE not in sizes:
+            return None
+        try:
+            manifest = self.read_manifest(prefix, size=sizes[MANIFEST_FILE])
+        except NotACheckpointError:
+            return None
+        if self.check_files(prefix, manifest, sizes=sizes):
+            return None
+        return CompleteVersion(prefix, manifest, sizes, newer)
+
     def is_complete(self, prefix: str) -> bool:
         """Whether ``prefix`` holds a manifest that parses and every object it lists, at
         its recorded size."""
-        try:
-            manifest = self.read_manifest(prefix)
-        except NotACheckpointError:
-            return False
-        return not self.check_files(prefix, manifest)
+        return self._complete(prefix, ()) is not None
 
-    def locate(self, checkpoint: str) -> str | None:
-        """The prefix to load ``checkpoint`` from: the newest complete version, or
+    def newest_complete(self, checkpoint: str) -> CompleteVersion | None:
+        """The checkpoint to load ``checkpoint`` from: the newest complete version, or
         ``checkpoint`` itself when it holds a complete checkpoint directly (one copied from
         a local disk); ``None`` when there is none."""
-        for version in reversed(self.versions(checkpoint)):
-            if self.is_complete(version.path):
-                return version.path
-        if self.is_complete(checkpoint):
-            return checkpoint
-        return None
+        versions = self.versions(checkpoint)
+        for index in reversed(range(len(versions))):
+            newer = tuple(v.name for v in versions[index + 1 :])
+            if (found := self._complete(versions[index].path, newer)) is not None:
+                return found
+        return self._complete(checkpoint, tuple(v.name for v in versions))
+
+    def locate(self, checkpoint: str) -> str | None:
+        """The prefix of :meth:`newest_complete`, or ``None``."""
+        found = self.newest_complete(checkpoint)
+        return None if found is None else found.path
 
     def checkpoints_under(self, prefix: str) -> list[str]:
         """Names of the checkpoints directly under ``prefix`` that hold a complete version

@@ -29,6 +29,7 @@ from lightning_megatron_fsdp.storage.format import (
 )
 from lightning_megatron_fsdp.storage.location import LocalLocation, Location
 from lightning_megatron_fsdp.storage.object_store import (
+    CompleteVersion,
     ObjectStore,
     abort_upload,
     is_url,
@@ -100,6 +101,10 @@ class StoreLocation(Location):
     store: ObjectStore
     path: str
     """The key or prefix inside the filesystem (no scheme, no trailing ``/``)."""
+    found: CompleteVersion | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The complete checkpoint :meth:`StoreCommit.resolve` found here: its manifest and
+    listing answer this location's :meth:`read_manifest` and :meth:`check_files` (a
+    complete version never changes), which spares a load's ranks asking again."""
 
     @classmethod
     def from_url(
@@ -174,6 +179,8 @@ class StoreLocation(Location):
 
     def read_manifest(self) -> Manifest:
         """See :meth:`ObjectStore.read_manifest`."""
+        if self.found is not None:
+            return self.found.manifest
         return self.store.read_manifest(self.path)
 
     def read_bytes(self, name: str, *, size: int | None = None) -> bytes:
@@ -185,7 +192,7 @@ class StoreLocation(Location):
             raise CheckpointCorruptedError(
                 f"{name}: {stored} bytes stored, {size} in the manifest; it was not read."
             )
-        return self.store.read_bytes(self.key(name))
+        return self.store.read_bytes(self.key(name), size=stored)
 
     def open_records(self, name: str) -> Any:
         """A stream whose read-ahead is :data:`RECORD_BLOCK`: only the zip headers and
@@ -201,7 +208,11 @@ class StoreLocation(Location):
     ) -> list[str]:
         """As :func:`~lightning_megatron_fsdp.storage.format.check_files`: sizes from one
         listing, then the digests of ``checksum_files``, each object read once."""
-        problems = self.store.check_files(self.path, manifest)
+        sizes = None
+        if self.found is not None:
+            self._fresh()  # for this rank's reads: what its fsspec listed before the look
+            sizes = self.found.sizes
+        problems = self.store.check_files(self.path, manifest, sizes=sizes)
         if checksum_files and not problems:
             problems += check_digests(
                 manifest, checksum_files, self.digest, where="stored", kind="object"
@@ -396,19 +407,18 @@ class StoreCommit:
     def resolve(self, final: StoreLocation) -> StoreLocation:
         """The newest complete version (``final`` itself when there is none, whose
         :meth:`read_manifest` then says why)."""
-        version = final.store.locate(final.path)
-        if version is None:
+        found = final.store.newest_complete(final.path)
+        if found is None:
             return final
-        newer = [v.name for v in final.store.versions(final.path) if v.path > version]
-        if newer:
+        if found.newer:
             log.warning(
                 "%s: loading %s; newer save(s) %s did not finish (no manifest, or objects "
                 "missing) and are ignored; the next save of it deletes them.",
                 final,
-                posixpath.basename(version),
-                ", ".join(newer),
+                posixpath.basename(found.path),
+                ", ".join(found.newer),
             )
-        return StoreLocation(final.store, version)
+        return StoreLocation(final.store, found.path, found=found)
 
     def removal_waits(self, final: StoreLocation, saving: Any) -> bool:
         """Always: Lightning removes the checkpoint a new one replaces right after starting
@@ -446,7 +456,8 @@ class StoreCommit:
         return location.check_files(manifest, checksum_files=checksum_files)
 
     def read_bytes(self, location: StoreLocation, name: str) -> bytes:
-        return location.store.read_bytes(location.key(name))
+        size = None if location.found is None else location.found.sizes.get(name)
+        return location.store.read_bytes(location.key(name), size=size)
 
 
 def locate(
