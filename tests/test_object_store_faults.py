@@ -242,54 +242,26 @@ def test_random_503_500_and_resets_are_retried_and_store_every_byte(
     assert seaweed.filesystem().cat(f"{bucket}/obj") == data
 
 
-def _load_through_cuts(rank: int, world_size: int, env: dict[str, str], url: str) -> Any:
-    """Save directly, then load through the proxy (``AWS_ENDPOINT_URL`` switched) into
-    zeroed targets; returns the loaded facts and the saved ones."""
-    os.environ.update(env)
-    init_group(rank, world_size)
-    model, adam = trained(world_size)
-    plugin = MegatronFSDPCheckpointIO()
-    plugin.save_checkpoint(checkpoint_dict(model, adam, 3), url)
-    os.environ["AWS_ENDPOINT_URL"] = env["PROXY_ENDPOINT"]
-    s3fs.S3FileSystem.clear_instance_cache()
-    _, _, state = target_state(world_size)
-    loaded = plugin.load_checkpoint(url, state=state)
-    return {
-        "step": loaded["global_step"],
-        "facts": facts(state),
-        "want": facts(live_state(model, adam)),
-    }
-
-
-def test_a_load_whose_gets_are_cut_off_midway_is_bit_exact(seaweed: SeaweedServer) -> None:
-    """2 ranks: the first GETs of the shard objects are answered with half their body, then
-    a reset; the load asks for the missing bytes again and every tensor is bit-exact."""
-    url = f"s3://{seaweed.new_bucket()}/run/last.ckpt"
-    cuts = [Fault("cut", CALLS - 1, method="GET", path=r"__\d_0\.distcp$")]
-    with FaultProxy(seaweed.ports["s3.port"], cuts) as proxy:
-        env = {**seaweed.env, "PROXY_ENDPOINT": proxy.endpoint}
-        reports = run_distributed(
-            _load_through_cuts, 2, env, url, init_process_group=False, timeout=TIMEOUT
-        )
-        assert proxy.answered("cut") == CALLS - 1, proxy.log
-    for rank, report in enumerate(reports):
-        assert report["step"] == 3, rank
-        assert_same_facts(report["facts"], report["want"], f"rank {rank}")
-
-
 def _save_then_load(rank: int, world_size: int, env: dict[str, str], url: str) -> Any:
-    """Save, then load into zeroed targets in the same processes (each rank's s3fs still
-    holds the listings its save took), everything through the proxy; rank 0 reads a marker
-    object between the two, so the proxy's log tells the load's requests apart."""
+    """Save, then load into zeroed targets; returns the loaded facts and the saved ones.
+
+    With ``PROXY_ENDPOINT`` in ``env`` only the load goes through the proxy (a fresh s3fs
+    client). Without it both do, in the same processes (each rank's s3fs still holding the
+    listings its save took), and rank 0 reads a marker object between the two, so the
+    proxy's log tells the load's requests apart."""
     os.environ.update(env)
     init_group(rank, world_size)
     model, adam = trained(world_size)
     plugin = MegatronFSDPCheckpointIO()
     plugin.save_checkpoint(checkpoint_dict(model, adam, 3), url)
-    if rank == 0:
-        with contextlib.suppress(FileNotFoundError):
-            s3fs.S3FileSystem(skip_instance_cache=True).cat_file(f"{url}-{_LOAD_BEGINS}")
-    dist.barrier()
+    if "PROXY_ENDPOINT" in env:
+        os.environ["AWS_ENDPOINT_URL"] = env["PROXY_ENDPOINT"]
+        s3fs.S3FileSystem.clear_instance_cache()
+    else:
+        if rank == 0:
+            with contextlib.suppress(FileNotFoundError):
+                s3fs.S3FileSystem(skip_instance_cache=True).cat_file(f"{url}-{_LOAD_BEGINS}")
+        dist.barrier()
     _, _, state = target_state(world_size)
     loaded = plugin.load_checkpoint(url, state=state)
     return {
@@ -300,6 +272,22 @@ def _save_then_load(rank: int, world_size: int, env: dict[str, str], url: str) -
 
 
 _LOAD_BEGINS = "load-begins"
+
+
+def test_a_load_whose_gets_are_cut_off_midway_is_bit_exact(seaweed: SeaweedServer) -> None:
+    """2 ranks: the first GETs of the shard objects are answered with half their body, then
+    a reset; the load asks for the missing bytes again and every tensor is bit-exact."""
+    url = f"s3://{seaweed.new_bucket()}/run/last.ckpt"
+    cuts = [Fault("cut", CALLS - 1, method="GET", path=r"__\d_0\.distcp$")]
+    with FaultProxy(seaweed.ports["s3.port"], cuts) as proxy:
+        env = {**seaweed.env, "PROXY_ENDPOINT": proxy.endpoint}
+        reports = run_distributed(
+            _save_then_load, 2, env, url, init_process_group=False, timeout=TIMEOUT
+        )
+        assert proxy.answered("cut") == CALLS - 1, proxy.log
+    for rank, report in enumerate(reports):
+        assert report["step"] == 3, rank
+        assert_same_facts(report["facts"], report["want"], f"rank {rank}")
 
 
 def _request(method: str, path: str) -> str:
