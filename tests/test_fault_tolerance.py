@@ -41,10 +41,12 @@ import torch.distributed as dist
 
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
 from lightning_megatron_fsdp.errors import CheckpointError
+from lightning_megatron_fsdp.storage import commit
 from lightning_megatron_fsdp.storage.commit import resolve_latest_checkpoint
 from lightning_megatron_fsdp.storage.format import (
     ASIDE,
     STAGING,
+    hidden_path,
     is_complete_checkpoint,
     parse_hidden_name,
     read_manifest,
@@ -246,6 +248,38 @@ def _rank_facts(root: Path, saved_step: int) -> list[dict]:
 
 def _hidden(dirpath: Path) -> list[tuple[str, str]]:
     return sorted(h for p in dirpath.iterdir() if (h := parse_hidden_name(p.name)) is not None)
+
+
+def _save_last(rank: int, world_size: int, root: str) -> None:
+    init_group(rank, world_size)
+    model, adam = trained(world_size, steps=1)
+    MegatronFSDPCheckpointIO().save_checkpoint(
+        checkpoint_dict(model, adam, 1), Path(root) / "last.ckpt"
+    )
+
+
+def test_a_rank_that_loses_the_race_to_restore_an_aside_checkpoint_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank of ``fit(ckpt_path="last")`` restores what a crash left renamed aside
+    (``recover_matching``): a rank that found the aside copy complete, and then lost it to
+    another rank's rename before reading its manifest, goes on; the checkpoint is restored
+    once. (In CI this rank raised "... .last.ckpt.old-<token> does not exist".)"""
+    run_distributed(_save_last, 1, str(tmp_path), init_process_group=False, timeout=TIMEOUT)
+    final = tmp_path / "last.ckpt"
+    aside = hidden_path(final, ASIDE, "5eed" * 8)
+    final.rename(aside)
+    checked = commit.is_complete_checkpoint
+
+    def other_rank_restores_it_meanwhile(path: Path) -> bool:
+        complete = checked(path)
+        if Path(path) == aside:
+            aside.rename(final)
+        return complete
+
+    monkeypatch.setattr(commit, "is_complete_checkpoint", other_rank_restores_it_meanwhile)
+    assert commit.recover_matching(tmp_path, "last*.ckpt") == []  # the other rank did it
+    assert is_complete_checkpoint(final) and not aside.exists()
 
 
 def test_sigkill_during_save_keeps_last_complete_checkpoint_and_resumes_bit_exactly(

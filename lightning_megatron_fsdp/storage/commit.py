@@ -237,7 +237,9 @@ def recover_matching(dirpath: str | os.PathLike[str], pattern: str) -> list[Path
             hidden = parse_hidden_name(sibling.name)
             if hidden is None or hidden[1] != ASIDE or not fnmatch.fnmatch(hidden[0], pattern):
                 continue
-            with contextlib.suppress(OSError):  # another rank restored it first
+            # Another rank restored it first: the rename fails, or the copy this rank
+            # found complete is gone by the time its manifest is read.
+            with contextlib.suppress(OSError, NotACheckpointError):
                 if recover_checkpoint(dirpath / hidden[0]):
                     restored.append(dirpath / hidden[0])
     return restored
