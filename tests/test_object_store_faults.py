@@ -291,12 +291,18 @@ def test_a_load_whose_gets_are_cut_off_midway_is_bit_exact(seaweed: SeaweedServe
 
 
 def _request(method: str, path: str) -> str:
-    """``"LIST <last part of the prefix>"`` for a listing, else ``"<method> <name>"``."""
+    """``"LIST <last part of the prefix>"`` for a listing, ``"LIST uploads"`` for one of
+    the pending multipart uploads, ``"DELETE (batch)"`` for a multi-object delete, else
+    ``"<method> <name>"``."""
     parts = urllib.parse.urlsplit(path)
-    query = urllib.parse.parse_qs(parts.query)
+    query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
     if method == "GET" and "list-type" in query:
         return f"LIST {posixpath.basename(query['prefix'][0].rstrip('/'))}"
-    return f"{method} {posixpath.basename(parts.path)}"
+    if method == "GET" and "uploads" in query:
+        return "LIST uploads"
+    if method == "POST" and "delete" in query:
+        return "DELETE (batch)"
+    return f"{method} {posixpath.basename(parts.path.rstrip('/'))}"
 
 
 def test_a_load_asks_the_store_once_for_each_thing_it_needs(seaweed: SeaweedServer) -> None:
@@ -327,3 +333,80 @@ def test_a_load_asks_the_store_once_for_each_thing_it_needs(seaweed: SeaweedServ
         "GET .metadata.keys": 1,
         "GET meta.pt": 2,
     }, log[begins + 1 :]
+
+
+_SAVE_BEGINS, _SAVE_ENDS = "save-begins", "save-ends"
+
+
+def _mark(rank: int, url: str, marker: str) -> None:
+    """Rank 0 asks for a marker object (absent), so the proxy's log shows where it is."""
+    if rank == 0:
+        with contextlib.suppress(FileNotFoundError):
+            s3fs.S3FileSystem(skip_instance_cache=True).cat_file(f"{url}-{marker}")
+    dist.barrier()
+
+
+def _save_twice_then_load(rank: int, world_size: int, env: dict[str, str], url: str) -> Any:
+    """Save steps 2 and 3 (the second replaces the first), marked in the proxy's log, then
+    load into zeroed targets."""
+    os.environ.update(env)
+    init_group(rank, world_size)
+    model, adam = trained(world_size)
+    plugin = MegatronFSDPCheckpointIO()
+    plugin.save_checkpoint(checkpoint_dict(model, adam, 2), url)
+    _mark(rank, url, _SAVE_BEGINS)
+    plugin.save_checkpoint(checkpoint_dict(model, adam, 3), url)
+    _mark(rank, url, _SAVE_ENDS)
+    _, _, state = target_state(world_size)
+    loaded = plugin.load_checkpoint(url, state=state)
+    return {
+        "step": loaded["global_step"],
+        "facts": facts(state),
+        "want": facts(live_state(model, adam)),
+    }
+
+
+def test_a_save_asks_the_store_once_for_each_thing_it_does(seaweed: SeaweedServer) -> None:
+    """2 ranks, through the proxy with no fault, the requests of a save that replaces
+    another: rank 0 lists the checkpoint once to pick the new version; DCP writes
+    ``.metadata`` under its own name (no existence checks, no temporary name renamed,
+    which on an object store is a copy and a delete); each rank lists the new version once
+    (its objects' sizes against what its writer wrote); rank 0 writes ``meta.pt`` and
+    ``.metadata.keys``, then the manifest after every other object of the version; then,
+    committed, it lists the checkpoint once more and retires the old version: its manifest
+    first, then one listing and one batch delete of its objects, its directory marker, and
+    one look for pending multipart uploads. Counts are exact: nothing is retried on a
+    healthy loopback server. The load after it is bit-exact."""
+    url = f"s3://{seaweed.new_bucket()}/run/last.ckpt"
+    with FaultProxy(seaweed.ports["s3.port"]) as proxy:
+        env = proxy.env(seaweed.env)
+        reports = run_distributed(
+            _save_twice_then_load, 2, env, url, init_process_group=False, timeout=TIMEOUT
+        )
+        log = list(proxy.log)
+    for rank, report in enumerate(reports):
+        assert report["step"] == 3, rank
+        assert_same_facts(report["facts"], report["want"], f"rank {rank}")
+    begins = max(i for i, (_, path, _) in enumerate(log) if _SAVE_BEGINS in path)
+    ends = min(i for i, (_, path, _) in enumerate(log) if _SAVE_ENDS in path)
+    asked = [_request(method, path) for method, path, _ in log[begins + 1 : ends]]
+    shards = [n for n in asked if n.split()[1].startswith("__")]
+    assert shards and all(n.startswith("PUT __") for n in shards), asked
+    new = next(posixpath.basename(posixpath.dirname(p)) for _, p, _ in log[begins:] if "__0_" in p)
+    old = next(n.split()[1] for n in asked if n.startswith("LIST v") and new not in n)
+    assert Counter(n for n in asked if n not in shards) == {
+        "LIST last.ckpt": 2,
+        "PUT .metadata": 1,
+        f"LIST {new}": 2,
+        "PUT meta.pt": 1,
+        "PUT .metadata.keys": 1,
+        "PUT manifest.json": 1,
+        "DELETE manifest.json": 1,
+        f"LIST {old}": 1,
+        "DELETE (batch)": 1,
+        f"DELETE {old}": 1,
+        "LIST uploads": 1,
+    }, asked
+    commit = asked.index("PUT manifest.json")
+    assert all(not n.startswith("PUT") for n in asked[commit + 1 :]), asked
+    assert asked.index("DELETE manifest.json") > commit, asked

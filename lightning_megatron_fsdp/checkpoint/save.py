@@ -370,10 +370,10 @@ def commit_save(pending: PendingSave, metadata: Metadata, ranks: Ranks) -> None:
             could not be told.
     """
     store, final = pending.options.store, pending.final
-    error, records = pending.problem, {}
+    error, records, stored = pending.problem, {}, set()
     if error is None:
         try:
-            records = _local_records(pending, ranks.rank, metadata)
+            records, stored = _local_records(pending, ranks.rank, metadata)
             reach("commit:hashed")
         except Exception as err:
             error = f"rank {ranks.rank}: {describe(err)}"
@@ -396,7 +396,7 @@ def commit_save(pending: PendingSave, metadata: Metadata, ranks: Ranks) -> None:
             files: dict[str, FileRecord] = {}
             for rank_records in outcomes.payloads:
                 files.update(rank_records)
-            _check_claims(set(store.sizes(pending.staging)), files, metadata)
+            _check_claims(stored, files, metadata)
             assert pending.manifest_fields is not None
             manifest = Manifest(files=files, **pending.manifest_fields)
             store.publish(final, pending.staging, manifest, pending.token)
@@ -451,10 +451,14 @@ def _pickled(meta: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def _local_records(pending: PendingSave, rank: int, metadata: Metadata) -> dict[str, FileRecord]:
+def _local_records(
+    pending: PendingSave, rank: int, metadata: Metadata
+) -> tuple[dict[str, FileRecord], set[str]]:
     """Size and CRC32C of the files this rank wrote: its shards; rank 0 also the rest,
     ``meta.pt`` and, beside a ``.metadata`` of records in files, its cut by key
-    (``.metadata.keys``, what a load reads instead: ``checkpoint.metadata_slices``).
+    (``.metadata.keys``, what a load reads instead: ``checkpoint.metadata_slices``); and
+    the names of every file in the staging location, as one listing showed them after
+    this rank's writes (on rank 0, after every rank's: DCP's ``finish`` came last).
 
     Taken from the bytes as they were written (:class:`ChecksummingFileSystemWriter`,
     ``meta.pt``): the writer's figures are the truth, the store's size is checked against
@@ -473,8 +477,8 @@ def _local_records(pending: PendingSave, rank: int, metadata: Metadata) -> dict[
         if isinstance(pending.writer, ChecksummingFileSystemWriter):
             cut = MetadataSlices.cut(metadata, source=DCP_METADATA_FILE, cache=True)
             extra[DCP_METADATA_KEYS_FILE] = cut.encoded()
+        store.write_files(staging, extra)
         for name, data in extra.items():
-            store.write_file(staging, name, data)
             digest = crc32c_hex(crc32c(data)) if checksum else None
             written[name] = FileRecord(size=len(data), crc32c=digest)
     pattern = re.compile(_DISTCP_RE.format(rank=rank))
@@ -505,7 +509,7 @@ def _local_records(pending: PendingSave, rank: int, metadata: Metadata) -> dict[
             records[name] = known
         else:
             records[name] = FileRecord(size, crc32c=store.digest(staging, name, "crc32c"))
-    return records
+    return records, set(stored)
 
 
 def _check_claims(on_disk: set[str], files: Mapping[str, FileRecord], metadata: Metadata) -> None:

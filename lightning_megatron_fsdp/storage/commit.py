@@ -20,7 +20,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -119,8 +119,8 @@ class CheckpointStore(Protocol):
         """Create the staging location of a save of ``final``."""
         ...
 
-    def write_file(self, staging: Path, name: str, data: bytes) -> None:
-        """Write one whole file (durably) into a staging location."""
+    def write_files(self, staging: Path, files: Mapping[str, bytes]) -> None:
+        """Write whole files (durably) into a staging location, by name."""
         ...
 
     def sizes(self, location: Path) -> dict[str, int]:
@@ -447,12 +447,13 @@ class LocalDirectories:
         staging.mkdir(parents=True, exist_ok=True)  # a peer's writer may be first
         return staging
 
-    def write_file(self, staging: Path, name: str, data: bytes) -> None:
-        """Write ``staging/name``, fsync'd."""
-        with open(staging / name, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
+    def write_files(self, staging: Path, files: Mapping[str, bytes]) -> None:
+        """Write each ``staging/<name>``, fsync'd."""
+        for name, data in files.items():
+            with open(staging / name, "wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
 
     def sizes(self, location: Path) -> dict[str, int]:
         """Every entry of the directory with its size."""

@@ -440,10 +440,34 @@ class _FsspecFileSystem(FileSystemBase):
         return list(self.fs.ls(os.fspath(path), detail=False))
 
 
+class _NewVersion(_FsspecFileSystem):
+    """:class:`_FsspecFileSystem` as a save's writer sees the new version it writes: the
+    version's prefix is this save's own (its token), so nothing is there but what this save
+    writes, and an object appears whole with its upload. DCP's writer guards against an
+    existing checkpoint there (``exists``) and writes ``.metadata`` under a temporary name
+    that it then renames; on an object store the first is a request that can only answer
+    no, and the rename a copy and a delete of the object. Here nothing exists yet, and a
+    temporary name is the final one, so the rename has nothing to do."""
+
+    @override
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        return super().concat_path(path, suffix.removesuffix(".tmp"))
+
+    @override
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return False
+
+    @override
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        if os.fspath(path) != os.fspath(new_path):
+            super().rename(path, new_path)
+
+
 class ChecksummingFsspecWriter(ChecksummingFileSystemWriter):
     """:class:`~lightning_megatron_fsdp.dcp_storage.ChecksummingFileSystemWriter` writing
-    into the prefix ``path`` of ``store``'s filesystem; no file is synced (an object is
-    durable once its upload completes).
+    into the prefix ``path`` of ``store``'s filesystem, a save's new version that nothing
+    else writes (:class:`_NewVersion`); no file is synced (an object is durable once its
+    upload completes).
 
     Args:
         store: The object store.
@@ -457,7 +481,7 @@ class ChecksummingFsspecWriter(ChecksummingFileSystemWriter):
         kwargs["sync_files"] = False
         super().__init__(path, checksum=checksum, **kwargs)
         self.store = store
-        self._uploads = _FsspecFileSystem(store.fs)
+        self._uploads = _NewVersion(store.fs)
         self.fs = self._uploads  # wrapped: its streams checksum what passes
         self.path = path
 

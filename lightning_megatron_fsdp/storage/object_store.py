@@ -51,6 +51,7 @@ __all__ = [
     "CompleteVersion",
     "DeadlineFileSystem",
     "Landing",
+    "Listing",
     "ObjectStore",
     "StoreVersion",
     "abort_upload",
@@ -154,6 +155,16 @@ def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
             "(s3://, gs://, az://, ...)."
         ) from err
     return url_to_fs(url, **dict(storage_options or {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """What one listing of a prefix showed directly under it."""
+
+    files: dict[str, int]
+    """Objects, by name, with their sizes."""
+    children: list[str]
+    """Names of the "directories" (common prefixes), sorted."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -589,33 +600,37 @@ class ObjectStore:
         with contextlib.suppress(Exception):
             self.fs.invalidate_cache(path)
 
-    def sizes(self, prefix: str) -> dict[str, int]:
-        """Every object directly under ``prefix``, by name, with its size; a fresh listing."""
+    def listing(self, prefix: str) -> Listing:
+        """What is directly under ``prefix``: one fresh listing."""
         self._refresh(prefix)
         try:
             entries = self.fs.ls(prefix, detail=True)
         except FileNotFoundError:
-            return {}
-        return {
-            posixpath.basename(e["name"].rstrip("/")): int(e.get("size") or 0)
-            for e in entries
-            if e.get("type") == "file"
-        }
+            return Listing({}, [])
+        files, children = {}, []
+        for entry in entries:
+            name = posixpath.basename(entry["name"].rstrip("/"))
+            if entry.get("type") == "file":
+                files[name] = int(entry.get("size") or 0)
+            else:
+                children.append(name)
+        return Listing(files, sorted(children))
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Every object directly under ``prefix``, by name, with its size; a fresh listing."""
+        return self.listing(prefix).files
 
     def children(self, prefix: str) -> list[str]:
         """Names of the "directories" (common prefixes) directly under ``prefix``."""
-        self._refresh(prefix)
-        try:
-            entries = self.fs.ls(prefix, detail=True)
-        except FileNotFoundError:
-            return []
-        return sorted(
-            posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") != "file"
-        )
+        return self.listing(prefix).children
 
     def write_bytes(self, path: str, data: Any) -> None:
         """One object, written with one PUT (visible whole or not at all)."""
         self.fs.pipe_file(path, bytes(data))
+
+    def write_objects(self, objects: Mapping[str, bytes]) -> None:
+        """Objects by path, each as :meth:`write_bytes` writes it, all sent at once."""
+        self.fs.pipe({path: bytes(data) for path, data in objects.items()})
 
     def read_bytes(self, path: str, *, size: int | None = None) -> bytes:
         """The object ``path``. With its ``size`` known (a manifest's, a listing's), one
@@ -643,10 +658,11 @@ class ObjectStore:
 
     # ------------------------------------------------------------------------ versions
 
-    def versions(self, checkpoint: str) -> list[StoreVersion]:
-        """Every save of ``checkpoint``, complete or not, oldest first."""
+    def versions(self, checkpoint: str, *, listing: Listing | None = None) -> list[StoreVersion]:
+        """Every save of ``checkpoint``, complete or not, oldest first (``listing``: one of
+        ``checkpoint`` just taken)."""
         found = []
-        for name in self.children(checkpoint):
+        for name in (listing or self.listing(checkpoint)).children:
             match = _VERSION_RE.match(name)
             if match is not None:
                 found.append(
@@ -773,25 +789,28 @@ class ObjectStore:
 
     def new_version(self, checkpoint: str) -> StoreVersion:
         """The prefix of the next save of ``checkpoint``: one above every existing version,
-        so it sorts newest once complete. Rank 0 only (it lists).
+        so it sorts newest once complete. Rank 0 only (it lists, once).
 
         Raises:
             CheckpointSaveError: If ``checkpoint`` holds objects that are not ours.
         """
-        self.check_replaceable(checkpoint)
-        versions = self.versions(checkpoint)
+        listing = self.listing(checkpoint)
+        self.check_replaceable(checkpoint, listing=listing)
+        versions = self.versions(checkpoint, listing=listing)
         number = versions[-1].number + 1 if versions else 1
         token = uuid.uuid4().hex[:16]
         return StoreVersion(number, token, self.join(checkpoint, version_name(number, token)))
 
-    def check_replaceable(self, checkpoint: str) -> None:
-        """Refuse to write into a prefix that holds objects which are not versions of ours.
+    def check_replaceable(self, checkpoint: str, *, listing: Listing | None = None) -> None:
+        """Refuse to write into a prefix that holds objects which are not versions of ours
+        (``listing``: one of ``checkpoint`` just taken).
 
         Raises:
             CheckpointSaveError: Naming what is there.
         """
-        loose = [n for n in self.sizes(checkpoint) if n != MANIFEST_FILE]
-        foreign = [n for n in self.children(checkpoint) if not _VERSION_RE.match(n)]
+        listing = listing or self.listing(checkpoint)
+        loose = [n for n in listing.files if n != MANIFEST_FILE]
+        foreign = [n for n in listing.children if not _VERSION_RE.match(n)]
         if foreign or (loose and not self.is_complete(checkpoint)):
             raise CheckpointSaveError(
                 f"Refusing to save into {self.url(checkpoint)}: it holds objects that are not "
@@ -806,11 +825,16 @@ class ObjectStore:
         which no one else completes or aborts, and the store keeps and bills). A plain
         checkpoint directly under ``checkpoint`` (copied there) goes the same way.
         Never raises: what cannot be deleted is logged and retired by the next save."""
-        for version in self.versions(checkpoint):
+        try:
+            listing = self.listing(checkpoint)
+        except Exception as err:
+            log.warning("Could not list %s: %s", self.url(checkpoint), err)
+            return
+        for version in self.versions(checkpoint, listing=listing):
             if version.path != keep:
                 self._delete(version.path, retiring=True)
-        if self.sizes(checkpoint):
-            self._delete(checkpoint, recursive=False)
+        if listing.files:
+            self._delete(checkpoint, names=list(listing.files))
         self._abort_uploads(checkpoint, keep=keep)
 
     def discard(self, prefix: str) -> None:
@@ -857,18 +881,26 @@ class ObjectStore:
                 err,
             )
 
-    def _delete(self, prefix: str, *, recursive: bool = True, retiring: bool = False) -> None:
+    def _delete(
+        self, prefix: str, *, names: list[str] | None = None, retiring: bool = False
+    ) -> None:
+        """Delete ``prefix``'s manifest, then every object under it in one batch, then the
+        marker of the "directory" (``names``: only these objects directly under it, the
+        manifest among them if there is one, and no marker). Never raises: logs what could
+        not go."""
         try:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(self.join(prefix, MANIFEST_FILE))
             if retiring:
                 reach("commit:retiring")
-            names = self.sizes(prefix)
-            if names:
-                self.fs.rm([self.join(prefix, n) for n in names])
-            if recursive:
-                for child in self.children(prefix):
-                    self.fs.rm(self.join(prefix, child), recursive=True)
+            if names is None:
+                self._refresh(prefix)
+                found = [path for path in self.fs.find(prefix) if not path.endswith("/")]
+            else:
+                found = [self.join(prefix, n) for n in names if n != MANIFEST_FILE]
+            if found:
+                self.fs.rm(found)
+            if names is None:
                 # Stores that keep directory entries (SeaweedFS's filer, HDFS-like
                 # gateways) list an empty prefix until its marker is deleted too; on S3
                 # itself this deletes nothing.
@@ -931,35 +963,27 @@ class ObjectStore:
         )
         return value.timestamp() if hasattr(value, "timestamp") else float(value)
 
-    def latest(self, dirpath: str, pattern: str, *, by: str = "step") -> str | None:
-        """The newest complete checkpoint in ``dirpath`` whose name matches ``pattern``, as
-        the checkpoint's path (not its version's); ``None`` if there is none.
-
-        Args:
-            dirpath: The prefix holding checkpoints.
-            pattern: ``fnmatch`` pattern of checkpoint names.
-            by: ``"step"``: highest manifest ``global_step``, then the newest manifest;
-                ``"written"``: the newest manifest.
-        """
-        best: tuple[tuple[float, ...], str] | None = None
+    def latest(self, dirpath: str, pattern: str) -> tuple[float, str] | None:
+        """The complete checkpoint in ``dirpath`` whose name matches ``pattern`` with the
+        newest manifest, as the time it was written (the store's clock) and the
+        checkpoint's path (not its version's); ``None`` if there is none."""
+        best: tuple[float, str] | None = None
         for name in self.children(dirpath):
             if name.startswith(".") or not fnmatch.fnmatch(name, pattern):
                 continue
             checkpoint = self.join(dirpath, name)
             try:
-                found = self.locate(checkpoint)
+                found = self.newest_complete(checkpoint)
                 if found is None:
                     continue
-                written = self.manifest_time(found)
-                step = self.read_manifest(found).global_step
+                written = self.manifest_time(found.path)
             except TimeoutError:
                 raise  # the store stopped answering: no candidate can be judged
             except (OSError, CheckpointError):
                 continue
-            key = ((-1 if step is None else step), written) if by == "step" else (written,)
-            if best is None or (key, checkpoint) > best:
-                best = (key, checkpoint)
-        return None if best is None else best[1]
+            if best is None or (written, checkpoint) > best:
+                best = (written, checkpoint)
+        return best
 
     def describe(self, checkpoint: str) -> list[str]:
         """One line per version of ``checkpoint``: complete (and loaded) or incomplete."""

@@ -248,11 +248,11 @@ class StoreLocation(Location):
     ) -> tuple[float, StoreLocation] | None:
         """Nothing is ever renamed aside on a store: a crash leaves an incomplete newer
         version, which is skipped."""
-        found = self.store.latest(self.path, pattern, by="written")
-        version = None if found is None else self.store.locate(found)
-        if found is None or version is None:
+        found = self.store.latest(self.path, pattern)
+        if found is None:
             return None
-        return self.store.manifest_time(version), StoreLocation(self.store, found)
+        written, checkpoint = found
+        return written, StoreLocation(self.store, checkpoint)
 
     def reader(self, *, verify: bool, trust_checkpoint: bool) -> Any:
         from lightning_megatron_fsdp.storage.fsspec_storage import VerifyingFsspecReader
@@ -428,8 +428,8 @@ class StoreCommit:
     def remove(self, final: StoreLocation) -> None:
         final.store.remove(final.path)
 
-    def write_file(self, staging: StoreLocation, name: str, data: bytes) -> None:
-        staging.store.write_bytes(staging.key(name), data)
+    def write_files(self, staging: StoreLocation, files: Mapping[str, bytes]) -> None:
+        staging.store.write_objects({staging.key(name): data for name, data in files.items()})
 
     def sizes(self, location: StoreLocation) -> dict[str, int]:
         return location.sizes()
@@ -570,8 +570,8 @@ class ObjectStores:
     def remove(self, final: Any) -> None:
         self._of(final).remove(final)
 
-    def write_file(self, staging: Any, name: str, data: bytes) -> None:
-        self._of(staging).write_file(staging, name, data)
+    def write_files(self, staging: Any, files: Mapping[str, bytes]) -> None:
+        self._of(staging).write_files(staging, files)
 
     def sizes(self, location: Any) -> dict[str, int]:
         return dict(self._of(location).sizes(location))
