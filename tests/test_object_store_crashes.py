@@ -140,6 +140,11 @@ def test_a_killed_save_leaves_the_newest_complete_checkpoint_and_the_next_save_c
     else:
         assert [v.number for v in versions] == [1, 2], names
         assert store.locate(checkpoint) == versions[loaded_step - 1].path, names
+        # What `inspect` says of each version: the loaded one, and the other as it is.
+        described = dict(line.split(": ", 1) for line in store.describe(checkpoint))
+        other = "complete, superseded" if kill == "commit:replaced" else "INCOMPLETE: no"
+        assert described[names[loaded_step - 1]].startswith("complete (the one loaded)")
+        assert described[names[2 - loaded_step]].startswith(other), described
     if kill == "upload:0":  # no one aborted the dead rank's upload
         assert pending == [f"run/last.ckpt/{names[1]}/__0_0.distcp"], pending
     elif kill != "upload:1":

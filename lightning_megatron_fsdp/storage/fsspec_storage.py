@@ -446,7 +446,8 @@ class _NewVersion(_FsspecFileSystem):
     writes, and an object appears whole with its upload. DCP's writer guards against an
     existing checkpoint there (``exists``) and writes ``.metadata`` under a temporary name
     that it then renames; on an object store the first is a request that can only answer
-    no, and the rename a copy and a delete of the object. Here nothing exists yet, and a
+    no, and the rename a copy and a delete of the object. Here nothing exists (so DCP's
+    ``finish`` neither finds nor deletes the ``.metadata`` it has just written), and a
     temporary name is the final one, so the rename has nothing to do."""
 
     @override

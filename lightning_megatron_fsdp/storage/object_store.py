@@ -723,11 +723,14 @@ class ObjectStore:
                 )
         return problems
 
-    def _complete(self, prefix: str, newer: tuple[str, ...]) -> CompleteVersion | None:
+    def _complete(
+        self, prefix: str, newer: tuple[str, ...], sizes: dict[str, int] | None = None
+    ) -> CompleteVersion | None:
         """``prefix``'s checkpoint (``newer``: the names of the incomplete versions after
         it) if it holds a manifest that parses and every object it lists, at its recorded
-        size; else ``None``. One listing, then one GET of the manifest it shows."""
-        sizes = self.sizes(prefix)
+        size; else ``None``. One listing (unless ``sizes`` is one just taken), then one GET
+        of the manifest it shows."""
+        sizes = self.sizes(prefix) if sizes is None else sizes
         if MANIFEST_FILE not in sizes:
             return None
         try:
@@ -986,22 +989,28 @@ class ObjectStore:
         return best
 
     def describe(self, checkpoint: str) -> list[str]:
-        """One line per version of ``checkpoint``: complete (and loaded) or incomplete."""
+        """One line per version of ``checkpoint``: complete (and loaded) or incomplete
+        (one listing of each version, and the manifest of each that has one)."""
         lines = []
-        chosen = self.locate(checkpoint)
+        chosen = self.newest_complete(checkpoint)
         for version in self.versions(checkpoint):
-            sizes = self.sizes(version.path)
-            total = sum(sizes.values())
-            if version.path == chosen:
-                state = "complete (the one loaded)"
-            elif self.is_complete(version.path):
-                state = "complete, superseded (deleted by the next save)"
-            elif MANIFEST_FILE in sizes:
-                state = "INCOMPLETE: objects missing or of another size than the manifest says"
+            if chosen is not None and version.path == chosen.path:
+                sizes, state = dict(chosen.sizes), "complete (the one loaded)"
             else:
-                state = f"INCOMPLETE: no {MANIFEST_FILE} (a save in progress or one that crashed)"
-            lines.append(f"{version.name}: {state}; {len(sizes)} objects, {total} bytes")
+                sizes = self.sizes(version.path)
+                state = self._state(version.path, sizes)
+            lines.append(
+                f"{version.name}: {state}; {len(sizes)} objects, {sum(sizes.values())} bytes"
+            )
         return lines
+
+    def _state(self, prefix: str, sizes: dict[str, int]) -> str:
+        """What :meth:`describe` says of a version that is not the one loaded."""
+        if self._complete(prefix, (), sizes) is not None:
+            return "complete, superseded (deleted by the next save)"
+        if MANIFEST_FILE in sizes:
+            return "INCOMPLETE: objects missing or of another size than the manifest says"
+        return f"INCOMPLETE: no {MANIFEST_FILE} (a save in progress or one that crashed)"
 
 
 def open_store(
