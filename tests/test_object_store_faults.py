@@ -242,8 +242,11 @@ def test_random_503_500_and_resets_are_retried_and_store_every_byte(
     assert seaweed.filesystem().cat(f"{bucket}/obj") == data
 
 
-def _save_then_load(rank: int, world_size: int, env: dict[str, str], url: str) -> Any:
-    """Save, then load into zeroed targets; returns the loaded facts and the saved ones.
+def _save_then_load(
+    rank: int, world_size: int, env: dict[str, str], url: str, replace: bool = False
+) -> Any:
+    """Save (``replace``: step 2, then step 3 over it, marked in the proxy's log), then
+    load into zeroed targets; returns the loaded facts and the saved ones.
 
     With ``PROXY_ENDPOINT`` in ``env`` only the load goes through the proxy (a fresh s3fs
     client). Without it both do, in the same processes (each rank's s3fs still holding the
@@ -253,15 +256,15 @@ def _save_then_load(rank: int, world_size: int, env: dict[str, str], url: str) -
     init_group(rank, world_size)
     model, adam = trained(world_size)
     plugin = MegatronFSDPCheckpointIO()
+    if replace:
+        plugin.save_checkpoint(checkpoint_dict(model, adam, 2), url)
+        _mark(rank, url, _SAVE_BEGINS)
     plugin.save_checkpoint(checkpoint_dict(model, adam, 3), url)
     if "PROXY_ENDPOINT" in env:
         os.environ["AWS_ENDPOINT_URL"] = env["PROXY_ENDPOINT"]
         s3fs.S3FileSystem.clear_instance_cache()
     else:
-        if rank == 0:
-            with contextlib.suppress(FileNotFoundError):
-                s3fs.S3FileSystem(skip_instance_cache=True).cat_file(f"{url}-{_LOAD_BEGINS}")
-        dist.barrier()
+        _mark(rank, url, _LOAD_BEGINS)
     _, _, state = target_state(world_size)
     loaded = plugin.load_checkpoint(url, state=state)
     return {
@@ -271,7 +274,15 @@ def _save_then_load(rank: int, world_size: int, env: dict[str, str], url: str) -
     }
 
 
-_LOAD_BEGINS = "load-begins"
+def _mark(rank: int, url: str, marker: str) -> None:
+    """Rank 0 asks for a marker object (absent), so the proxy's log shows where it is."""
+    if rank == 0:
+        with contextlib.suppress(FileNotFoundError):
+            s3fs.S3FileSystem(skip_instance_cache=True).cat_file(f"{url}-{marker}")
+    dist.barrier()
+
+
+_LOAD_BEGINS, _SAVE_BEGINS = "load-begins", "save-begins"
 
 
 def test_a_load_whose_gets_are_cut_off_midway_is_bit_exact(seaweed: SeaweedServer) -> None:
@@ -335,37 +346,6 @@ def test_a_load_asks_the_store_once_for_each_thing_it_needs(seaweed: SeaweedServ
     }, log[begins + 1 :]
 
 
-_SAVE_BEGINS, _SAVE_ENDS = "save-begins", "save-ends"
-
-
-def _mark(rank: int, url: str, marker: str) -> None:
-    """Rank 0 asks for a marker object (absent), so the proxy's log shows where it is."""
-    if rank == 0:
-        with contextlib.suppress(FileNotFoundError):
-            s3fs.S3FileSystem(skip_instance_cache=True).cat_file(f"{url}-{marker}")
-    dist.barrier()
-
-
-def _save_twice_then_load(rank: int, world_size: int, env: dict[str, str], url: str) -> Any:
-    """Save steps 2 and 3 (the second replaces the first), marked in the proxy's log, then
-    load into zeroed targets."""
-    os.environ.update(env)
-    init_group(rank, world_size)
-    model, adam = trained(world_size)
-    plugin = MegatronFSDPCheckpointIO()
-    plugin.save_checkpoint(checkpoint_dict(model, adam, 2), url)
-    _mark(rank, url, _SAVE_BEGINS)
-    plugin.save_checkpoint(checkpoint_dict(model, adam, 3), url)
-    _mark(rank, url, _SAVE_ENDS)
-    _, _, state = target_state(world_size)
-    loaded = plugin.load_checkpoint(url, state=state)
-    return {
-        "step": loaded["global_step"],
-        "facts": facts(state),
-        "want": facts(live_state(model, adam)),
-    }
-
-
 def test_a_save_asks_the_store_once_for_each_thing_it_does(seaweed: SeaweedServer) -> None:
     """2 ranks, through the proxy with no fault, the requests of a save that replaces
     another: rank 0 lists the checkpoint once to pick the new version; DCP writes
@@ -381,14 +361,14 @@ def test_a_save_asks_the_store_once_for_each_thing_it_does(seaweed: SeaweedServe
     with FaultProxy(seaweed.ports["s3.port"]) as proxy:
         env = proxy.env(seaweed.env)
         reports = run_distributed(
-            _save_twice_then_load, 2, env, url, init_process_group=False, timeout=TIMEOUT
+            _save_then_load, 2, env, url, True, init_process_group=False, timeout=TIMEOUT
         )
         log = list(proxy.log)
     for rank, report in enumerate(reports):
         assert report["step"] == 3, rank
         assert_same_facts(report["facts"], report["want"], f"rank {rank}")
     begins = max(i for i, (_, path, _) in enumerate(log) if _SAVE_BEGINS in path)
-    ends = min(i for i, (_, path, _) in enumerate(log) if _SAVE_ENDS in path)
+    ends = min(i for i, (_, path, _) in enumerate(log) if _LOAD_BEGINS in path)
     asked = [_request(method, path) for method, path, _ in log[begins + 1 : ends]]
     shards = [n for n in asked if n.split()[1].startswith("__")]
     assert shards and all(n.startswith("PUT __") for n in shards), asked
