@@ -390,3 +390,51 @@ def test_a_save_asks_the_store_once_for_each_thing_it_does(seaweed: SeaweedServe
     commit = asked.index("PUT manifest.json")
     assert all(not n.startswith("PUT") for n in asked[commit + 1 :]), asked
     assert asked.index("DELETE manifest.json") > commit, asked
+
+
+def _save_twice(rank: int, world_size: int, env: dict[str, str], url: str) -> Any:
+    """Save steps 2 and 3 of ``url``; returns the second save's error, if any, and what a
+    load then finds (straight from the server, past the proxy)."""
+    os.environ.update(env)
+    init_group(rank, world_size)
+    model, adam = trained(world_size)
+    plugin = MegatronFSDPCheckpointIO()
+    plugin.save_checkpoint(checkpoint_dict(model, adam, 2), url)
+    error = None
+    try:
+        plugin.save_checkpoint(checkpoint_dict(model, adam, 3), url)
+    except CheckpointError as err:
+        error = f"{type(err).__name__}: {err}"
+    os.environ["AWS_ENDPOINT_URL"] = env["SERVER_ENDPOINT"]  # the load, past the proxy
+    s3fs.S3FileSystem.clear_instance_cache()
+    _, _, state = target_state(world_size)
+    loaded = plugin.load_checkpoint(url, state=state)
+    return {
+        "error": error,
+        "step": loaded["global_step"],
+        "facts": facts(state),
+        "want": facts(live_state(model, adam)),
+    }
+
+
+def test_a_store_failing_after_the_commit_keeps_the_committed_save(
+    seaweed: SeaweedServer,
+) -> None:
+    """2 ranks; every listing of the checkpoint after the second save's manifest is
+    answered 500 (the server failing right after the commit record landed): retiring the
+    old version is left to the next save, the save succeeds on every rank, and its
+    checkpoint, not the one before, is what loads, bit-exact."""
+    url = f"s3://{seaweed.new_bucket()}/run/last.ckpt"
+    # Listings of the checkpoint: the first save's version pick and retirement, then the
+    # second save's version pick; every later one fails past both retry layers.
+    fail = Fault("500", 1000, method="GET", path=r"prefix=run%2Flast\.ckpt%2F&", after=3)
+    with FaultProxy(seaweed.ports["s3.port"], [fail]) as proxy:
+        env = {**proxy.env(seaweed.env), "SERVER_ENDPOINT": seaweed.endpoint}
+        reports = run_distributed(
+            _save_twice, 2, env, url, init_process_group=False, timeout=TIMEOUT
+        )
+        assert proxy.answered("500") > 0, proxy.log
+    for rank, report in enumerate(reports):
+        assert report["error"] is None, (rank, report["error"])
+        assert report["step"] == 3, rank
+        assert_same_facts(report["facts"], report["want"], f"rank {rank}")
