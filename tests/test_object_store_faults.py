@@ -246,10 +246,12 @@ def _save_then_load(
     rank: int, world_size: int, env: dict[str, str], url: str, replace: bool = False
 ) -> Any:
     """Save (``replace``: step 2, then step 3 over it, marked in the proxy's log), then
-    load into zeroed targets; returns the loaded facts and the saved ones.
+    load into zeroed targets; returns the last save's error, if any (a ``CheckpointError``),
+    the loaded facts and the saved ones.
 
-    With ``PROXY_ENDPOINT`` in ``env`` only the load goes through the proxy (a fresh s3fs
-    client). Without it both do, in the same processes (each rank's s3fs still holding the
+    With ``LOAD_ENDPOINT`` in ``env`` the load goes there (a fresh s3fs client): through
+    the proxy after saves straight to the server, or the other way round. Without it both
+    go to ``AWS_ENDPOINT_URL``, in the same processes (each rank's s3fs still holding the
     listings its save took), and rank 0 reads a marker object between the two, so the
     proxy's log tells the load's requests apart."""
     os.environ.update(env)
@@ -259,19 +261,33 @@ def _save_then_load(
     if replace:
         plugin.save_checkpoint(checkpoint_dict(model, adam, 2), url)
         _mark(rank, url, _SAVE_BEGINS)
-    plugin.save_checkpoint(checkpoint_dict(model, adam, 3), url)
-    if "PROXY_ENDPOINT" in env:
-        os.environ["AWS_ENDPOINT_URL"] = env["PROXY_ENDPOINT"]
+    error = None
+    try:
+        plugin.save_checkpoint(checkpoint_dict(model, adam, 3), url)
+    except CheckpointError as err:
+        error = f"{type(err).__name__}: {err}"
+    if "LOAD_ENDPOINT" in env:
+        os.environ["AWS_ENDPOINT_URL"] = env["LOAD_ENDPOINT"]
         s3fs.S3FileSystem.clear_instance_cache()
     else:
         _mark(rank, url, _LOAD_BEGINS)
     _, _, state = target_state(world_size)
     loaded = plugin.load_checkpoint(url, state=state)
     return {
+        "error": error,
         "step": loaded["global_step"],
         "facts": facts(state),
         "want": facts(live_state(model, adam)),
     }
+
+
+def _assert_saved_and_loaded(reports: list[Any]) -> None:
+    """Every rank's :func:`_save_then_load`: its last save raised nothing, and the load
+    gave back step 3 bit-exactly."""
+    for rank, report in enumerate(reports):
+        assert report["error"] is None, (rank, report["error"])
+        assert report["step"] == 3, rank
+        assert_same_facts(report["facts"], report["want"], f"rank {rank}")
 
 
 def _mark(rank: int, url: str, marker: str) -> None:
@@ -291,14 +307,12 @@ def test_a_load_whose_gets_are_cut_off_midway_is_bit_exact(seaweed: SeaweedServe
     url = f"s3://{seaweed.new_bucket()}/run/last.ckpt"
     cuts = [Fault("cut", CALLS - 1, method="GET", path=r"__\d_0\.distcp$")]
     with FaultProxy(seaweed.ports["s3.port"], cuts) as proxy:
-        env = {**seaweed.env, "PROXY_ENDPOINT": proxy.endpoint}
+        env = {**seaweed.env, "LOAD_ENDPOINT": proxy.endpoint}
         reports = run_distributed(
             _save_then_load, 2, env, url, init_process_group=False, timeout=TIMEOUT
         )
         assert proxy.answered("cut") == CALLS - 1, proxy.log
-    for rank, report in enumerate(reports):
-        assert report["step"] == 3, rank
-        assert_same_facts(report["facts"], report["want"], f"rank {rank}")
+    _assert_saved_and_loaded(reports)
 
 
 def _request(method: str, path: str) -> str:
@@ -330,9 +344,7 @@ def test_a_load_asks_the_store_once_for_each_thing_it_needs(seaweed: SeaweedServ
             _save_then_load, 2, env, url, init_process_group=False, timeout=TIMEOUT
         )
         log = list(proxy.log)
-    for rank, report in enumerate(reports):
-        assert report["step"] == 3, rank
-        assert_same_facts(report["facts"], report["want"], f"rank {rank}")
+    _assert_saved_and_loaded(reports)
     begins = max(i for i, (_, path, _) in enumerate(log) if _LOAD_BEGINS in path)
     asked = Counter(_request(method, path) for method, path, _ in log[begins + 1 :])
     assert sum(n for key, n in asked.items() if key.startswith("GET __")) >= 2, log
@@ -364,9 +376,7 @@ def test_a_save_asks_the_store_once_for_each_thing_it_does(seaweed: SeaweedServe
             _save_then_load, 2, env, url, True, init_process_group=False, timeout=TIMEOUT
         )
         log = list(proxy.log)
-    for rank, report in enumerate(reports):
-        assert report["step"] == 3, rank
-        assert_same_facts(report["facts"], report["want"], f"rank {rank}")
+    _assert_saved_and_loaded(reports)
     begins = max(i for i, (_, path, _) in enumerate(log) if _SAVE_BEGINS in path)
     ends = min(i for i, (_, path, _) in enumerate(log) if _LOAD_BEGINS in path)
     asked = [_request(method, path) for method, path, _ in log[begins + 1 : ends]]
@@ -392,31 +402,6 @@ def test_a_save_asks_the_store_once_for_each_thing_it_does(seaweed: SeaweedServe
     assert asked.index("DELETE manifest.json") > commit, asked
 
 
-def _save_twice(rank: int, world_size: int, env: dict[str, str], url: str) -> Any:
-    """Save steps 2 and 3 of ``url``; returns the second save's error, if any, and what a
-    load then finds (straight from the server, past the proxy)."""
-    os.environ.update(env)
-    init_group(rank, world_size)
-    model, adam = trained(world_size)
-    plugin = MegatronFSDPCheckpointIO()
-    plugin.save_checkpoint(checkpoint_dict(model, adam, 2), url)
-    error = None
-    try:
-        plugin.save_checkpoint(checkpoint_dict(model, adam, 3), url)
-    except CheckpointError as err:
-        error = f"{type(err).__name__}: {err}"
-    os.environ["AWS_ENDPOINT_URL"] = env["SERVER_ENDPOINT"]  # the load, past the proxy
-    s3fs.S3FileSystem.clear_instance_cache()
-    _, _, state = target_state(world_size)
-    loaded = plugin.load_checkpoint(url, state=state)
-    return {
-        "error": error,
-        "step": loaded["global_step"],
-        "facts": facts(state),
-        "want": facts(live_state(model, adam)),
-    }
-
-
 def test_a_store_failing_after_the_commit_keeps_the_committed_save(
     seaweed: SeaweedServer,
 ) -> None:
@@ -429,12 +414,9 @@ def test_a_store_failing_after_the_commit_keeps_the_committed_save(
     # second save's version pick; every later one fails past both retry layers.
     fail = Fault("500", 1000, method="GET", path=r"prefix=run%2Flast\.ckpt%2F&", after=3)
     with FaultProxy(seaweed.ports["s3.port"], [fail]) as proxy:
-        env = {**proxy.env(seaweed.env), "SERVER_ENDPOINT": seaweed.endpoint}
+        env = {**proxy.env(seaweed.env), "LOAD_ENDPOINT": seaweed.endpoint}
         reports = run_distributed(
-            _save_twice, 2, env, url, init_process_group=False, timeout=TIMEOUT
+            _save_then_load, 2, env, url, True, init_process_group=False, timeout=TIMEOUT
         )
         assert proxy.answered("500") > 0, proxy.log
-    for rank, report in enumerate(reports):
-        assert report["error"] is None, (rank, report["error"])
-        assert report["step"] == 3, rank
-        assert_same_facts(report["facts"], report["want"], f"rank {rank}")
+    _assert_saved_and_loaded(reports)
