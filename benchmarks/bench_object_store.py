@@ -27,6 +27,10 @@ test suite's: every port given explicitly) and stops; times are barrier to barri
 slowest rank), medians of the repeats after one untimed round. MB/s is per rank: the
 rank's state bytes over the time.
 
+CPU: the process CPU seconds of each side on its busiest rank (all its threads), the
+rank's own work on this machine's shared cores, which a crowded run queue inflates far
+less than it does wall time; the server's CPU is not counted.
+
 Memory: a sampler process reads the rank's RSS every 2 ms during each operation; the
 ratio is ``(state + peak RSS growth) / state``, the rank's resident state counted once.
 Before each operation the garbage is collected and glibc hands its free pages back
@@ -65,7 +69,7 @@ from benchmarks.bench_save_load import (
     resident_bytes,
     save_state,
     spread,
-    timed,
+    timed_cpu,
 )
 from lightning_megatron_fsdp import MegatronFSDPCheckpointIO
 from tests.harness import run_distributed
@@ -201,19 +205,22 @@ def _rank(
     names = [name for name, *_ in SIDES]
     times: dict[str, list[float]] = {name: [] for name in names}
     growth: dict[str, list[int]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     cold: dict[str, int] = {}
     read_bytes: list[int] = []
 
     peak = _Peak()
 
     def measure(name: str, fn: Any, first: bool) -> None:
+        used: list[float] = []
         with peak:
-            elapsed = timed(fn)
+            elapsed = timed_cpu(fn, used)
         if first:  # the process's first: clients, templates, caches made once
             cold[name] = peak.growth
         else:
             times[name].append(elapsed)
             growth[name].append(peak.growth)
+            cpu[name].extend(used)
 
     def run(name: str, first: bool) -> None:
         if name == "put":
@@ -248,6 +255,7 @@ def _rank(
         "read": max(read_bytes),
         "times": times,
         "growth": growth,
+        "cpu": cpu,
         "cold": cold,
     }
 
@@ -295,6 +303,7 @@ def main() -> None:
     load = [max(a, b) for a, b in zip(load, os.getloadavg(), strict=True)]
     state = max(r["state"] for r in results)
     times = results[0]["times"]  # barrier to barrier: the same on every rank
+    cpu = results[0]["cpu"]  # the busiest rank's, every rank has it
     print(
         f"BenchLM width {width}, {WORLD_SIZE} ranks, {state / MB:.0f} MB of state per rank "
         f"({max(r['blob'] for r in results) / MB:.0f} MB put, "
@@ -308,17 +317,25 @@ def main() -> None:
     }
     print(
         f"{'operation':<34} {'median s':>9} {'min-max':>13} {'MB/s/rank':>10} "
-        f"{'/ best':>7} {'peak mem':>9}"
+        f"{'/ best':>7} {'CPU s':>6} {'/ best':>7} {'peak mem':>9}"
     )
+    best_cpu = {
+        kind: min((median(cpu[n]) for n, _, k in SIDES if k == kind and n not in OURS))
+        for kind in ("save", "load")
+    }
     for name, label, kind in SIDES:
         value = median(times[name])
+        used = median(cpu[name])
         worst = max(max(r["growth"][name]) for r in results)
         print(
             f"{label:<34} {value:>9.3f} {spread(times[name]):>13} {state / MB / value:>10.1f} "
-            f"{value / best[kind]:>6.2f}x {(state + worst) / state:>8.3f}x"
+            f"{value / best[kind]:>6.2f}x {used:>6.3f} {used / best_cpu[kind]:>6.2f}x "
+            f"{(state + worst) / state:>8.3f}x"
         )
     print(
         "\n/ best: the median over the fastest bare s3fs median of the same kind (save or load)."
+        "\nCPU s: the process CPU seconds of the busiest rank (all its threads), median; its"
+        "\n/ best is over the least of the bare sides' (the server's CPU is not counted)."
         "\npeak mem: (state + peak RSS growth) / state, worst rank and repeat; the process's"
         "\nfirst (untimed) round, which also builds the S3 client, record templates and caches:"
     )

@@ -16,6 +16,7 @@ ranged GETs are cut off midway reads the missing bytes again and loads bit-exact
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import os
@@ -112,6 +113,47 @@ def test_a_part_of_kept_views_and_copies_is_sent_whole_after_botocore_gives_up(
         upload.close()
         assert proxy.answered("503") == ATTEMPTS
     assert seaweed.filesystem().cat(f"{bucket}/obj") == expected
+
+
+def test_aiohttp_sends_a_part_as_its_views_from_where_botocore_left_it() -> None:
+    """A part reaches aiohttp wrapped by aiobotocore; aiohttp would take it for a file and
+    read it in small pieces, each a copy and each a hop to a worker thread. It is sent as
+    the views it holds instead, from its position (botocore rewinds it for each attempt),
+    up to the length asked."""
+    from aiobotocore._endpoint_helpers import _IOBaseWrapper
+    from aiohttp import payload
+
+    _S3Upload(s3fs.S3FileSystem(skip_instance_cache=True), "bucket/obj", _PartBudget(PART, 1))
+    part = _PartBudget(PART, 1).take()
+    kept = _tensor_view(torch.arange(10, dtype=torch.uint8))
+    part.copy(memoryview(b"head"))
+    part.keep(kept)
+    part.copy(memoryview(b"tail"))
+    body = part.body()
+    body.seek(2)
+    sent = payload.get_payload(_IOBaseWrapper(body))
+    assert not isinstance(sent, payload.IOBasePayload), type(sent).__mro__
+    assert sent.size == 16
+
+    class Transport:
+        """What aiohttp's stream writer is handed, collected."""
+
+        def __init__(self) -> None:
+            self.chunks: list[Any] = []
+
+        async def write(self, chunk: Any) -> None:
+            self.chunks.append(chunk)
+
+    whole, cut = Transport(), Transport()
+    asyncio.run(sent.write_with_length(whole, None))
+    assert b"".join(whole.chunks) == b"ad" + bytes(range(10)) + b"tail"
+    assert any(chunk.obj is kept.obj for chunk in whole.chunks), "the tensor's bytes were copied"
+    again = Transport()
+    asyncio.run(sent.write_with_length(again, None))  # a redirect: aiohttp sends it again
+    assert b"".join(again.chunks) == b"".join(whole.chunks)
+    body.seek(0)
+    asyncio.run(payload.get_payload(_IOBaseWrapper(body)).write_with_length(cut, 7))
+    assert b"".join(cut.chunks) == b"head" + bytes(range(3))
 
 
 def test_a_burst_past_every_retry_says_it_was_throttled(seaweed: SeaweedServer) -> None:

@@ -19,6 +19,7 @@ import bisect
 import collections
 import contextlib
 import errno
+import functools
 import io
 import itertools
 import math
@@ -95,7 +96,7 @@ to the rank's state. On S3 a GET holds none: its body lands in the targets."""
 class _Part(io.RawIOBase):
     """One upload part, read by the client as one file: views the writer keeps (a tensor
     record's payload and its template's bytes, by reference) and, between them, copies of
-    everything else.
+    everything else. aiohttp sends its pieces from the event loop (:func:`_send_parts_whole`).
 
     Every call of the client that sends it starts from its first byte
     (:func:`_rewind_parts`); botocore rewinds it itself between its own attempts."""
@@ -145,6 +146,11 @@ class _Part(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
+    def pieces(self) -> Iterator[memoryview]:
+        """The bytes from the current position to the end, as views of the pieces (the
+        position moves past each as it is taken)."""
+        return self._slices(-1)
+
     def _slices(self, size: int) -> Iterator[memoryview]:
         """The next ``size`` bytes (all that are left if negative), as views; advances."""
         end = self.length if size < 0 else min(self.length, self._at + size)
@@ -185,6 +191,53 @@ class _Part(io.RawIOBase):
     def close(self) -> None:
         """Kept open: a client may close a body it sent, and s3fs's next call of a
         throttled upload sends the same part again (:func:`_rewind_parts`)."""
+
+
+@functools.cache
+def _send_parts_whole() -> None:
+    """Have aiohttp send a :class:`_Part` as the views it holds, from the event loop
+    (once per process; aiohttp's public payload registry, for our own type only).
+
+    Without it aiohttp takes a part for a file: it reads it in small pieces, each copied
+    and each read on a worker thread, a hop between threads per piece. Another client
+    library, or an aiohttp without this registry, still reads the part as a file.
+    """
+    try:
+        from aiohttp import payload
+    except ImportError:
+        return
+
+    class PartPayload(payload.Payload):
+        """A :class:`_Part` as a request body: its pieces from where the client's attempt
+        put it (botocore rewinds it for every attempt), written as they are, the same
+        bytes each time aiohttp writes it."""
+
+        def __init__(self, value: _Part, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("content_type", "application/octet-stream")
+            super().__init__(value, *args, **kwargs)
+            self.part = value
+            self.start = value.tell()
+            self._size = value.length - self.start
+
+        @override
+        async def write(self, writer: Any) -> None:
+            await self.write_with_length(writer, None)
+
+        @override
+        async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+            left = self._size if content_length is None else content_length
+            self.part.seek(self.start)  # a request aiohttp sends again sends it whole
+            for piece in self.part.pieces():
+                if left <= 0:
+                    break
+                await writer.write(piece[:left])
+                left -= piece.nbytes
+
+        @override
+        def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+            return b"".join(self.part.pieces()).decode(encoding, errors)
+
+    payload.register_payload(PartPayload, _Part, order=payload.Order.try_first)
 
 
 _REWIND_ID = "lightning_megatron_fsdp.rewind_parts"
@@ -250,6 +303,7 @@ class _S3Upload(io.RawIOBase):
         self._path = path
         self._bucket, self._key, _ = fs.split_path(path)
         self._budget = budget
+        _send_parts_whole()
         self._part: _Part | None = None
         self._upload: str | None = None
         self._parts: list[dict[str, Any]] = []
