@@ -343,6 +343,14 @@ def report_interrupted_saves(parent: Path, log: logging.Logger) -> None:
         )
 
 
+def _write_synced(path: Path, data: bytes) -> None:
+    """``data`` as the whole of ``path``, on disk (written, flushed, fsync'd) on return."""
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
 def fsync_path(path: Path) -> None:
     """Flush a file, or a directory's entries, to disk.
 
@@ -450,10 +458,7 @@ class LocalDirectories:
     def write_files(self, staging: Path, files: Mapping[str, bytes]) -> None:
         """Write each ``staging/<name>``, fsync'd."""
         for name, data in files.items():
-            with open(staging / name, "wb") as file:
-                file.write(data)
-                file.flush()
-                os.fsync(file.fileno())
+            _write_synced(staging / name, data)
 
     def sizes(self, location: Path) -> dict[str, int]:
         """Every entry of the directory with its size."""
@@ -499,10 +504,7 @@ class LocalDirectories:
         """
         reach("commit:manifest")
         partial = staging / f"{MANIFEST_FILE}.partial"
-        with open(partial, "w", encoding="utf-8") as file:
-            file.write(manifest.dumps())
-            file.flush()
-            os.fsync(file.fileno())
+        _write_synced(partial, manifest.dumps().encode("utf-8"))
         os.replace(partial, staging / MANIFEST_FILE)
         fsync_path(staging)
         reach("commit:publish")
