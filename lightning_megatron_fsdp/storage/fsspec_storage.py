@@ -193,6 +193,12 @@ class _Part(io.RawIOBase):
         throttled upload sends the same part again (:func:`_rewind_parts`)."""
 
 
+_SEND = 256 << 10
+"""Bytes of a part handed to aiohttp's writer at a time: what the socket does not take at
+once, the event loop's transport may copy (before Python 3.12 it does), so no more than
+this is held twice per request."""
+
+
 @functools.cache
 def _send_parts_whole() -> None:
     """Have aiohttp send a :class:`_Part` as the views it holds, from the event loop
@@ -200,7 +206,10 @@ def _send_parts_whole() -> None:
 
     Without it aiohttp takes a part for a file: it reads it in small pieces, each copied
     and each read on a worker thread, a hop between threads per piece. Another client
-    library, or an aiohttp without this registry, still reads the part as a file.
+    library, or an aiohttp without this registry, still reads the part as a file. Over
+    HTTPS botocore's default trailing checksum wraps the part in a chunked body of its own,
+    which aiohttp sends as before: this serves plain-HTTP endpoints (an in-cluster store)
+    and clients that send checksums only when required.
     """
     try:
         from aiohttp import payload
@@ -228,10 +237,11 @@ def _send_parts_whole() -> None:
             left = self._size if content_length is None else content_length
             self.part.seek(self.start)  # a request aiohttp sends again sends it whole
             for piece in self.part.pieces():
+                for at in range(0, min(piece.nbytes, left), _SEND):
+                    await writer.write(piece[at : min(at + _SEND, left)])
+                left -= piece.nbytes
                 if left <= 0:
                     break
-                await writer.write(piece[:left])
-                left -= piece.nbytes
 
         @override
         def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
