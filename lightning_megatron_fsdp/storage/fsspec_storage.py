@@ -96,7 +96,8 @@ to the rank's state. On S3 a GET holds none: its body lands in the targets."""
 class _Part(io.RawIOBase):
     """One upload part, read by the client as one file: views the writer keeps (a tensor
     record's payload and its template's bytes, by reference) and, between them, copies of
-    everything else. aiohttp sends its pieces from the event loop (:func:`_send_parts_whole`).
+    everything else. Over plain HTTP aiohttp sends its pieces from the event loop
+    (:func:`_send_parts_whole`).
 
     Every call of the client that sends it starts from its first byte
     (:func:`_rewind_parts`); botocore rewinds it itself between its own attempts."""
@@ -245,6 +246,7 @@ def _send_parts_whole() -> None:
 
         @override
         def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+            self.part.seek(self.start)
             return b"".join(self.part.pieces()).decode(encoding, errors)
 
     payload.register_payload(PartPayload, _Part, order=payload.Order.try_first)
