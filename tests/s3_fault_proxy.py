@@ -106,6 +106,9 @@ class FaultProxy:
         self.kinds = kinds
         self.log: list[tuple[str, str, str]] = []
         """(method, path, what answered: a status or a fault kind) of every request."""
+        self.ranges: list[tuple[int, str, str]] = []
+        """(entries of :attr:`log` when it arrived, path, Range header) of every request
+        that asked for a range."""
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         self._running = threading.Event()
@@ -197,6 +200,9 @@ class FaultProxy:
     def _handle(self, request: BaseHTTPRequestHandler) -> None:
         method, path = request.command, request.path
         body = _read_body(request)
+        if (asked := request.headers.get("Range")) is not None:
+            with self._lock:
+                self.ranges.append((len(self.log), path, asked))
         if not self._running.is_set():
             self._record(method, path, "paused")
             self._running.wait(timeout=3600)

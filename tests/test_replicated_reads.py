@@ -9,9 +9,12 @@ load it into zeroed targets of the same layout, in place and with ``atomic_load`
 
 Asserted per layout: the tensor bytes the ranks' readers fetched together equal the
 checkpoint's tensor records (each once, not once per replica), every rank read some of
-them where there are replicas (the reads are spread), and every rank's targets hold the
-saved values bit for bit. Before the change each HSDP (2, 1) rank read every record, twice
-the checkpoint (and both FSDP ranks Adam's ``step`` tensors).
+them where there are replicas (the reads are spread), each rank reads records from its own
+files alone (a replicated record, and a byte record such as a learning rate, is read by the
+rank that wrote it and sent to the others), and every rank's targets hold the saved values
+bit for bit (the targets' learning rates are zeroed first). Before the change each HSDP
+(2, 1) rank read every record, twice the checkpoint (and both FSDP ranks Adam's ``step``
+tensors); before readers followed writers, ranks read records from each other's files.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_megatron_fsdp.checkpoint.io import MegatronFSDPCheckpointIO
-from lightning_megatron_fsdp.storage import VerifyingFileSystemReader
+from lightning_megatron_fsdp.storage import VerifyingFileSystemReader, data_file_rank
 from tests.harness import run_distributed
 from tests.models import sharded_adam
 from tests.scripts.fault_injection import LR, checkpoint_dict, live_state, step, zeroed_targets
@@ -49,7 +52,18 @@ class CountingStorage:
     def reader(self, location: Any, **kwargs: Any) -> Any:
         reader = self.inner.reader(location, **kwargs)
         self.readers.append(reader)
+        read_data = reader.read_data
+
+        def files_too(plan: Any, planner: Any) -> Any:
+            reader.files = {reader.storage_data[i.storage_index].relative_path for i in plan.items}
+            return read_data(plan, planner)
+
+        reader.read_data = files_too
         return reader
+
+    def files(self) -> set[str]:
+        """The files the readers read records from."""
+        return set().union(*(getattr(r, "files", ()) for r in self.readers))
 
     def tensor_bytes_read(self) -> int:
         return sum(r.progress.tensor_bytes_read for r in self.readers)
@@ -93,6 +107,7 @@ def _round_trip(rank: int, world_size: int, root: str, mesh: tuple[int, ...]) ->
         plugin.load_checkpoint(path, state=state)
         out[f"atomic={atomic}"] = {
             "read": counting.tensor_bytes_read(),
+            "files": counting.files(),
             "differing": differing(facts(state), saved),
         }
     out["checkpoint"] = checkpoint_tensor_bytes(path) if rank == 0 else None
@@ -114,6 +129,11 @@ def test_replicated_records_are_read_once_per_load(tmp_path: Path, mesh: tuple[i
         assert sum(reads) == total, (case, reads, total)
         if len(mesh) == 2:  # every record has a replica: every rank shares the reading
             assert all(reads), (case, reads)
+        # Loaded on the saving ranks: each replicated record, and each byte record, by the
+        # rank that wrote it, so every rank reads its own files alone.
+        for rank, result in enumerate(per_rank):
+            files = result[case]["files"]
+            assert files and all(data_file_rank(f) == rank for f in files), (case, rank, files)
 
 
 def test_counting_sees_every_byte_a_single_rank_reads(tmp_path: Path) -> None:
@@ -128,7 +148,10 @@ def test_counting_sees_every_byte_a_single_rank_reads(tmp_path: Path) -> None:
 def _plan_and_share(rank: int, world_size: int, extra: bool) -> dict[str, Any]:
     """Plain tensors (replicated over the world): rank 0 holds ``c`` too where ``extra``."""
     from lightning_megatron_fsdp.agreement import Ranks
-    from lightning_megatron_fsdp.checkpoint.replicated_reads import plan_replicated_reads
+    from lightning_megatron_fsdp.checkpoint.replicated_reads import (
+        SavedLayout,
+        plan_replicated_reads,
+    )
 
     tensors = {k: torch.full((4,), float(rank), dtype=torch.float64) for k in "ab"}
     if extra and rank == 0:
@@ -136,7 +159,7 @@ def _plan_and_share(rank: int, world_size: int, extra: bool) -> dict[str, Any]:
     state = {"state_dict": tensors, "optimizer_states": [{"param_groups": [{"lr": 0.1}]}]}
     keys = {"state_dict.a", "state_dict.b", "state_dict.c"}
     ranks = Ranks.of()
-    plan = plan_replicated_reads(state, keys, ranks)
+    plan = plan_replicated_reads(state, SavedLayout(keys), ranks)
     planned = plan.settle(ranks.all_gather(plan.digests))
     kept = sorted(planned.state["state_dict"])
     planned.share("test")

@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.storage import StorageReader
 
 from lightning_megatron_fsdp.agreement import (
@@ -35,7 +36,7 @@ from lightning_megatron_fsdp.agreement import (
 )
 from lightning_megatron_fsdp.checkpoint.copies import fill, stage
 from lightning_megatron_fsdp.checkpoint.metadata_slices import MetadataSlices, SlicedLoadPlanner
-from lightning_megatron_fsdp.checkpoint.replicated_reads import plan_replicated_reads
+from lightning_megatron_fsdp.checkpoint.replicated_reads import SavedLayout, plan_replicated_reads
 from lightning_megatron_fsdp.errors import (
     CheckpointCorruptedError,
     CheckpointError,
@@ -81,6 +82,9 @@ StorageReaderFactory = Callable[[Path], StorageReader]
 TargetsFactory = Callable[[dict[str, Any]], dict[str, Any]]
 """Builds a load's targets from the checkpoint's ``meta.pt`` dict (a caller whose targets
 depend on what was saved: Fabric orders its optimizers by the keys saved there)."""
+
+_META_FOR_ALL_BYTES = 1 << 20
+"""The largest ``meta.pt`` rank 0 reads for every rank (:func:`_read_metadata_once`)."""
 
 # The classes a load's problems raise, most fundamental first (``Ranks.agree``).
 _LOAD_PRECEDENCE: tuple[type[Exception], ...] = (
@@ -132,6 +136,8 @@ class OpenedCheckpoint:
             each rank's reader reads it (a reader of the user's, or none to read).
         metadata_error: Why rank 0 could not read ``.metadata`` (the problem every rank
             reports, its class carried by category).
+        meta: ``meta.pt``'s bytes as rank 0 read them, for every rank (each checks them
+            as it reads them); ``None`` where each rank reads it.
     """
 
     path: Any
@@ -140,6 +146,7 @@ class OpenedCheckpoint:
     foreign: bool
     slices: MetadataSlices | None = None
     metadata_error: Problem | None = None
+    meta: bytes | None = None
 
 
 def open_checkpoint(
@@ -172,9 +179,9 @@ def open_checkpoint(
             problem = Problem(NotACheckpointError, f"{path}: {describe(err)}")
         if isinstance(final, Path):
             foreign = manifest is None and _is_foreign_lightning_dcp(final)
-        slices, metadata_error = None, None
+        slices, metadata_error, meta = None, None, None
         if manifest is not None and options is not None:
-            slices, metadata_error = _read_metadata_once(final, manifest, options)
+            slices, metadata_error, meta = _read_metadata_once(final, manifest, options)
         found = OpenedCheckpoint(
             final if final is not None else path,
             manifest,
@@ -182,6 +189,7 @@ def open_checkpoint(
             foreign,
             slices,
             metadata_error,
+            meta,
         )
     try:
         opened = ranks.broadcast_from_first(found)
@@ -196,26 +204,34 @@ def open_checkpoint(
 
 def _read_metadata_once(
     final: Any, manifest: Manifest, options: LoadOptions
-) -> tuple[MetadataSlices | None, Problem | None]:
+) -> tuple[MetadataSlices | None, Problem | None, bytes | None]:
     """Rank 0's ``.metadata`` cut by key, through the load's reader (digests checked
     against ``manifest``): the cut the save wrote (``.metadata.keys``) where the manifest
-    lists it, else ``.metadata`` cut here; ``(None, None)`` for a reader of the user's."""
+    lists it, read at once with ``meta.pt`` (every rank's otherwise: on a store, a request
+    of every rank to one object), else ``.metadata`` cut here; ``(None, None, None)`` for
+    a reader of the user's."""
     try:
         reader = options.reader(final)
         if not isinstance(reader, VerifyingFileSystemReader):
-            return None, None
+            return None, None, None
         reader.expect(manifest, verify=options.verify_checksums)
         if DCP_METADATA_KEYS_FILE in manifest.files:
-            data = reader.read_checked(DCP_METADATA_KEYS_FILE)
+            names = [DCP_METADATA_KEYS_FILE, META_FILE]
+            if manifest.files[META_FILE].size > _META_FOR_ALL_BYTES:
+                names.pop()
+            found = reader.read_spans([(n, 0, manifest.files[n].size) for n in names])
+            data = reader.check_digest(DCP_METADATA_KEYS_FILE, found[0])
+            meta = found[1] if len(found) > 1 else None
             slices = MetadataSlices.read(data, source=f"{final}/{DCP_METADATA_KEYS_FILE}")
             if slices is not None:
-                return slices, None
+                return slices, None, meta
         metadata = reader.read_metadata()
-        return MetadataSlices.cut(metadata, source=f"{final}/{DCP_METADATA_FILE}"), None
+        return MetadataSlices.cut(metadata, source=f"{final}/{DCP_METADATA_FILE}"), None, None
     except CheckpointError as err:
-        return None, Problem(traveling_class(type(err), CheckpointError), str(err))
+        return None, Problem(traveling_class(type(err), CheckpointError), str(err)), None
     except Exception as err:
-        return None, Problem(CheckpointError, f"reading {DCP_METADATA_FILE}: {describe(err)}")
+        problem = Problem(CheckpointError, f"reading {DCP_METADATA_FILE}: {describe(err)}")
+        return None, problem, None
 
 
 def read_checkpoint(
@@ -252,6 +268,7 @@ def read_checkpoint(
     """
     final = opened.path
     reader: StorageReader | None = None
+    saved: SavedLayout | None = None
     meta: dict[str, Any] = {}
     problems: list[Problem] = []
     if opened.manifest is None:
@@ -265,7 +282,9 @@ def read_checkpoint(
             problems.append(failed)
         elif opened.slices is not None and isinstance(reader, VerifyingFileSystemReader):
             try:
-                reader.use_metadata(opened.slices.skeleton_metadata(trust=options.trust_checkpoint))
+                skeleton = opened.slices.skeleton_metadata(trust=options.trust_checkpoint)
+                reader.use_metadata(skeleton)
+                saved = _saved_layout(opened.slices, skeleton, opened.manifest, ranks)
             except CheckpointError as err:
                 problems.append(Problem(CheckpointCorruptedError, str(err)))
         if reader is not None:
@@ -279,12 +298,12 @@ def read_checkpoint(
                 weights_only,
                 reader,
                 options,
+                opened.meta,
             )
             problems += found
     # Staged before the agreement round, which carries the replica groups' digests.
     targets: dict[str, Any] = {}
     into: dict[str, Any] = {}
-    keys = None if opened.slices is None else set(opened.slices.keys)
     if not problems and state is not None and not callable(state):
         targets = {k: state[k] for k in ("state_dict", "optimizer_states") if k in state}
         # Tied entries are one object in both: stage copies them once, fill copies twice.
@@ -292,7 +311,7 @@ def read_checkpoint(
             into = stage(targets) if options.atomic_load else targets
         except Exception as err:  # memory for the copies, say: agreed on like the rest
             problems.append(Problem(CheckpointError, f"staging the targets: {describe(err)}"))
-    shared = plan_replicated_reads(into, keys, ranks)  # rank-local
+    shared = plan_replicated_reads(into, saved, ranks)  # rank-local
     every = _agree_before_reading(ranks, final, problems, shared.digests)
     manifest = opened.manifest
     assert manifest is not None and reader is not None and not callable(state)
@@ -323,7 +342,7 @@ def read_checkpoint(
             raise _load_failure(final, err, reader, ranks, options.atomic_load) from err
         keep_loaded_values(into, view)
         try:
-            replicated.share(f"Loading checkpoint {final}")
+            replicated.share(f"Loading checkpoint {final}", trust=options.trust_checkpoint)
         except PeerLostError as err:
             kept = "unchanged" if options.atomic_load else "partly loaded; load again"
             raise CheckpointError(
@@ -337,6 +356,21 @@ def read_checkpoint(
     return {**meta, **loaded}
 
 
+def _saved_layout(
+    slices: MetadataSlices, skeleton: Metadata, manifest: Manifest, ranks: Ranks
+) -> SavedLayout:
+    """The checkpoint's keys, those stored as byte records, and, where the load runs on as
+    many ranks as the save (so the writers' ranks are the load's), which rank wrote each
+    record: each replicated record is read by its writer, among that rank's own."""
+    byte_keys = {
+        key
+        for key, entry in skeleton.state_dict_metadata.items()
+        if isinstance(entry, BytesStorageMetadata)
+    }
+    writer = slices.writer if manifest.world_size == ranks.world_size else None
+    return SavedLayout(set(slices.keys), byte_keys, writer)
+
+
 def _validate(
     final: Any,
     manifest: Manifest,
@@ -347,6 +381,7 @@ def _validate(
     weights_only: bool | None,
     reader: StorageReader,
     options: LoadOptions,
+    meta_read: bytes | None,
 ) -> tuple[list[Problem], dict[str, Any], dict[str, Any] | None]:
     """This rank's problems with loading ``final`` into ``state``, the checkpoint's
     ``meta.pt`` (empty if it could not be read), and the targets (built here from
@@ -354,8 +389,8 @@ def _validate(
 
     Sizes always (on a store, those of rank 0's look at the version that
     ``open_checkpoint`` found complete); with ``verify_checksums``, ``meta.pt``'s digest on
-    every rank (it is read here anyway) and, unless ``reader`` verifies as it reads, this
-    rank's share of the other files' digests.
+    every rank (it is read here, unless rank 0 read it for all: ``meta_read``) and, unless
+    ``reader`` verifies as it reads, this rank's share of the other files' digests.
     """
     if state is not None and not callable(state):
         shape_error = _state_shape_error(state)
@@ -369,7 +404,11 @@ def _validate(
         share = hashed[ranks.rank :: ranks.world_size]
     try:
         damaged = options.store.check_files(final, manifest, checksum_files=share)
-        data = None if damaged else options.store.read_bytes(final, META_FILE)
+        data = meta_read
+        if damaged:
+            data = None
+        elif data is None:
+            data = options.store.read_bytes(final, META_FILE)
     except OSError as err:
         damaged, data = [f"cannot read a file: {describe(err)}"], None
     digest = manifest.files[META_FILE].digest() if options.verify_checksums else None

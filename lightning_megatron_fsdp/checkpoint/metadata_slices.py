@@ -51,6 +51,7 @@ from lightning_megatron_fsdp.storage import (
     KeyTable,
     KeyTables,
     check_dcp_metadata,
+    data_file_rank,
     decode_key_index,
     encode_key_index,
     key_tables,
@@ -190,6 +191,30 @@ class MetadataSlices:
         )
         metadata.state_dict_metadata[key] = filled
         metadata.storage_data.update(storage)
+
+    def writer(self, key: str, offsets: Sequence[int]) -> int | None:
+        """The rank whose record file holds ``key``'s chunk at ``offsets`` (by DCP's file
+        names); ``None`` where the table holds no such record. A hint of where a record
+        lies, for choosing which rank reads it, never of what is read: the table is
+        checked where a rank builds DCP's entries from it (:meth:`fill`)."""
+        table = self.keys.get(key)
+        ndim = len(offsets)
+        width = 2 * ndim + Column.COUNT
+        if (
+            type(table) is not KeyTable
+            or table.ndim != ndim
+            or not isinstance(table.rows, bytes)
+            or not table.rows
+            or len(table.rows) % (8 * width)
+        ):
+            return None
+        rows = torch.frombuffer(bytearray(table.rows), dtype=torch.int64).view(-1, width)
+        at = (rows[:, :ndim] == torch.tensor(list(offsets), dtype=torch.int64)).all(dim=1)
+        found = (at & (rows[:, 2 * ndim + Column.PRESENT] == 1)).nonzero()
+        if not len(found):
+            return None
+        file = int(rows[int(found[0]), 2 * ndim + Column.FILE])
+        return data_file_rank(self.files[file]) if 0 <= file < len(self.files) else None
 
     def _storage_info(self, key: str, record: list[int]) -> Any:
         """The storage entry ``record`` (a row's record columns) describes."""

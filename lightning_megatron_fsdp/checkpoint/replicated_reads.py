@@ -3,10 +3,12 @@
 DCP reads every rank's chunks independently: a tensor replicated across ranks (HSDP's
 replica dimension, ``NO_SHARD``, a plain tensor such as Adam's ``step``, which every rank
 holds whole) is fetched once per replica, so 64 replicas pull 64 times the checkpoint from
-the bucket. Here each replicated target is read by one rank of its replica group (a
-group's targets, in state-dict order, cut into one run of about equal bytes per rank, so
-each rank reads adjacent records), and after the read each reader broadcasts what it read
-to its group::
+the bucket. Here each replicated target is read by one rank of its replica group, and after
+the read each reader broadcasts what it read to its group. The reader of a record is the
+rank that wrote it, where the load runs on as many ranks as the save: the record lies
+among that rank's own, so it costs no request of its own (DCP's save spreads replicated
+records over the ranks by size). Otherwise a group's targets, in state-dict order, are cut
+into one run of about equal bytes per rank, so each rank reads adjacent records::
 
     HSDP (2, 1), tensors a b c d                 after dcp.load: broadcasts
                reads        receives             rank 0 -> rank 1: a b
@@ -20,7 +22,10 @@ dtypes: each rank's digest per group, carried by the load's agreement round, che
 before reading, and a group whose ranks disagree (a rank without some optimizer state, say)
 reads as before, on every rank.
 Every record read is still checked against its CRC32C by its reader; the broadcasts
-carry what a check passed.
+carry what a check passed. The byte records every rank loads alike (a learning rate, Adam's
+betas) travel the same way in the group of the load's ranks, from the rank that wrote them
+(else the first): ``torch.save``-d by the reader and loaded by the others weights-only, as
+the checkpoint's own byte records are, so on a store no rank asks for another's few bytes.
 
 Alternatives rejected: a load planner that drops duplicate read items in its global plan
 sees only the items, not the process groups that can carry them, and would need a group
@@ -33,8 +38,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Set
 from typing import Any
 
 import torch
@@ -45,8 +51,9 @@ from torch.distributed.tensor import DTensor
 from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.agreement import LOST_PEER_HINT, PeerLostError, Ranks, describe
 from lightning_megatron_fsdp.megatron import CHUNK_ATTR
+from lightning_megatron_fsdp.storage import load_weights_only
 
-__all__ = ["ReplicaPlan", "ReplicatedReads", "plan_replicated_reads"]
+__all__ = ["ReplicaPlan", "ReplicatedReads", "SavedLayout", "plan_replicated_reads"]
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +72,22 @@ class _Target:
     source: int = 0
     """The index, in its group, of the rank that reads it."""
     whole: bool = False
-    """A plain tensor every rank holds whole (Adam's ``step``, a buffer): small, so the
-    group's first rank reads them all and one broadcast per bucket carries them."""
+    """A plain tensor every rank holds whole (Adam's ``step``, a buffer): small, so where
+    readers are chosen by bytes the group's first rank reads them all."""
+    writer: int | None = None
+    """The rank that wrote its record, where known and the world's size is the save's."""
+
+
+@dataclasses.dataclass
+class _Value:
+    """A value the checkpoint stores as a byte record (a learning rate, say), which every
+    rank loads alike, and the rank that reads it."""
+
+    key: str
+    container: MutableMapping[str, Any]
+    """The mapping that holds it, in the load's state."""
+    name: str
+    source: int = 0
 
 
 @dataclasses.dataclass
@@ -77,6 +98,7 @@ class _Group:
     group: dist.ProcessGroup
     ranks: tuple[int, ...]
     targets: list[_Target] = dataclasses.field(default_factory=list)
+    values: list[_Value] = dataclasses.field(default_factory=list)
     descriptor: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
 
 
@@ -93,12 +115,15 @@ class ReplicatedReads:
     state: dict[str, Any]
     groups: list[_Group]
 
-    def share(self, where: str) -> None:
+    def share(self, where: str, *, trust: bool = False) -> None:
         """After a successful read on every rank: each reader's targets broadcast to its
-        replica group, in buckets. Collective over every group of :attr:`groups`.
+        replica group, in buckets, and its values (``torch.save``-d, loaded by the others
+        as the checkpoint's byte records are: weights-only unless ``trust``). Collective
+        over every group of :attr:`groups`.
 
         Raises:
             PeerLostError: A broadcast failed (within the group's timeout).
+            CheckpointCorruptedError: A value received does not load weights-only.
         """
         me = dist.get_rank() if self.groups else 0
         for replicas in self.groups:
@@ -107,39 +132,64 @@ class ReplicatedReads:
                 mine = [t for t in replicas.targets if t.source == index and t.tensor.numel()]
                 for bucket in _buckets(mine):
                     _broadcast(where, replicas, index, bucket, device, sending=source == me)
+                values = [v for v in replicas.values if v.source == index]
+                if values:
+                    _send_values(where, replicas, index, values, device, me == source, trust)
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedLayout:
+    """What a load knows of a checkpoint before it reads: its keys, which of them it stores
+    as byte records, and which rank wrote a record (``None``: unknown, or the load runs on
+    another number of ranks than the save, whose ranks are then not the load's)."""
+
+    keys: Set[str]
+    byte_keys: Set[str] = frozenset()
+    writer: Callable[[str, tuple[int, ...]], int | None] | None = None
 
 
 def plan_replicated_reads(
-    state: dict[str, Any], keys: set[str] | None, ranks: Ranks
+    state: dict[str, Any], saved: SavedLayout | None, ranks: Ranks
 ) -> ReplicaPlan:
-    """This rank's replica groups of ``state``'s replicated targets, before the ranks
+    """This rank's replica groups of ``state``'s replicated targets, and the values every
+    rank loads alike (byte records, in the group of the load's ranks), before the ranks
     compare them (rank-local).
 
     Args:
         state: The load targets (``{"state_dict": ..., "optimizer_states": [...]}``).
-        keys: The checkpoint's flat keys; a target missing from it (a partial load) stays
-            unread on every rank. ``None``: unknown, every rank reads everything.
-        ranks: The load's ranks; plain tensors are replicated across them.
+        saved: The checkpoint's layout; a target missing from its keys (a partial load)
+            stays unread on every rank. ``None``: unknown, every rank reads everything.
+        ranks: The load's ranks; plain tensors and values are replicated across them.
 
     Returns:
         The groups and their digests: the digests travel in the load's agreement round
         (:meth:`ReplicaPlan.settle` takes every rank's).
     """
-    if keys is None or ranks.group is None or ranks.world_size == 1:
+    if saved is None or ranks.group is None or ranks.world_size == 1:
         return ReplicaPlan(state, {}, ())
     load_ranks = tuple(dist.get_process_group_ranks(ranks.group))
+    writer = saved.writer or (lambda key, offsets: None)
     groups: dict[tuple[int, ...], _Group] = {}
     try:
         for key, value in _tensors(state, ""):
-            if key not in keys:
+            if key not in saved.keys:
                 continue
             found = _replica_group(value, ranks.group, load_ranks)
             if found is None:
                 continue
             group, members, tensor, chunk = found
             replicas = groups.setdefault(members, _Group(group, members))
-            replicas.targets.append(_Target(key, tensor, whole=not isinstance(value, DTensor)))
+            whole = not isinstance(value, DTensor)
+            offsets = (0,) * tensor.dim() if whole else tuple(chunk[0])
+            wrote = writer(key, offsets)
+            replicas.targets.append(_Target(key, tensor, whole=whole, writer=wrote))
             replicas.descriptor.append((key, chunk, str(tensor.dtype), tensor.numel()))
+        for key, container, name in _values(state, "", saved.byte_keys):
+            everyone = groups.setdefault(load_ranks, _Group(ranks.group, load_ranks))
+            wrote = writer(key, ())
+            source = load_ranks.index(wrote) if wrote in load_ranks else 0
+            everyone.values.append(_Value(key, container, name, source))
+            everyone.descriptor.append(("bytes", key))
     except Exception as err:  # this rank reads all its targets; its groups' peers too
         log.warning("Every rank reads the replicated tensors it loads: %s", describe(err))
         groups = {}
@@ -188,6 +238,7 @@ class ReplicaPlan:
             _spread(replicas)
             index = replicas.ranks.index(me)
             dropped.update(t.key for t in replicas.targets if t.source != index)
+            dropped.update(v.key for v in replicas.values if v.source != index)
         return ReplicatedReads(_without(self.state, "", dropped), agreed)
 
 
@@ -204,6 +255,23 @@ def _tensors(value: Any, path: str) -> Iterator[tuple[str, Any]]:
         for index, item in enumerate(value):
             if not isinstance(item, Tensor):  # a tensor in a list stays read by every rank
                 yield from _tensors(item, f"{path}.{index}" if path else str(index))
+
+
+def _values(
+    value: Any, path: str, byte_keys: Set[str]
+) -> Iterator[tuple[str, MutableMapping[str, Any], str]]:
+    """The entries of mappings in ``value`` (not tensors) at ``byte_keys``: each flat key,
+    its mapping and its name there."""
+    if isinstance(value, MutableMapping):
+        for key, item in value.items():
+            flat = f"{path}.{key}" if path else str(key)
+            if flat in byte_keys and not isinstance(item, Tensor):
+                yield flat, value, key
+            elif isinstance(item, (Mapping, list)):
+                yield from _values(item, flat, byte_keys)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _values(item, f"{path}.{index}" if path else str(index), byte_keys)
 
 
 def _replica_group(
@@ -234,11 +302,18 @@ def _digest(descriptor: list[tuple[Any, ...]]) -> str:
 
 
 def _spread(replicas: _Group) -> None:
-    """Each target's reader: the targets, in state-dict order (the order a save writes
-    them), cut into one run per rank of about equal bytes, so each rank reads adjacent
-    records (one ranged request each where the store batches them); the same on every
-    rank of the group. Plain tensors held whole go to the first rank: spread, each would
-    cost a broadcast of the whole group for a few bytes."""
+    """Each target's reader, the same on every rank of the group: the rank that wrote it,
+    where every non-empty target's writer is in the group. Otherwise the targets, in
+    state-dict order (the order a save writes them), are cut into one run per rank of about
+    equal bytes, so each rank reads adjacent records (one ranged request each where the
+    store batches them), and plain tensors held whole go to the first rank: spread, each
+    would cost a broadcast of the whole group for a few bytes."""
+    index = {rank: i for i, rank in enumerate(replicas.ranks)}
+    held = [t for t in replicas.targets if t.tensor.numel()]  # an empty one reads nothing
+    if all(t.writer in index for t in held):
+        for target in held:
+            target.source = index[target.writer]
+        return
     spread = [t for t in replicas.targets if not t.whole]
     total = sum(_nbytes(t.tensor) for t in spread)
     count = len(replicas.ranks)
@@ -298,6 +373,41 @@ def _buckets(targets: list[_Target]) -> Iterator[list[_Target]]:
 
 def _as_bytes(tensor: Tensor) -> Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _send_values(
+    where: str,
+    replicas: _Group,
+    source: int,
+    values: list[_Value],
+    device: torch.device,
+    sending: bool,
+    trust: bool,
+) -> None:
+    """``values`` from the group's rank ``source`` into the others' state: their size,
+    then their ``torch.save`` bytes."""
+    data = torch.empty(0, dtype=torch.uint8)
+    if sending:
+        buffer = io.BytesIO()
+        torch.save({v.key: v.container[v.name] for v in values}, buffer)
+        data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    try:
+        dist.broadcast(size, group=replicas.group, group_src=source)
+        if not sending:
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        data = data.to(device)
+        dist.broadcast(data, group=replicas.group, group_src=source)
+    except RuntimeError as err:  # gloo/NCCL errors and timeouts
+        raise PeerLostError(f"{where}: {LOST_PEER_HINT}: {describe(err)}") from err
+    if sending:
+        return
+    rank = replicas.ranks[source]
+    loaded = load_weights_only(
+        data.cpu().numpy().tobytes(), source=f"{where}: byte records from rank {rank}", trust=trust
+    )
+    for value in values:
+        value.container[value.name] = loaded[value.key]
 
 
 def _broadcast(

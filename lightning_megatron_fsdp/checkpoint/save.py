@@ -16,7 +16,6 @@ import hashlib
 import io
 import json
 import os
-import re
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -53,6 +52,7 @@ from lightning_megatron_fsdp.storage import (
     TensorSpec,
     crc32c,
     crc32c_hex,
+    data_file_rank,
     finite_int_or_none,
     listed,
     mesh_info,
@@ -77,9 +77,6 @@ __all__ = [
 
 StorageWriterFactory = Callable[[Path], StorageWriter]
 """Builds the DCP writer for a save, given the staging directory it must write into."""
-
-# DCP's FileSystemWriter names rank r's files __<r>_<n>.distcp.
-_DISTCP_RE = r"__{rank}_\d+\.distcp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -481,9 +478,8 @@ def _local_records(
         for name, data in extra.items():
             digest = crc32c_hex(crc32c(data)) if checksum else None
             written[name] = FileRecord(size=len(data), crc32c=digest)
-    pattern = re.compile(_DISTCP_RE.format(rank=rank))
     stored = store.sizes(staging)
-    names = sorted(n for n in stored if pattern.fullmatch(n))
+    names = sorted(n for n in stored if data_file_rank(n) == rank)
     if rank == 0:
         names += [DCP_METADATA_FILE, *written]
     writer = pending.writer

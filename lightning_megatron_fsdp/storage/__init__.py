@@ -39,6 +39,7 @@ _EXPORTS = {
         "TensorSpec",
         "compare_fingerprints",
         "count",
+        "data_file_rank",
         "finite_int_or_none",
         "is_complete_checkpoint",
         "listed",

@@ -23,7 +23,7 @@ import re
 import stat
 import struct
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -544,6 +544,9 @@ class BatchRead:
 
 
 _ReadAt = Callable[[list[Any], int], int]
+
+Span = tuple[str, int, int]
+"""A record's place: its file, offset and length."""
 """Fill ``buffers`` from a file at ``offset``; returns the bytes read (short at its end)."""
 
 
@@ -644,6 +647,21 @@ class VerifyingFileSystemReader(FileSystemReader):
         """Hand DCP ``metadata`` (checked already) instead of reading ``.metadata``."""
         self._given = metadata
 
+    def read_spans(self, spans: Sequence[Span]) -> list[bytes]:
+        """The bytes of each ``(file, offset, length)``, unchecked (:meth:`check_digest`).
+
+        Raises:
+            CheckpointCorruptedError: If a file ends before a span does, naming it.
+        """
+        found = []
+        for name, offset, length in spans:
+            data = bytearray(length)
+            with self._opened(name) as read_at:
+                if read_at([data], offset) != length:
+                    raise self._corrupted(name, f"ends before byte {offset + length}")
+            found.append(bytes(data))
+        return found
+
     def expect(self, manifest: Manifest, *, verify: bool) -> None:
         """Verify against ``manifest`` (already read and validated), or not at all."""
         self._manifest, self._manifest_read, self.verify = manifest, True, verify
@@ -722,6 +740,14 @@ class VerifyingFileSystemReader(FileSystemReader):
             data = self._read_whole(name)
         except OSError as err:
             raise self._corrupted(name, str(err)) from err
+        return self.check_digest(name, data)
+
+    def check_digest(self, name: str, data: bytes) -> bytes:
+        """``data``, the file ``name``, checked against the manifest's digest when verifying.
+
+        Raises:
+            CheckpointCorruptedError: If it differs, naming it.
+        """
         expected = self._expected_digest(name)
         if expected is not None:
             algorithm, digest = expected

@@ -52,6 +52,17 @@ DCP_METADATA_KEYS_FILE = ".metadata.keys"
 """``.metadata`` cut by key (``storage.metadata_index``): what a load reads instead, where
 the manifest lists it."""
 
+_DATA_FILE_RE = re.compile(r"__(?P<rank>\d+)_\d+\.distcp")
+"""DCP's ``FileSystemWriter`` names rank r's record files ``__<r>_<n>.distcp``."""
+
+
+def data_file_rank(name: str) -> int | None:
+    """The rank that wrote the record file ``name`` (DCP's naming), or ``None`` for a
+    name of another form."""
+    found = _DATA_FILE_RE.fullmatch(name)
+    return None if found is None else int(found["rank"])
+
+
 MODEL_PREFIX = "state_dict."
 """DCP keys of model tensors: ``state_dict.<fqn>``."""
 OPTIMIZER_PREFIX = "optimizer_states."

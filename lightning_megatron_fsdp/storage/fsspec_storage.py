@@ -27,7 +27,7 @@ import os
 import posixpath
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fsspec.asyn import sync
@@ -49,6 +49,7 @@ from lightning_megatron_fsdp.storage.filesystem import (
     BatchRead,
     ChecksummingFileSystemWriter,
     ReadProgress,
+    Span,
     VerifyingFileSystemReader,
     byte_view,
 )
@@ -634,6 +635,20 @@ class VerifyingFsspecReader(VerifyingFileSystemReader):
     @override
     def _file_digest(self, name: str, algorithm: str) -> str:
         return self.store.digest(posixpath.join(self.path, name), algorithm)
+
+    @override
+    def read_spans(self, spans: Sequence[Span]) -> list[bytes]:
+        """As the local reader's, all requested at once."""
+        found = [bytearray(length) for _, _, length in spans]
+        wanted = [
+            (posixpath.join(self.path, name), offset, [memoryview(data)])
+            for (name, offset, _), data in zip(spans, found, strict=True)
+        ]
+        with contextlib.closing(read_ranges(self.store.fs, iter(wanted), window=_WINDOW)) as got:
+            for (name, offset, length), filled in zip(spans, got, strict=True):
+                if filled != length:
+                    raise self._corrupted(name, f"ends before byte {offset + length}")
+        return [bytes(data) for data in found]
 
     @override
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
