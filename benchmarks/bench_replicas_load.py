@@ -59,7 +59,7 @@ if _megatron.REPLICATED_PARAMETERS:
 def _every_rank_reads_all() -> Iterator[None]:
     """The load as before the sharing: no replicated target left to another rank."""
     planned = load_module.plan_replicated_reads
-    load_module.plan_replicated_reads = lambda state, keys, ranks: ReplicaPlan(state, {}, ())
+    load_module.plan_replicated_reads = lambda state, saved, ranks: ReplicaPlan(state, {}, ())
     try:
         yield
     finally:

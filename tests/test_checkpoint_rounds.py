@@ -165,18 +165,18 @@ def _fit_save_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
     }
 
 
-REPLICA_DATA = "broadcast from replicated_reads.py"
+REPLICA_DATA = "from replicated_reads.py"
 
 
-def coordination(load: list[str], world_size: int) -> list[str]:
-    """A load's rounds less the broadcasts that carry replicated tensors and byte records
-    to the other ranks (data, as DCP's reads are; checkpoint.replicated_reads). In a
-    FULL_SHARD load each rank that wrote some of them sends at most three: a bucket of the
-    plain tensors every rank holds whole (Adam's ``step``), then its byte records' size and
-    bytes."""
-    data = [r for r in load if r.startswith(REPLICA_DATA)]
-    assert len(data) <= 3 * world_size, f"{len(data)} broadcasts of replicated data: {load}"
-    return [r for r in load if not r.startswith(REPLICA_DATA)]
+def coordination(load: list[str]) -> list[str]:
+    """A load's rounds less the collectives that carry replicated tensors and byte records
+    to the other ranks (data, as DCP's reads are; checkpoint.replicated_reads). A
+    FULL_SHARD load has two, however many ranks read some: the all-gathers of the sizes and
+    of the shares of the plain tensors every rank holds whole (Adam's ``step``) and the
+    byte records (learning rates), each read by the rank that wrote it."""
+    data = [r for r in load if r.endswith(REPLICA_DATA, 0, r.rfind(":"))]
+    assert len(data) <= 2, f"{len(data)} collectives of replicated data: {load}"
+    return [r for r in load if r not in data]
 
 
 def test_a_save_and_a_load_take_at_most_three_rounds_of_ours(tmp_path: Path) -> None:
@@ -190,7 +190,7 @@ def test_a_save_and_a_load_take_at_most_three_rounds_of_ours(tmp_path: Path) -> 
         # Not vacuous: the counter sees our rounds (the save's agreement at least).
         assert save and load, (save, load)
         assert len(save) <= MAX_ROUNDS, f"rank {rank}: {len(save)} rounds per save: {save}"
-        assert len(coordination(load, len(results))) <= MAX_ROUNDS, (rank, load)
+        assert len(coordination(load)) <= MAX_ROUNDS, (rank, load)
         # Rank 0 parses the manifest once and runs crash recovery once, for every rank.
         assert result["parsed"] == [1 if rank == 0 else 0], result["parsed"]
         assert result["recovered"] == [1 if rank == 0 else 0], result["recovered"]
@@ -251,7 +251,7 @@ def test_a_fabric_load_takes_as_many_rounds_as_the_trainers(tmp_path: Path) -> N
         (load,) = result["load"]
         print(f"rank {rank}: fabric.load {len(load)} rounds {load}")
         assert result["step"] == 1, result
-        assert load and len(coordination(load, len(results))) <= MAX_ROUNDS, (rank, load)
+        assert load and len(coordination(load)) <= MAX_ROUNDS, (rank, load)
         assert result["parsed"] == [1 if rank == 0 else 0], result["parsed"]
         assert result["recovered"] == [1 if rank == 0 else 0], result["recovered"]
         assert result["keys_read"] == [1 if rank == 0 else 0], result["keys_read"]

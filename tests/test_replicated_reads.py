@@ -19,6 +19,7 @@ tensors); before readers followed writers, ranks read records from each other's 
 
 from __future__ import annotations
 
+import fractions
 from pathlib import Path
 from typing import Any
 
@@ -145,8 +146,13 @@ def test_counting_sees_every_byte_a_single_rank_reads(tmp_path: Path) -> None:
         assert isinstance(result[case]["read"], int)
 
 
-def _plan_and_share(rank: int, world_size: int, extra: bool) -> dict[str, Any]:
-    """Plain tensors (replicated over the world): rank 0 holds ``c`` too where ``extra``."""
+LR_KEY = "optimizer_states.0.param_groups.0.lr"
+
+
+def _plan_and_share(rank: int, world_size: int, extra: bool, lr: Any = None) -> dict[str, Any]:
+    """Plain tensors (replicated over the world) and a learning rate stored as a byte
+    record, each rank's its own: rank 0 holds ``c`` too where ``extra``, and the learning
+    rate ``lr`` where given."""
     from lightning_megatron_fsdp.agreement import Ranks
     from lightning_megatron_fsdp.checkpoint.replicated_reads import (
         SavedLayout,
@@ -156,29 +162,50 @@ def _plan_and_share(rank: int, world_size: int, extra: bool) -> dict[str, Any]:
     tensors = {k: torch.full((4,), float(rank), dtype=torch.float64) for k in "ab"}
     if extra and rank == 0:
         tensors["c"] = torch.zeros(2)
-    state = {"state_dict": tensors, "optimizer_states": [{"param_groups": [{"lr": 0.1}]}]}
-    keys = {"state_dict.a", "state_dict.b", "state_dict.c"}
+    group = {"lr": 0.1 * (rank + 1) if lr is None or rank else lr}
+    state = {"state_dict": tensors, "optimizer_states": [{"param_groups": [group]}]}
+    keys = {"state_dict.a", "state_dict.b", "state_dict.c", LR_KEY}
     ranks = Ranks.of()
-    plan = plan_replicated_reads(state, SavedLayout(keys), ranks)
+    plan = plan_replicated_reads(state, SavedLayout(keys, {LR_KEY}), ranks)
     planned = plan.settle(ranks.all_gather(plan.digests))
     kept = sorted(planned.state["state_dict"])
-    planned.share("test")
+    read_lr = "lr" in planned.state["optimizer_states"][0]["param_groups"][0]
+    try:
+        planned.share("test")
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}"}
     return {
         "kept": kept,
+        "read_lr": read_lr,
         "groups": len(planned.groups),
         "values": {k: tensors[k][0].item() for k in "ab"},
-        "param_groups": planned.state["optimizer_states"][0]["param_groups"],
+        "lr": group["lr"],
     }
 
 
 def test_a_group_whose_ranks_hold_other_targets_reads_as_before() -> None:
     agreed = run_distributed(_plan_and_share, 2, False, timeout=TIMEOUT)
-    # Plain tensors every rank holds whole: rank 0 reads both, rank 1 receives them.
+    # Plain tensors every rank holds whole and the byte record: with no writer known,
+    # rank 0 reads them, rank 1 receives them (its own values replaced by rank 0's).
     assert [r["kept"] for r in agreed] == [["a", "b"], []]
+    assert [r["read_lr"] for r in agreed] == [True, False]
     assert all(r["groups"] == 1 for r in agreed)
     assert [r["values"] for r in agreed] == [{"a": 0.0, "b": 0.0}] * 2
-    assert all(r["param_groups"] == [{"lr": 0.1}] for r in agreed)
+    assert [r["lr"] for r in agreed] == [0.1, 0.1]
     disagreed = run_distributed(_plan_and_share, 2, True, timeout=TIMEOUT)
     assert [r["kept"] for r in disagreed] == [["a", "b", "c"], ["a", "b"]]
+    assert [r["read_lr"] for r in disagreed] == [True, True]
     assert all(r["groups"] == 0 for r in disagreed)
     assert [r["values"] for r in disagreed] == [{"a": 0.0, "b": 0.0}, {"a": 1.0, "b": 1.0}]
+    assert [r["lr"] for r in disagreed] == [0.1, 0.2]
+
+
+def test_values_that_would_not_load_weights_only_fail_every_rank() -> None:
+    """A value the reader cannot send as the checkpoint's byte records are loaded (a
+    ``Fraction``, which the weights-only unpickler refuses) is refused on every rank, each
+    naming the rank, and nothing is sent (no rank left waiting in a collective)."""
+    failed = run_distributed(_plan_and_share, 2, False, fractions.Fraction(1, 3), timeout=TIMEOUT)
+    for result in failed:
+        expected = "CheckpointError: test: the byte records that rank(s) [0] read"
+        assert result["error"].startswith(expected), result
+        assert "trust_checkpoint=True" in result["error"], result

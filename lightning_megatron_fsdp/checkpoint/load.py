@@ -315,9 +315,12 @@ def read_checkpoint(
     every = _agree_before_reading(ranks, final, problems, shared.digests)
     manifest = opened.manifest
     assert manifest is not None and reader is not None and not callable(state)
-    if (saved := manifest.world_size) != ranks.world_size:
+    if (saved_ranks := manifest.world_size) != ranks.world_size:
         log.info(
-            "Loading %s, saved by %d ranks, on %d: DCP reshards.", final, saved, ranks.world_size
+            "Loading %s, saved by %d ranks, on %d: DCP reshards.",
+            final,
+            saved_ranks,
+            ranks.world_size,
         )
     if isinstance(reader, VerifyingFileSystemReader):
         reader.expect(manifest, verify=options.verify_checksums)
@@ -343,11 +346,11 @@ def read_checkpoint(
         keep_loaded_values(into, view)
         try:
             replicated.share(f"Loading checkpoint {final}", trust=options.trust_checkpoint)
-        except PeerLostError as err:
+        except CheckpointError as err:  # a lost peer, or values that would not load
             kept = "unchanged" if options.atomic_load else "partly loaded; load again"
             raise CheckpointError(
-                f"Loading checkpoint {final} failed sending replicated tensors to their "
-                f"replicas: {err}. The targets are {kept}."
+                f"Loading checkpoint {final} failed sending replicated tensors and byte "
+                f"records to the other ranks: {err}. The targets are {kept}."
             ) from err
         if options.atomic_load:
             with torch.no_grad():

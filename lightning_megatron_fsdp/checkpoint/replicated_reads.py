@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp import _torch
 from lightning_megatron_fsdp.agreement import LOST_PEER_HINT, PeerLostError, Ranks, describe
+from lightning_megatron_fsdp.errors import CheckpointError
 from lightning_megatron_fsdp.megatron import CHUNK_ATTR
 from lightning_megatron_fsdp.storage import load_weights_only
 
@@ -59,6 +60,10 @@ log = logging.getLogger(__name__)
 
 #: Bytes one broadcast carries at most.
 _BUCKET_BYTES = 256 * 1024 * 1024
+
+#: The most bytes the padded all-gather of :func:`_exchange` may take (ranks times the
+#: largest share); above it, each share goes in a broadcast of its own.
+_EXCHANGE_BYTES = 64 * 1024 * 1024
 
 
 @dataclasses.dataclass
@@ -75,7 +80,8 @@ class _Target:
     """A plain tensor every rank holds whole (Adam's ``step``, a buffer): small, so where
     readers are chosen by bytes the group's first rank reads them all."""
     writer: int | None = None
-    """The rank that wrote its record, where known and the world's size is the save's."""
+    """The (global) rank that wrote its record, where known and the world's size is the
+    save's."""
 
 
 @dataclasses.dataclass
@@ -84,10 +90,13 @@ class _Value:
     rank loads alike, and the rank that reads it."""
 
     key: str
+    """DCP's flat key (``optimizer_states.0.param_groups.0.lr``)."""
     container: MutableMapping[str, Any]
     """The mapping that holds it, in the load's state."""
     name: str
+    """Its key in :attr:`container`."""
     source: int = 0
+    """The index, in its group, of the rank that reads it."""
 
 
 @dataclasses.dataclass
@@ -116,32 +125,36 @@ class ReplicatedReads:
     groups: list[_Group]
 
     def share(self, where: str, *, trust: bool = False) -> None:
-        """After a successful read on every rank: each reader's targets broadcast to its
-        replica group, in buckets, and its values (``torch.save``-d, loaded by the others
-        as the checkpoint's byte records are: weights-only unless ``trust``). Collective
-        over every group of :attr:`groups`.
+        """After a successful read on every rank: each reader's replicated DTensor shards
+        broadcast to its replica group, in buckets; then the plain tensors held whole and
+        the values, every rank's share at once (:func:`_exchange`). Collective over every
+        group of :attr:`groups`.
 
         Raises:
-            PeerLostError: A broadcast failed (within the group's timeout).
-            CheckpointCorruptedError: A value received does not load weights-only.
+            PeerLostError: A collective failed (within the group's timeout).
+            CheckpointError: A rank's values would not load weights-only (on every rank).
         """
         me = dist.get_rank() if self.groups else 0
         for replicas in self.groups:
             device = _bucket_device(replicas.group)
             for index, source in enumerate(replicas.ranks):
-                mine = [t for t in replicas.targets if t.source == index and t.tensor.numel()]
+                mine = [
+                    t
+                    for t in replicas.targets
+                    if t.source == index and not t.whole and t.tensor.numel()
+                ]
                 for bucket in _buckets(mine):
                     _broadcast(where, replicas, index, bucket, device, sending=source == me)
-                values = [v for v in replicas.values if v.source == index]
-                if values:
-                    _send_values(where, replicas, index, values, device, me == source, trust)
+            if replicas.values or any(t.whole for t in replicas.targets):
+                _exchange(where, replicas, device, trust)
 
 
 @dataclasses.dataclass(frozen=True)
 class SavedLayout:
     """What a load knows of a checkpoint before it reads: its keys, which of them it stores
-    as byte records, and which rank wrote a record (``None``: unknown, or the load runs on
-    another number of ranks than the save, whose ranks are then not the load's)."""
+    as byte records, and which rank of the saving group wrote a record (``None``: unknown,
+    or the load runs on another number of ranks than the save, whose ranks are then not
+    the load's)."""
 
     keys: Set[str]
     byte_keys: Set[str] = frozenset()
@@ -181,12 +194,12 @@ def plan_replicated_reads(
             replicas = groups.setdefault(members, _Group(group, members))
             whole = not isinstance(value, DTensor)
             offsets = (0,) * tensor.dim() if whole else tuple(chunk[0])
-            wrote = writer(key, offsets)
+            wrote = _global(writer(key, offsets), load_ranks)
             replicas.targets.append(_Target(key, tensor, whole=whole, writer=wrote))
             replicas.descriptor.append((key, chunk, str(tensor.dtype), tensor.numel()))
         for key, container, name in _values(state, "", saved.byte_keys):
             everyone = groups.setdefault(load_ranks, _Group(ranks.group, load_ranks))
-            wrote = writer(key, ())
+            wrote = _global(writer(key, ()), load_ranks)
             source = load_ranks.index(wrote) if wrote in load_ranks else 0
             everyone.values.append(_Value(key, container, name, source))
             everyone.descriptor.append(("bytes", key))
@@ -255,6 +268,12 @@ def _tensors(value: Any, path: str) -> Iterator[tuple[str, Any]]:
         for index, item in enumerate(value):
             if not isinstance(item, Tensor):  # a tensor in a list stays read by every rank
                 yield from _tensors(item, f"{path}.{index}" if path else str(index))
+
+
+def _global(rank: int | None, load_ranks: tuple[int, ...]) -> int | None:
+    """The global rank of the load's group rank ``rank`` (DCP names a file by the rank in
+    the group that saved it, which is the load's where the world sizes match)."""
+    return load_ranks[rank] if rank is not None and 0 <= rank < len(load_ranks) else None
 
 
 def _values(
@@ -375,39 +394,90 @@ def _as_bytes(tensor: Tensor) -> Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _send_values(
-    where: str,
-    replicas: _Group,
-    source: int,
-    values: list[_Value],
-    device: torch.device,
-    sending: bool,
-    trust: bool,
-) -> None:
-    """``values`` from the group's rank ``source`` into the others' state: their size,
-    then their ``torch.save`` bytes."""
-    data = torch.empty(0, dtype=torch.uint8)
-    if sending:
-        buffer = io.BytesIO()
-        torch.save({v.key: v.container[v.name] for v in values}, buffer)
-        data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+def _exchange(where: str, replicas: _Group, device: torch.device, trust: bool) -> None:
+    """The group's plain tensors held whole and its values, each from the rank that read it
+    to the others, every rank's share at once: its tensors' bytes in target order, then its
+    values ``torch.save``-d (loaded by the others weights-only unless ``trust``, as the
+    checkpoint's own byte records are; the sender loads them so first, and a share that
+    would not load fails every rank alike). Two collectives however many ranks read some:
+    an all-gather of the shares' sizes, then one of the shares padded to the largest, or,
+    where that would take more than :data:`_EXCHANGE_BYTES`, a broadcast per share.
+
+    Raises:
+        PeerLostError: A collective failed (within the group's timeout).
+        CheckpointError: A rank's values would not load weights-only.
+    """
+    count = len(replicas.ranks)
+    me = replicas.ranks.index(dist.get_rank())
+    whole = [[t for t in replicas.targets if t.whole and t.source == i] for i in range(count)]
+    values = [[v for v in replicas.values if v.source == i] for i in range(count)]
+    share, problem = _pack(where, whole[me], values[me], trust)
+    share = share.to(device)
+    size = torch.tensor([-1 if problem else share.numel()], dtype=torch.int64, device=device)
     try:
-        dist.broadcast(size, group=replicas.group, group_src=source)
-        if not sending:
-            data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        data = data.to(device)
-        dist.broadcast(data, group=replicas.group, group_src=source)
+        every = [torch.empty_like(size) for _ in range(count)]
+        dist.all_gather(every, size, group=replicas.group)
     except RuntimeError as err:  # gloo/NCCL errors and timeouts
         raise PeerLostError(f"{where}: {LOST_PEER_HINT}: {describe(err)}") from err
-    if sending:
+    sizes = [int(s.item()) for s in every]
+    if min(sizes) < 0:
+        failed = [replicas.ranks[i] for i, n in enumerate(sizes) if n < 0]
+        raise CheckpointError(
+            f"{where}: the byte records that rank(s) {failed} read would not load "
+            f"weights-only ({problem or 'that rank raised the details'}); nothing was "
+            "sent. Load with trust_checkpoint=True if you trust this checkpoint."
+        )
+    largest = max(sizes)
+    if largest == 0:
         return
-    rank = replicas.ranks[source]
-    loaded = load_weights_only(
-        data.cpu().numpy().tobytes(), source=f"{where}: byte records from rank {rank}", trust=trust
-    )
-    for value in values:
-        value.container[value.name] = loaded[value.key]
+    try:
+        if count * largest <= _EXCHANGE_BYTES:
+            padded = torch.zeros(largest, dtype=torch.uint8, device=device)
+            padded[: share.numel()] = share
+            shares = [torch.empty_like(padded) for _ in range(count)]
+            dist.all_gather(shares, padded, group=replicas.group)
+        else:
+            shares = []
+            for index, n in enumerate(sizes):
+                data = share if index == me else torch.empty(n, dtype=torch.uint8, device=device)
+                if n:
+                    dist.broadcast(data, group=replicas.group, group_src=index)
+                shares.append(data)
+    except RuntimeError as err:  # gloo/NCCL errors and timeouts
+        raise PeerLostError(f"{where}: {LOST_PEER_HINT}: {describe(err)}") from err
+    for index, data in enumerate(shares):
+        if index != me and sizes[index]:
+            source = f"{where}: byte records from rank {replicas.ranks[index]}"
+            _unpack(data[: sizes[index]], whole[index], values[index], source, trust)
+
+
+def _pack(
+    where: str, whole: list[_Target], values: list[_Value], trust: bool
+) -> tuple[Tensor, str | None]:
+    """This rank's share (see :func:`_exchange`), or why its values would not load."""
+    parts = [_as_bytes(t.tensor).cpu() for t in whole]
+    if values:
+        buffer = io.BytesIO()
+        try:
+            torch.save({v.key: v.container[v.name] for v in values}, buffer)
+            load_weights_only(buffer.getvalue(), source=where, trust=trust)
+        except Exception as err:  # what every other rank would meet: refused on all
+            return torch.empty(0, dtype=torch.uint8), describe(err)
+        parts.append(torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8))
+    return (torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)), None
+
+
+def _unpack(
+    data: Tensor, whole: list[_Target], values: list[_Value], source: str, trust: bool
+) -> None:
+    """Another rank's share (see :func:`_exchange`) into this rank's targets and values."""
+    offset = _fill(whole, data)
+    if values:
+        loaded = load_weights_only(
+            data[offset:].cpu().numpy().tobytes(), source=source, trust=trust
+        )
+        for value in values:
+            value.container[value.name] = loaded[value.key]
 
 
 def _broadcast(
@@ -429,15 +499,20 @@ def _broadcast(
         dist.broadcast(data, group=replicas.group, group_src=source)
     except RuntimeError as err:  # gloo/NCCL errors and timeouts
         raise PeerLostError(f"{where}: {LOST_PEER_HINT}: {describe(err)}") from err
-    if sending:
-        return
+    if not sending:
+        _fill(bucket, data)
+
+
+def _fill(targets: list[_Target], data: Tensor) -> int:
+    """``targets``' tensors from the bytes at the front of ``data``, in order; the bytes
+    they took."""
     offset = 0
     with torch.no_grad():
-        for target in bucket:
-            nbytes = _nbytes(target.tensor)
-            received = data[offset : offset + nbytes]
-            if offset % target.tensor.element_size():  # a dtype view needs aligned bytes
+        for target in targets:
+            tensor = target.tensor
+            received = data[offset : offset + _nbytes(tensor)]
+            if offset % tensor.element_size():  # a dtype view needs aligned bytes
                 received = received.clone()
-            received = received.view(target.tensor.dtype)
-            target.tensor.copy_(received.view(target.tensor.shape))
-            offset += nbytes
+            tensor.copy_(received.view(tensor.dtype).view(tensor.shape))
+            offset += _nbytes(tensor)
+    return offset

@@ -544,10 +544,10 @@ class BatchRead:
 
 
 _ReadAt = Callable[[list[Any], int], int]
+"""Fill ``buffers`` from a file at ``offset``; returns the bytes read (short at its end)."""
 
 Span = tuple[str, int, int]
-"""A record's place: its file, offset and length."""
-"""Fill ``buffers`` from a file at ``offset``; returns the bytes read (short at its end)."""
+"""A part of a file: its name, offset and length."""
 
 
 def _chunks(
