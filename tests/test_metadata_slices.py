@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from lightning_megatron_fsdp import _torch
@@ -205,6 +205,35 @@ def test_a_crafted_file_name_or_table_shape_is_refused_naming_the_key() -> None:
         _assembled(
             _sent(dataclasses.replace(slices, keys={**slices.keys, key: emptied})), {key: None}
         )
+
+
+def test_writer_names_the_rank_whose_file_holds_a_chunk_and_no_rank_for_a_crafted_table() -> None:
+    """``MetadataSlices.writer`` (which rank reads a replicated record) from the tables:
+    each chunk's rank by DCP's file name; ``None``, never an error, for what a table cannot
+    say (its fill refuses those tables, naming the key)."""
+    metadata, _ = _synthetic()
+    slices = MetadataSlices.cut(metadata, source="synthetic")
+    key = "model.embed.weight"
+    chunks = metadata.state_dict_metadata[key].chunks
+    expected = {
+        tuple(c.offsets): int(
+            metadata.storage_data[MetadataIndex(key, c.offsets)].relative_path[2:].split("_")[0]
+        )
+        for c in chunks
+    }
+    assert len(set(expected.values())) > 1  # not vacuous: the chunks lie in several files
+    assert {o: slices.writer(key, o) for o in expected} == expected
+    first = tuple(chunks[0].offsets)
+    assert slices.writer(key, (first[0] + 1, first[1])) is None  # no chunk there
+    assert slices.writer(key, first[:1]) is None  # another number of dimensions
+    assert slices.writer("no.such.key", first) is None
+    assert _crafted(slices, key, 0, 4, 0).writer(key, first) is None  # not present
+    assert _crafted(slices, key, 0, 5, 1 << 40).writer(key, first) is None  # no such file
+    renamed = dataclasses.replace(slices, files=("weights.bin",) * len(slices.files))
+    assert renamed.writer(key, first) is None  # not DCP's naming
+    table = slices.keys[key]
+    short = dataclasses.replace(table, rows=table.rows[:-8])
+    assert dataclasses.replace(slices, keys={key: short}).writer(key, first) is None
 
 
 # ----------------------------------------------------- the index a save writes (.metadata.keys)
