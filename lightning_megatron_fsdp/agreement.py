@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import traceback
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
@@ -28,6 +28,7 @@ __all__ = [
     "PeerLostError",
     "Problem",
     "Ranks",
+    "collective",
     "dcp_failure_message",
     "describe",
     "peer_failures_explained",
@@ -94,6 +95,19 @@ def peer_failures_explained(what: str) -> Iterator[None]:
             f"{what} failed in a collective with the other ranks: {LOST_PEER_HINT}, and "
             f"this rank stops too instead of waiting. Backend error: {describe(err)}."
         ) from err
+
+
+def collective(what: str, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``run(*args, **kwargs)``, a collective; a backend error or timeout raised as the
+    peer being lost.
+
+    Raises:
+        PeerLostError: Naming ``what``, chained from the backend's error.
+    """
+    try:
+        return run(*args, **kwargs)
+    except RuntimeError as err:  # gloo/NCCL errors and timeouts
+        raise PeerLostError(f"{what}: {LOST_PEER_HINT}: {describe(err)}") from err
 
 
 _MAX_DETAIL = 600  # characters of one error's text in a message

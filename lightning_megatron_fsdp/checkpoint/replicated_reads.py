@@ -49,7 +49,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_megatron_fsdp import _torch
-from lightning_megatron_fsdp.agreement import LOST_PEER_HINT, PeerLostError, Ranks, describe
+from lightning_megatron_fsdp.agreement import Ranks, collective, describe
 from lightning_megatron_fsdp.errors import CheckpointError
 from lightning_megatron_fsdp.megatron import CHUNK_ATTR
 from lightning_megatron_fsdp.storage import load_weights_only
@@ -414,11 +414,8 @@ def _exchange(where: str, replicas: _Group, device: torch.device, trust: bool) -
     share, problem = _pack(where, whole[me], values[me], trust)
     share = share.to(device)
     size = torch.tensor([-1 if problem else share.numel()], dtype=torch.int64, device=device)
-    try:
-        every = [torch.empty_like(size) for _ in range(count)]
-        dist.all_gather(every, size, group=replicas.group)
-    except RuntimeError as err:  # gloo/NCCL errors and timeouts
-        raise PeerLostError(f"{where}: {LOST_PEER_HINT}: {describe(err)}") from err
+    every = [torch.empty_like(size) for _ in range(count)]
+    collective(where, dist.all_gather, every, size, group=replicas.group)
     sizes = [int(s.item()) for s in every]
     if min(sizes) < 0:
         failed = [replicas.ranks[i] for i, n in enumerate(sizes) if n < 0]
@@ -430,21 +427,18 @@ def _exchange(where: str, replicas: _Group, device: torch.device, trust: bool) -
     largest = max(sizes)
     if largest == 0:
         return
-    try:
-        if count * largest <= _EXCHANGE_BYTES:
-            padded = torch.zeros(largest, dtype=torch.uint8, device=device)
-            padded[: share.numel()] = share
-            shares = [torch.empty_like(padded) for _ in range(count)]
-            dist.all_gather(shares, padded, group=replicas.group)
-        else:
-            shares = []
-            for index, n in enumerate(sizes):
-                data = share if index == me else torch.empty(n, dtype=torch.uint8, device=device)
-                if n:
-                    dist.broadcast(data, group=replicas.group, group_src=index)
-                shares.append(data)
-    except RuntimeError as err:  # gloo/NCCL errors and timeouts
-        raise PeerLostError(f"{where}: {LOST_PEER_HINT}: {describe(err)}") from err
+    if count * largest <= _EXCHANGE_BYTES:
+        padded = torch.zeros(largest, dtype=torch.uint8, device=device)
+        padded[: share.numel()] = share
+        shares = [torch.empty_like(padded) for _ in range(count)]
+        collective(where, dist.all_gather, shares, padded, group=replicas.group)
+    else:
+        shares = []
+        for index, n in enumerate(sizes):
+            data = share if index == me else torch.empty(n, dtype=torch.uint8, device=device)
+            if n:
+                collective(where, dist.broadcast, data, group=replicas.group, group_src=index)
+            shares.append(data)
     for index, data in enumerate(shares):
         if index != me and sizes[index]:
             source = f"{where}: byte records from rank {replicas.ranks[index]}"
@@ -495,10 +489,7 @@ def _broadcast(
         data = torch.cat([_as_bytes(t.tensor).to(device) for t in bucket])
     else:
         data = torch.empty(total, dtype=torch.uint8, device=device)
-    try:
-        dist.broadcast(data, group=replicas.group, group_src=source)
-    except RuntimeError as err:  # gloo/NCCL errors and timeouts
-        raise PeerLostError(f"{where}: {LOST_PEER_HINT}: {describe(err)}") from err
+    collective(where, dist.broadcast, data, group=replicas.group, group_src=source)
     if not sending:
         _fill(bucket, data)
 

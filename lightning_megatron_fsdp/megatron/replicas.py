@@ -25,13 +25,12 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_megatron_fsdp.agreement import LOST_PEER_HINT, PeerLostError, Ranks, describe
+from lightning_megatron_fsdp.agreement import Ranks, collective
 from lightning_megatron_fsdp.megatron import _megatron
 
 __all__ = ["BufferSync", "ReplicaMismatchError", "check_replicas", "sync_buffers", "sync_replicas"]
@@ -211,13 +210,6 @@ def _checksums(names: list[str], tensors: list[Tensor]) -> Tensor:
     return torch.stack(values)
 
 
-def _collective(what: str, collective: Any, *args: Any, **kwargs: Any) -> None:
-    try:
-        collective(*args, **kwargs)
-    except RuntimeError as err:  # gloo/NCCL errors and timeouts
-        raise PeerLostError(f"{what}: {LOST_PEER_HINT}: {describe(err)}") from err
-
-
 def check_replicas(model: nn.Module, where: str) -> None:
     """Raise on every rank if some replicated tensor of ``model`` differs within its group.
 
@@ -244,7 +236,7 @@ def check_replicas(model: nn.Module, where: str) -> None:
         names = [name for name, _ in replicas.named]
         mine = _checksums(names, [t for _, t in replicas.named])
         gathered = mine.new_empty(len(replicas.ranks) * mine.numel())
-        _collective(where, dist.all_gather_into_tensor, gathered, mine, group=replicas.group)
+        collective(where, dist.all_gather_into_tensor, gathered, mine, group=replicas.group)
         rows = gathered.view(len(replicas.ranks), -1).cpu().tolist()
         problem = _first_difference(names, replicas.ranks, rows)
         if problem is not None:
@@ -252,7 +244,7 @@ def check_replicas(model: nn.Module, where: str) -> None:
     if any(len(replicas.ranks) != _world() for replicas in sets):
         # Not every rank saw every group: agree on whether any group differs.
         flag = torch.tensor([len(problems)], device=sets[0].named[0][1].device)
-        _collective(where, dist.all_reduce, flag, op=dist.ReduceOp.MAX)
+        collective(where, dist.all_reduce, flag, op=dist.ReduceOp.MAX)
         if not flag.item():
             return
         every = Ranks.of().all_gather(problems)
