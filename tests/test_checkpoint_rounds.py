@@ -208,13 +208,13 @@ class CountingFabricStrategy(FabricStrategy):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.counted: dict[str, list[Any]] = {"load": [], "parsed": [], "recovered": []}
-        self.counted |= {"metadata_read": [], "keys_read": [], "meta_read": [], "spans_read": []}
+        self.counted |= {"metadata_read": [], "keys_read": [], "meta_read": [], "files_read": []}
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         with counting_load(
             self.counted,
             meta_read=(LocalDirectories, "read_bytes"),
-            spans_read=(VerifyingFileSystemReader, "read_spans"),
+            files_read=(VerifyingFileSystemReader, "read_files"),
         ):
             return super().load_checkpoint(*args, **kwargs)
 
@@ -257,7 +257,7 @@ def test_a_fabric_load_takes_as_many_rounds_as_the_trainers(tmp_path: Path) -> N
         assert result["keys_read"] == [1 if rank == 0 else 0], result["keys_read"]
         assert result["metadata_read"] == [0], result["metadata_read"]
         # meta.pt: read by rank 0 with .metadata.keys, for every rank (no rank reads it alone).
-        assert result["spans_read"] == [1 if rank == 0 else 0], result["spans_read"]
+        assert result["files_read"] == [1 if rank == 0 else 0], result["files_read"]
         assert result["meta_read"] == [0], result["meta_read"]
 
 

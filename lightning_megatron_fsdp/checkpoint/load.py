@@ -219,7 +219,7 @@ def _read_metadata_once(
             names = [DCP_METADATA_KEYS_FILE, META_FILE]
             if manifest.files[META_FILE].size > _META_FOR_ALL_BYTES:
                 names.pop()
-            found = reader.read_spans([(n, 0, manifest.files[n].size) for n in names])
+            found = reader.read_files(names)
             data = reader.check_digest(DCP_METADATA_KEYS_FILE, found[0])
             meta = found[1] if len(found) > 1 else None
             slices = MetadataSlices.read(data, source=f"{final}/{DCP_METADATA_KEYS_FILE}")

@@ -546,9 +546,6 @@ class BatchRead:
 _ReadAt = Callable[[list[Any], int], int]
 """Fill ``buffers`` from a file at ``offset``; returns the bytes read (short at its end)."""
 
-Span = tuple[str, int, int]
-"""A part of a file: its name, offset and length."""
-
 
 def _chunks(
     pieces: list[tuple[int, memoryview]], limit: int
@@ -647,19 +644,19 @@ class VerifyingFileSystemReader(FileSystemReader):
         """Hand DCP ``metadata`` (checked already) instead of reading ``.metadata``."""
         self._given = metadata
 
-    def read_spans(self, spans: Sequence[Span]) -> list[bytes]:
-        """The bytes of each ``(file, offset, length)``, unchecked (:meth:`check_digest`).
+    def read_files(self, names: Sequence[str]) -> list[bytes]:
+        """Whole files of the checkpoint, as :meth:`read_checked` reads one, unchecked
+        (:meth:`check_digest`).
 
         Raises:
-            CheckpointCorruptedError: If a file ends before a span does, naming it.
+            CheckpointCorruptedError: If one cannot be read, naming it.
         """
         found = []
-        for name, offset, length in spans:
-            data = bytearray(length)
-            with self._opened(name) as read_at:
-                if read_at([data], offset) != length:
-                    raise self._corrupted(name, f"ends before byte {offset + length}")
-            found.append(bytes(data))
+        for name in names:
+            try:
+                found.append(self._read_whole(name))
+            except OSError as err:
+                raise self._corrupted(name, str(err)) from err
         return found
 
     def expect(self, manifest: Manifest, *, verify: bool) -> None:
@@ -736,11 +733,7 @@ class VerifyingFileSystemReader(FileSystemReader):
         Raises:
             CheckpointCorruptedError: If it cannot be read or differs, naming it.
         """
-        try:
-            data = self._read_whole(name)
-        except OSError as err:
-            raise self._corrupted(name, str(err)) from err
-        return self.check_digest(name, data)
+        return self.check_digest(name, self.read_files([name])[0])
 
     def check_digest(self, name: str, data: bytes) -> bytes:
         """``data``, the file ``name``, checked against the manifest's digest when verifying.

@@ -49,7 +49,6 @@ from lightning_megatron_fsdp.storage.filesystem import (
     BatchRead,
     ChecksummingFileSystemWriter,
     ReadProgress,
-    Span,
     VerifyingFileSystemReader,
     byte_view,
 )
@@ -637,18 +636,22 @@ class VerifyingFsspecReader(VerifyingFileSystemReader):
         return self.store.digest(posixpath.join(self.path, name), algorithm)
 
     @override
-    def read_spans(self, spans: Sequence[Span]) -> list[bytes]:
-        """As the local reader's, all requested at once."""
-        found = [bytearray(length) for _, _, length in spans]
+    def read_files(self, names: Sequence[str]) -> list[bytes]:
+        """As the local reader's, all requested at once where the manifest gives their
+        sizes (one byte more each: a longer object is refused, as ``read_bytes`` does)."""
+        sizes = [self._expected_size(name) for name in names]
+        if not all(sizes):
+            return super().read_files(names)
+        found = [bytearray(size + 1) for size in sizes]
         wanted = [
-            (posixpath.join(self.path, name), offset, [memoryview(data)])
-            for (name, offset, _), data in zip(spans, found, strict=True)
+            (posixpath.join(self.path, name), 0, [memoryview(data)])
+            for name, data in zip(names, found, strict=True)
         ]
         with contextlib.closing(read_ranges(self.store.fs, iter(wanted), window=_WINDOW)) as got:
-            for (name, offset, length), filled in zip(spans, got, strict=True):
-                if filled != length:
-                    raise self._corrupted(name, f"ends before byte {offset + length}")
-        return [bytes(data) for data in found]
+            for name, size, filled in zip(names, sizes, got, strict=True):
+                if filled != size:
+                    raise self._corrupted(name, f"{filled} bytes stored where {size} were expected")
+        return [bytes(data[:-1]) for data in found]
 
     @override
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
